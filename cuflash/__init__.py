@@ -1,0 +1,23 @@
+"""cuflash: FlashAttention for CuPy.
+
+Exact attention that never builds the N×N score matrix, as CUDA C kernels compiled at
+run time by CuPy (NVRTC), with a NumPy backend for machines without a GPU and an
+emulator that runs the very same kernels on the CPU.
+
+    >>> import numpy as np, cuflash
+    >>> q = k = v = np.random.default_rng(0).standard_normal((2, 8, 128, 64), np.float32)
+    >>> o = cuflash.flash_attention(q, k, v, causal=True)
+"""
+from .api import flash_attention, flash_attention_backward, online_softmax
+
+__version__ = "0.1.0"
+__all__ = ["flash_attention", "flash_attention_backward", "online_softmax",
+           "reference", "tiling", "emulator"]
+
+
+def __getattr__(name):
+    # Submodules load on first use: `emulator` needs g++, `tiling` may query CuPy.
+    if name in ("reference", "tiling", "emulator"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'cuflash' has no attribute {name!r}")
