@@ -1,0 +1,250 @@
+"""`python -m cuflash`: info, demo, bench, check-kernels."""
+import argparse
+import math
+import platform
+import shutil
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+import cuflash
+from . import _dtypes, reference
+
+
+def _progress(iterable, **kwargs):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the `cli` extra; plain loop without it
+        return iterable
+    return tqdm(iterable, **kwargs)
+
+
+def _gpu():
+    """(cupy, device) when CuPy sees a CUDA device, else (None, reason)."""
+    try:
+        import cupy
+    except ImportError:
+        return None, "CuPy is not installed (pip install 'cuflash[cuda12]')"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return None, "CuPy sees no CUDA device"
+    except Exception as exc:
+        return None, f"CuPy sees no CUDA device ({type(exc).__name__}: {exc})"
+    return cupy, cupy.cuda.Device()
+
+
+def best_backend():
+    cupy, _ = _gpu()
+    return "cuda" if cupy is not None else "numpy"
+
+
+def attention_flops(b, h, nq, nk, d, *, causal, backward=False):
+    """FlashAttention's convention: 4·B·H·Nq·Nk·d forward, halved if causal, ×2.5 backward."""
+    flops = 4 * b * h * nq * nk * d / (2 if causal else 1)
+    return flops * 2.5 if backward else flops
+
+
+# -- info -------------------------------------------------------------------------------
+
+def cmd_info(args):
+    print(f"cuflash {cuflash.__version__} on Python {platform.python_version()}, "
+          f"NumPy {np.__version__}")
+    print(f"dtypes: {_dtypes.SUPPORTED_NAMES}"
+          + ("" if _dtypes.BFLOAT16 is not None else " (bfloat16 needs ml_dtypes)"))
+    cupy, dev = _gpu()
+    print("backends:")
+    print("  numpy     available (blocked FlashAttention-2 on the CPU)")
+    gxx = shutil.which("g++")
+    print(f"  emulator  {'available, g++ at ' + gxx if gxx else 'needs g++ (apt-get install g++)'}")
+    if cupy is None:
+        print(f"  cuda      unavailable: {dev}")
+        return 0
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    free, total = cupy.cuda.runtime.memGetInfo()
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"  cuda      {name}, compute capability {dev.compute_capability}, "
+          f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    from . import tiling
+    limits = tiling.device_limits()
+    print(f"tile plans for this device ({limits}):")
+    for dtype in _dtypes.SUPPORTED:
+        for d in (64, 128, 256):
+            try:
+                print(f"  {str(dtype):9s} d={d:<4d} {tiling.plan_forward(d, dtype, **limits)}")
+            except ValueError as exc:
+                print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
+    return 0
+
+
+# -- demo -------------------------------------------------------------------------------
+
+class _Meter:
+    """Peak memory beyond what was allocated before, on the host or the GPU."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __enter__(self):
+        if self.backend == "cuda":
+            import cupy
+            self.pool = cupy.get_default_memory_pool()
+            self.pool.free_all_blocks()
+            self.start = self.pool.used_bytes()
+        else:
+            tracemalloc.start()
+            tracemalloc.reset_peak()
+        return self
+
+    def peak(self):
+        if self.backend == "cuda":
+            return self.pool.total_bytes() - self.start
+        return tracemalloc.get_traced_memory()[1]
+
+    def __exit__(self, *exc):
+        if self.backend != "cuda":
+            tracemalloc.stop()
+
+
+def _sync(backend):
+    if backend == "cuda":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def cmd_demo(args):
+    backend = args.backend if args.backend != "auto" else best_backend()
+    if backend == "cuda":
+        import cupy as xp
+        b, h, n, d, dtype = 4, 16, 4096, 64, np.float16
+    else:
+        xp = np
+        b, h, n, d, dtype = 1, 8, 2048, 64, np.float32
+    if args.n:
+        n = args.n
+    if backend == "emulator":  # the same CUDA kernels, run on the CPU: keep it small
+        b, h, n = 1, 2, min(n, 256)
+    print(f"cuflash demo on backend {backend!r}: causal self-attention, "
+          f"B={b} H={h} N={n} d={d} {np.dtype(dtype)}")
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((b, h, n, d)).astype(dtype) for _ in range(4)]
+    q, k, v, do = (xp.asarray(a) for a in host)
+
+    with _Meter(backend) as meter:
+        t0 = time.perf_counter()
+        o, lse = cuflash.flash_attention(q, k, v, causal=True, return_lse=True,
+                                         backend=backend)
+        _sync(backend)
+        t_fwd = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dq, dk, dv = cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=True,
+                                                      backend=backend)
+        _sync(backend)
+        t_bwd = time.perf_counter() - t0
+        peak = meter.peak()
+    in_bytes = sum(a.nbytes for a in host)
+    naive = b * h * n * n * np.dtype(np.float32).itemsize
+    for what, t, bwd in (("forward", t_fwd, False), ("backward", t_bwd, True)):
+        gflops = attention_flops(b, h, n, n, d, causal=True, backward=bwd) / t / 1e9
+        print(f"  {what:9s} {t * 1e3:9.1f} ms  {gflops:8.1f} GFLOP/s")
+    print(f"  peak memory beyond inputs: {peak / 2**20:.1f} MiB for fwd+bwd outputs and "
+          f"work space (inputs {in_bytes / 2**20:.1f} MiB; a naive score matrix alone "
+          f"would take {naive / 2**20:.0f} MiB)")
+
+    # Check every head against the float64 reference, one head at a time.
+    get = (lambda a: a.get()) if backend == "cuda" else np.asarray
+    o, lse, dq, dk, dv = map(get, (o, lse, dq, dk, dv))
+    worst = {"o": 0.0, "lse": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    heads = [(i, j) for i in range(b) for j in range(h)][: args.check_heads]
+    for i, j in _progress(heads, desc="checking against the reference", unit="head"):
+        qh, kh, vh, doh = (a[i, j] for a in host)
+        ro, rlse = reference.naive_attention(qh, kh, vh, causal=True, return_lse=True)
+        grads = reference.attention_backward(doh, qh, kh, vh, ro, rlse, causal=True)
+        for name, got, ref in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, grads[0]),
+                               ("dk", dk, grads[1]), ("dv", dv, grads[2])):
+            err = np.max(np.abs(got[i, j].astype(np.float64) - ref))
+            worst[name] = max(worst[name], float(err / max(1.0, np.max(np.abs(ref)))))
+    tol = 1e-4 if np.dtype(dtype).itemsize >= 4 else 3e-2
+    ok = all(e <= tol for e in worst.values())
+    print(f"  checked {len(heads)} head(s) against the float64 reference: max relative error "
+          + ", ".join(f"{k} {e:.1e}" for k, e in worst.items())
+          + f" -> {'OK' if ok else 'FAILED'} (tolerance {tol:g})")
+    return 0 if ok else 1
+
+
+# -- bench ------------------------------------------------------------------------------
+
+def cmd_bench(args):
+    backend = args.backend if args.backend != "auto" else best_backend()
+    xp = np
+    if backend == "cuda":
+        import cupy as xp
+    dtype = np.dtype(args.dtype)
+    print(f"cuflash bench on {backend!r}: B={args.batch} H={args.heads} d={args.d} {dtype}, "
+          f"median of {args.repeat}; FLOPs 4·B·H·N²·d (halved causal), backward ×2.5")
+    print(f"{'N':>6} {'causal':>6} {'fwd ms':>9} {'fwd GFLOP/s':>12} {'bwd ms':>9} "
+          f"{'bwd GFLOP/s':>12}")
+    rng = np.random.default_rng(0)
+    for n in args.n:
+        shape = (args.batch, args.heads, n, args.d)
+        q, k, v, do = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
+        for causal in (False, True):
+            def fwd():
+                return cuflash.flash_attention(q, k, v, causal=causal, return_lse=True,
+                                               backend=backend)
+            o, lse = fwd()
+
+            def bwd():
+                return cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                        backend=backend)
+            times = []
+            for f in (fwd, bwd):
+                f()
+                _sync(backend)
+                ts = []
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    f()
+                    _sync(backend)
+                    ts.append(time.perf_counter() - t0)
+                times.append(float(np.median(ts)))
+            fl = attention_flops(args.batch, args.heads, n, n, args.d, causal=causal)
+            print(f"{n:>6} {str(causal):>6} {times[0] * 1e3:9.2f} {fl / times[0] / 1e9:12.1f} "
+                  f"{times[1] * 1e3:9.2f} {2.5 * fl / times[1] / 1e9:12.1f}")
+    return 0
+
+
+# -- check-kernels ----------------------------------------------------------------------
+
+def cmd_check_kernels(args):
+    from .compile_gate import check_kernels
+    return check_kernels(args.rest)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=cuflash.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="device, memory, tile plans and available backends")
+    demo = sub.add_parser("demo", help="attention at realistic sizes on the best backend, "
+                          "checked against the reference, with time and memory")
+    demo.add_argument("--backend", default="auto", choices=cuflash.api.BACKENDS)
+    demo.add_argument("--n", type=int, default=None, help="sequence length")
+    demo.add_argument("--check-heads", type=int, default=4,
+                      help="how many heads to check against the float64 reference")
+    bench = sub.add_parser("bench", help="forward/backward time and GFLOP/s over N")
+    bench.add_argument("--backend", default="auto", choices=cuflash.api.BACKENDS)
+    bench.add_argument("--n", type=int, nargs="+", default=[512, 1024, 2048])
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--heads", type=int, default=8)
+    bench.add_argument("--d", type=int, default=64)
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--repeat", type=int, default=5)
+    check = sub.add_parser("check-kernels", help="compile every kernel specialization with "
+                           "NVRTC + ptxas for sm_70..sm_90: registers, shared memory, spills")
+    check.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
+                "check-kernels": cmd_check_kernels}
+    return commands[args.command](args)
