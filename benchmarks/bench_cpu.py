@@ -1,0 +1,259 @@
+"""CPU benchmark: cuflash's NumPy backend vs naive NumPy attention and PyTorch SDPA.
+
+Validates first (against cuflash.reference on a small case, against PyTorch on the
+real case), then times. FLOPs follow FlashAttention's convention: forward
+4·B·H·Nq·Nk·d (halved when causal), backward 2.5× forward. Every number is the
+median of several runs, the contenders timed in turn within each run so that a
+busy machine slows them alike. Writes a CSV and a PNG to benchmarks/results/.
+
+    python benchmarks/bench_cpu.py            # B=1, H=8, N=2048, d=64 + sweep N
+    python benchmarks/bench_cpu.py --quick    # a smaller, faster run
+"""
+import argparse
+import csv
+import math
+import os
+import platform
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cuflash import reference as R  # noqa: E402
+from cuflash.backends import numpy_backend as nb  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # the benchmark runs without PyTorch, minus its columns
+    torch = None
+
+BK = nb.BACKEND
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+# ------------------------------------------------------------------ contenders
+def naive_forward(q, k, v, causal, scale):
+    """Plain NumPy attention in the input dtype: the N×N scores are materialised."""
+    S = (q * q.dtype.type(scale)) @ np.swapaxes(k, -1, -2)
+    if causal:
+        S[..., R.causal_mask(q.shape[-2], k.shape[-2])] = -np.inf
+    S -= S.max(axis=-1, keepdims=True)
+    np.exp(S, out=S)
+    S /= S.sum(axis=-1, keepdims=True)
+    return S @ v, S
+
+
+def naive_backward(do, q, k, v, o, P, scale):
+    """Plain NumPy backward from the stored N×N probabilities P."""
+    dv = np.swapaxes(P, -1, -2) @ do
+    dP = do @ np.swapaxes(v, -1, -2)
+    dP -= np.sum(do * o, axis=-1, keepdims=True)
+    dP *= P
+    dq = (dP @ k) * q.dtype.type(scale)
+    dk = (np.swapaxes(dP, -1, -2) @ q) * q.dtype.type(scale)
+    return dq, dk, dv
+
+
+def torch_forward(tq, tk, tv, causal):
+    with torch.no_grad():
+        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+
+def torch_forward_backward(tq, tk, tv, tdo, causal):
+    q, k, v = (x.detach().requires_grad_() for x in (tq, tk, tv))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(tdo)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+# ------------------------------------------------------------------ helpers
+def flops_fwd(B, H, Nq, Nk, d, causal):
+    f = 4 * B * H * Nq * Nk * d
+    return f / 2 if causal else f
+
+
+def time_interleaved(fns, repeats, warmup=1):
+    """Median seconds of each fn, the fns run in turn inside every repetition."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def max_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def validate_small():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 203, 59)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 113, 59)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 113, 59)).astype(np.float32)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    worst = 0.0
+    for causal in (False, True):
+        o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
+        g_ref = R.attention_backward(do, q, k, v, o_ref, lse_ref, causal=causal)
+        for algorithm in ("fa2", "fa1"):
+            o, lse = BK.forward(q, k, v, causal=causal, scale=None, algorithm=algorithm)
+            worst = max(worst, max_err(o, o_ref))
+        g = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+        worst = max(worst, *(max_err(a, b) for a, b in zip(g, g_ref)))
+    assert worst < 1e-4, f"validation against the reference failed: max error {worst}"
+    return worst
+
+
+# ------------------------------------------------------------------ main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller sweep")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--headdim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--sweep", type=int, nargs="*", default=None, help="sequence lengths")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    use_torch = torch is not None and not args.no_torch
+    repeats = args.repeats or (3 if args.quick else 7)
+    sweep = args.sweep if args.sweep is not None else ([512, 1024] if args.quick
+                                                      else [512, 1024, 2048, 4096])
+    os.makedirs(args.out, exist_ok=True)
+
+    print(f"# cuflash CPU benchmark — {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, numpy {np.__version__}"
+          + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if use_torch else "")
+          + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""))
+    err = validate_small()
+    print(f"validation vs cuflash.reference (float32, GQA, causal/non-causal, fa1/fa2, bwd): "
+          f"max error {err:.2e}  OK")
+
+    rows = []
+    B, H, d = args.batch, args.heads, args.headdim
+    main_N = args.seqlen
+    for N in sorted(set(sweep) | {main_N}):
+        full = N == main_N  # the main case also times backward and validates vs torch
+        rng = np.random.default_rng(N)
+        q, k, v, do = (rng.standard_normal((B, H, N, d)).astype(np.float32) for _ in range(4))
+        scale = 1 / math.sqrt(d)
+        if use_torch:
+            tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
+        for causal in (False, True):
+            o, lse = BK.forward(q, k, v, causal=causal, scale=None)
+            if use_torch and full:
+                to, tdq, tdk, tdv = torch_forward_backward(tq, tk, tv, tdo, causal)
+                dq, dk, dv = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+                e_o = max_err(o, to.numpy())
+                e_g = max(max_err(a, b.numpy()) for a, b in zip((dq, dk, dv), (tdq, tdk, tdv)))
+                assert e_o < 1e-4 and e_g < 1e-3, f"cuflash vs torch: o {e_o}, grads {e_g}"
+                print(f"validation vs torch SDPA (N={N}, causal={causal}): "
+                      f"o {e_o:.1e}, grads {e_g:.1e}  OK")
+            fns = {"cuflash fwd": lambda: BK.forward(q, k, v, causal=causal, scale=None)}
+            if N <= 4096:
+                fns["naive fwd"] = lambda: naive_forward(q, k, v, causal, scale)
+            if use_torch:
+                fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, causal)
+            if full:
+                fns["cuflash bwd"] = lambda: BK.backward(do, q, k, v, o, lse, causal=causal,
+                                                         scale=None)
+                o_n, P_n = naive_forward(q, k, v, causal, scale)
+                fns["naive bwd"] = lambda: naive_backward(do, q, k, v, o_n, P_n, scale)
+                if use_torch:
+                    fns["torch fwd+bwd"] = lambda: torch_forward_backward(tq, tk, tv, tdo, causal)
+            t = time_interleaved(fns, repeats)
+            if full:
+                t["cuflash fwd+bwd"] = t["cuflash fwd"] + t["cuflash bwd"]
+                t["naive fwd+bwd"] = t["naive fwd"] + t["naive bwd"]
+            f_fwd = flops_fwd(B, H, N, N, d, causal)
+            for name, sec in t.items():
+                kind = name.split()[-1]
+                flops = {"fwd": f_fwd, "bwd": 2.5 * f_fwd, "fwd+bwd": 3.5 * f_fwd}[kind]
+                torch_t = t.get(f"torch {kind}")
+                rows.append(dict(impl=name.split()[0], pass_=kind, B=B, H=H, N=N, d=d,
+                                 causal=causal, ms=sec * 1e3, gflops=flops / sec / 1e9,
+                                 vs_torch=(sec / torch_t) if torch_t else float("nan")))
+            if full and use_torch:  # the speed target: bwd alone vs torch fwd+bwd
+                rows.append(dict(impl="cuflash", pass_="bwd/torch fwd+bwd", B=B, H=H, N=N, d=d,
+                                 causal=causal, ms=t["cuflash bwd"] * 1e3, gflops=float("nan"),
+                                 vs_torch=t["cuflash bwd"] / t["torch fwd+bwd"]))
+
+    # -- memory: one head, N = 16384, d = 64, float32 --
+    Nm = 16384
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 1, Nm, 64)).astype(np.float32) for _ in range(3))
+    mem = {}
+    for causal in (False, True):
+        tracemalloc.start()
+        o, lse = BK.forward(q, k, v, causal=causal, scale=None)
+        mem[f"fwd causal={causal}"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    tracemalloc.start()
+    BK.backward(np.ones_like(q), q, k, v, o, lse, causal=True, scale=None)
+    mem["bwd causal=True"] = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    naive_bytes = Nm * Nm * 4
+
+    # -- report --
+    hdr = f"{'impl':8} {'pass':18} {'N':>5} {'causal':>6} {'ms':>9} {'GFLOP/s':>8} {'vs torch':>8}"
+    print("\n" + hdr + "\n" + "-" * len(hdr))
+    for r in rows:
+        g = "" if math.isnan(r["gflops"]) else f"{r['gflops']:8.1f}"
+        vt = "" if math.isnan(r["vs_torch"]) else f"{r['vs_torch']:7.2f}x"
+        print(f"{r['impl']:8} {r['pass_']:18} {r['N']:5d} {str(r['causal']):>6} "
+              f"{r['ms']:9.1f} {g:>8} {vt:>8}")
+    print(f"\npeak extra memory, one head N={Nm} d=64 float32 (tracemalloc, outputs included):")
+    for name, b in mem.items():
+        print(f"  cuflash {name:18} {b / 2**20:7.1f} MiB")
+    print(f"  naive scores alone          {naive_bytes / 2**20:7.1f} MiB  (N×N float32)")
+
+    csv_path = os.path.join(args.out, "bench_cpu.csv")
+    with open(csv_path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["impl", "pass", "B", "H", "N", "d", "causal", "ms", "gflops", "vs_torch"])
+        for r in rows:
+            w.writerow([r["impl"], r["pass_"], r["B"], r["H"], r["N"], r["d"], r["causal"],
+                        f"{r['ms']:.3f}", f"{r['gflops']:.2f}", f"{r['vs_torch']:.3f}"])
+        for name, b in mem.items():
+            w.writerow(["cuflash", f"peak memory {name}", 1, 1, Nm, 64, "", "", "",
+                        f"{b / 2**20:.2f} MiB"])
+        w.writerow(["naive", "scores memory", 1, 1, Nm, 64, "", "", "",
+                    f"{naive_bytes / 2**20:.2f} MiB"])
+    print(f"\nwrote {csv_path}")
+
+    if not args.no_plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, causal in zip(axes, (False, True)):
+            for impl, style in (("cuflash", "o-"), ("torch", "s--"), ("naive", "^:")):
+                pts = [(r["N"], r["gflops"]) for r in rows if r["impl"] == impl
+                       and r["pass_"] == "fwd" and r["causal"] == causal]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), style, label=f"{impl} forward")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length N")
+            ax.set_title(f"B={B}, H={H}, d={d}, float32, causal={causal}")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("GFLOP/s (4·B·H·N²·d, halved if causal)")
+        axes[0].legend()
+        fig.tight_layout()
+        png = os.path.join(args.out, "bench_cpu.png")
+        fig.savefig(png, dpi=120)
+        print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

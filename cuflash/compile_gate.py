@@ -1,0 +1,335 @@
+"""The compile gate: every kernel specialization cuflash can launch, built for every
+architecture in `compiler.GATE_ARCHS` by NVRTC (the compiler CuPy uses at run time)
+and assembled by `ptxas -v`; a specialization that fails to compile or spills any
+bytes to local memory fails the gate. Needs no GPU.
+
+`python -m cuflash check-kernels` calls `check_kernels()`, which prints the table.
+
+What CuPy really compiles (cupy/cuda/compiler.py, CuPy 14, read for this gate):
+  * `RawModule(code, options, name_expressions)` → `_compile_module_with_cache` →
+    `_compile_with_cache_cuda`, which appends `-ftz=true`, then
+    `_compile_using_nvrtc_no_warning`, which appends `-arch=sm_XY` (cubin; the device's
+    compute capability from `_get_arch()`, capped at NVRTC's maximum; `compute_XY`/PTX
+    only when CUPY_COMPILE_WITH_PTX is set) and `--device-as-default-execution-space`
+    (the `-default-device` of the NVRTC docs), plus `--pch` only when
+    CUPY_NVRTC_USE_PCH is set on NVRTC >= 12.8.
+  * `_get_arch()` queries `device.Device().compute_capability`, so CuPy cannot compile
+    without a GPU; NVRTC itself can, given an explicit `-arch`. The gate therefore calls
+    NVRTC directly (`cupy.cuda.nvrtc`) with `compiler.nvrtc_options(arch)` plus the two
+    options CuPy appends (`CUPY_APPENDED_OPTIONS`), and asks for PTX (`compute_XY`
+    would be equivalent; `-arch=sm_XY` with getPTX gives the same PTX) which it
+    assembles with ptxas for the same `sm_XY`, as NVRTC does internally for cubin.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import compiler
+
+# The options CuPy's RawModule adds to the caller's (see the module docstring).
+CUPY_APPENDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One specialization on one architecture."""
+    source: str
+    kernel: str          # the name expression, e.g. "flash_bwd_dq_kernel<float, 64, ...>"
+    arch: str
+    registers: int = -1
+    smem: int = -1       # static shared memory, bytes
+    spill_stores: int = -1
+    spill_loads: int = -1
+    error: str = ""
+
+    @property
+    def ok(self):
+        return not self.error and self.spill_stores == 0 and self.spill_loads == 0
+
+    @property
+    def status(self):
+        if self.error:
+            return "ERROR: " + self.error.strip().splitlines()[0][:160] if self.error.strip() else "ERROR"
+        if self.spill_stores or self.spill_loads:
+            return "SPILL"
+        return "ok"
+
+
+def ptxas_path():
+    """ptxas of the `nvidia-cuda-nvcc-cu12` wheel, else the one on PATH."""
+    try:
+        import nvidia.cuda_nvcc
+        for base in nvidia.cuda_nvcc.__path__:
+            exe = pathlib.Path(base) / "bin" / "ptxas"
+            if exe.exists():
+                return str(exe)
+    except ImportError:
+        pass
+    exe = shutil.which("ptxas")
+    if exe is None:
+        raise RuntimeError("ptxas not found: install the `nvidia-cuda-nvcc-cu12` wheel "
+                           "or put CUDA's bin directory on PATH")
+    return exe
+
+
+def gate_options(arch):
+    """The NVRTC options of the gate for `arch`: exactly what CuPy compiles with."""
+    return compiler.nvrtc_options(arch) + CUPY_APPENDED_OPTIONS
+
+
+# ptxas -v prints, per kernel:
+#   ptxas info    : Compiling entry function '_Z...' for 'sm_80'
+#   ptxas info    : Function properties for _Z...
+#       0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+#   ptxas info    : Used 40 registers, used 0 barriers, 16384 bytes smem, 400 bytes cmem[0]
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log):
+    """{mangled name: {"registers", "smem", "spill_stores", "spill_loads"}}."""
+    out = {}
+    current = None
+    for line in log.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current = out.setdefault(m.group(1), {"registers": 0, "smem": 0,
+                                                  "spill_stores": 0, "spill_loads": 0})
+            continue
+        m = _PROPS.search(line)
+        if m:
+            current = out.setdefault(m.group(1), {"registers": 0, "smem": 0,
+                                                  "spill_stores": 0, "spill_loads": 0})
+            continue
+        if current is None:
+            continue
+        m = _SPILL.search(line)
+        if m:
+            current["spill_stores"] = int(m.group(1))
+            current["spill_loads"] = int(m.group(2))
+        m = _USED.search(line)
+        if m:
+            current["registers"] = int(m.group(1))
+            s = _SMEM.search(line)
+            current["smem"] = int(s.group(1)) if s else 0
+    return out
+
+
+def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
+                options=None):
+    """One NVRTC program with all `name_expressions`, for `arch`, then ptxas -v.
+
+    Returns a list of Row (one per name expression). Runs in a worker process.
+    """
+    from cupy.cuda import nvrtc
+
+    options = tuple(options) if options is not None else gate_options(arch)
+    rows = []
+    try:
+        prog = nvrtc.createProgram(source_text, source_name, (), ())
+    except Exception as e:  # pragma: no cover - NVRTC missing
+        return [Row(source_name, n, arch, error=f"nvrtc: {e}") for n in name_expressions]
+    try:
+        for n in name_expressions:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            try:
+                log = nvrtc.getProgramLog(prog)
+            except Exception:
+                log = ""
+            msg = f"NVRTC failed ({e}):\n{log}"
+            return [Row(source_name, n, arch, error=msg) for n in name_expressions]
+        ptx = nvrtc.getPTX(prog)
+        lowered = {n: nvrtc.getLoweredName(prog, n) for n in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    ptx = ptx.rstrip("\x00")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_file = pathlib.Path(tmp) / "k.ptx"
+        ptx_file.write_text(ptx)
+        proc = subprocess.run(
+            [ptxas_path(), f"-arch={arch}", "-v", str(ptx_file), "-o", str(pathlib.Path(tmp) / "k.cubin")],
+            capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return [Row(source_name, n, arch, error=f"ptxas failed:\n{log}") for n in name_expressions]
+    info = parse_ptxas(log)
+    for n in name_expressions:
+        k = info.get(lowered[n])
+        if k is None:
+            rows.append(Row(source_name, n, arch, error=f"no ptxas report for {lowered[n]}"))
+        else:
+            rows.append(Row(source_name, n, arch, **k))
+    return rows
+
+
+# ── the cache: results keyed by source hash (with every header) + options + names ──
+
+def _cache_dir():
+    root = os.environ.get("CUFLASH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cuflash")
+    return pathlib.Path(root) / "compile_gate"
+
+
+def _key(source_text, names, arch, options):
+    h = hashlib.sha256()
+    h.update(f"v{CACHE_VERSION}\0{arch}\0".encode())
+    h.update("\0".join(options).encode() + b"\1")
+    h.update("\0".join(names).encode() + b"\1")
+    h.update(source_text.encode())
+    # Headers are part of the program: hash every header of the kernel directory.
+    for hdr in sorted(compiler.KERNEL_DIR.glob("*.cuh")):
+        h.update(hdr.name.encode() + b"\0" + hdr.read_bytes())
+    try:
+        from cupy.cuda import nvrtc
+        h.update(repr(nvrtc.getVersion()).encode())
+    except Exception:
+        pass
+    h.update(ptxas_path().encode())
+    return h.hexdigest()
+
+
+def _load(key):
+    try:
+        data = json.loads((_cache_dir() / f"{key}.json").read_text())
+        return [Row(**r) for r in data]
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _store(key, rows):
+    try:
+        d = _cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
+        tmp.replace(d / f"{key}.json")
+    except OSError:
+        pass
+
+
+def collect_specializations():
+    """{filename: [name expressions]} from the forward/softmax and backward launchers."""
+    from .backends import kernel_backward
+    specs = {}
+    try:
+        from .backends import kernels
+        groups = [kernels.specializations(), kernel_backward.specializations()]
+    except (ImportError, AttributeError):
+        groups = [kernel_backward.specializations()]
+    for group in groups:
+        for filename, names in group.items():
+            lst = specs.setdefault(filename, [])
+            lst.extend(n for n in names if n not in lst)
+    return specs
+
+
+def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None):
+    """Compile every specialization for every arch; returns a list of Row.
+
+    specs: {filename: [name expressions]} (default: everything cuflash can launch).
+    sources: optional {filename: source text} overriding `compiler.read_source`
+    (used to test that the gate catches errors and spills).
+    """
+    specs = collect_specializations() if specs is None else specs
+    archs = tuple(archs or compiler.GATE_ARCHS)
+    jobs = jobs or min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else (os.cpu_count() or 1), 8)
+    results = {}
+    todo = []
+    for filename, names in specs.items():
+        text = (sources or {}).get(filename)
+        if text is None:
+            text = compiler.read_source(filename)
+        for arch in archs:
+            options = gate_options(arch)
+            key = _key(text, names, arch, options)
+            cached = _load(key) if use_cache else None
+            if cached is not None:
+                results[(filename, arch)] = cached
+            else:
+                todo.append((filename, arch, text, list(names), options, key))
+    if todo:
+        # NVRTC holds the GIL only briefly, but ptxas and NVRTC are CPU-bound: processes.
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            futs = {pool.submit(compile_one, text, names, arch, source_name=filename,
+                                options=options): (filename, arch, key)
+                    for filename, arch, text, names, options, key in todo}
+            for fut in concurrent.futures.as_completed(futs):
+                filename, arch, key = futs[fut]
+                try:
+                    rows = fut.result()
+                except Exception as e:  # a crashed worker is a failure, not a pass
+                    rows = [Row(filename, n, arch, error=f"gate worker failed: {e!r}")
+                            for n in specs[filename]]
+                results[(filename, arch)] = rows
+                if use_cache and not any(r.error for r in rows):
+                    _store(key, rows)
+    out = []
+    for filename in specs:
+        for arch in archs:
+            out.extend(results[(filename, arch)])
+    return out
+
+
+def format_table(rows):
+    head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", "status")
+    body = [(r.kernel, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
+             str(r.spill_loads), r.status) for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head) - 1)]
+    lines = []
+    for x in [head] + body:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(x[:-1], widths))) + "  " + x[-1])
+    return "\n".join(lines)
+
+
+def check_kernels(argv=None) -> int:
+    """Print the gate's table; return 0 when every specialization compiles spill-free."""
+    ap = argparse.ArgumentParser(prog="cuflash check-kernels",
+                                 description="Compile every kernel specialization with "
+                                             "NVRTC + ptxas for each gate architecture.")
+    ap.add_argument("--arch", action="append", help="architecture(s), default: all of "
+                    + ", ".join(compiler.GATE_ARCHS))
+    ap.add_argument("--no-cache", action="store_true", help="ignore the on-disk results cache")
+    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compilations")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = run_gate(archs=args.arch, jobs=args.jobs, use_cache=not args.no_cache)
+    print(format_table(rows))
+    bad = [r for r in rows if not r.ok]
+    n_kernels = len({(r.source, r.kernel) for r in rows})
+    print(f"\n{len(rows)} builds ({n_kernels} specializations x "
+          f"{len({r.arch for r in rows})} archs) in {time.perf_counter() - t0:.1f} s: "
+          f"{len(bad)} failed or spilled")
+    for r in bad:
+        if r.error:
+            print(f"\n{r.kernel} [{r.arch}]:\n{r.error}", file=sys.stderr)
+            break  # one full log is enough; the table names the rest
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(check_kernels())

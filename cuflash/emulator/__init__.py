@@ -1,0 +1,14 @@
+"""CPU emulator for CUDA C kernels: a drop-in for ``cupy.RawModule`` on NumPy arrays.
+
+The unchanged ``.cu`` source is compiled by g++ as C++ with a force-included shim header;
+every CUDA thread runs as a fiber, blocks run one after another (or on a small worker pool).
+``checked=True`` (or ``CUFLASH_EMULATOR_CHECKED=1`` at launch time) instruments every memory
+access to find shared-memory races, inter-block global races and out-of-bounds accesses.
+See ``docs/emulator.md``.
+"""
+from ._errors import (BoundsError, DeadlockError, EmulatorCompileError, EmulatorError, KernelFault,
+                      KernelTrap, RaceError)
+from ._module import RawKernel, RawModule, context_switch_ns
+
+__all__ = ["RawModule", "RawKernel", "EmulatorError", "EmulatorCompileError", "RaceError", "BoundsError",
+           "DeadlockError", "KernelTrap", "KernelFault", "context_switch_ns"]

@@ -1,0 +1,1045 @@
+// cuflash CPU emulator runtime: fibers (one per CUDA thread), block scheduler, barriers,
+// warp primitives, deadlock reports, segfault capture, and the checked-mode access hooks
+// (ThreadSanitizer-style instrumentation calls, implemented here; no sanitizer runtime).
+// Compiled WITHOUT instrumentation and linked into every emulated kernel library.
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdarg.h>
+#include <signal.h>
+#include <setjmp.h>
+#include <unistd.h>
+#include <time.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <sys/mman.h>
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+#define EMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+struct uint3_ { unsigned x, y, z; };
+struct dim3_ { unsigned x, y, z; };
+
+// These match `uint3`/`dim3` (three unsigned ints) used by the shim.
+extern "C" {
+thread_local uint3_ __emu_threadIdx;
+thread_local uint3_ __emu_blockIdx;
+thread_local dim3_ __emu_blockDim;
+thread_local dim3_ __emu_gridDim;
+}
+
+#ifndef EMU_DYN_SMEM_MAX
+#define EMU_DYN_SMEM_MAX (232448)  // 227 KiB, the largest opt-in shared memory of any GPU
+#endif
+extern "C" {
+__attribute__((visibility("default"), aligned(128))) thread_local unsigned char __emu_dyn_smem[EMU_DYN_SMEM_MAX];
+__attribute__((visibility("default"))) thread_local char __emu_tls_anchor;
+}
+
+// ------------------------------------------------------------------------------------------
+// Error record shared with Python (ctypes mirror in _module.py)
+enum { E_NONE = 0, E_GENERIC = 1, E_RACE = 2, E_BOUNDS = 3, E_DEADLOCK = 4, E_TRAP = 5, E_SEGV = 6 };
+enum { SP_NONE = 0, SP_SHARED_STATIC = 1, SP_SHARED_DYN = 2, SP_GLOBAL = 3 };
+
+struct EmuError {
+    int32_t code;
+    int32_t space;
+    int32_t block[3];
+    int32_t thread[3];
+    int32_t other_block[3];
+    int32_t other_thread[3];
+    int32_t is_write;
+    int32_t other_is_write;
+    int32_t size;
+    int32_t arg_index;
+    uint64_t addr;
+    int64_t offset;     // offset inside the shared buffer / static TLS segment / argument array
+    uint64_t pc;        // module-relative return address of the access hook (for addr2line)
+    uint64_t other_pc;
+    char msg[8192];
+};
+
+// ------------------------------------------------------------------------------------------
+// Context switching
+#if defined(__x86_64__)
+extern "C" void __emu_ctx_switch(void** save_sp, void* new_sp);
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".hidden __emu_ctx_switch\n"
+    ".globl __emu_ctx_switch\n"
+    ".type __emu_ctx_switch,@function\n"
+    "__emu_ctx_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    // MXCSR / x87 control word are not switched: device code never changes rounding modes,
+    // and all fibers start from the same defaults (saves ~30 ns per switch)
+    "  subq $8, %rsp\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  addq $8, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size __emu_ctx_switch, .-__emu_ctx_switch\n");
+#endif
+
+enum { F_RUNNABLE = 0, F_WAIT_BAR = 1, F_WAIT_WARP = 2, F_EXITED = 3, F_ABORTED = 4 };
+enum { OP_IDX = 0, OP_UP = 1, OP_DOWN = 2, OP_XOR = 3, OP_BALLOT = 4, OP_ANY = 5, OP_ALL = 6,
+       OP_SYNCWARP = 7, OP_ALLGATHER = 8 };
+static const char* op_name(int op) {
+    static const char* n[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
+                              "__ballot_sync", "__any_sync", "__all_sync", "__syncwarp",
+                              "__cuflash_emu_warp_allgather"};
+    return (op >= 0 && op <= 8) ? n[op] : "warp op";
+}
+
+struct Fiber {
+    void* sp;
+#if !defined(__x86_64__)
+    ucontext_t uc;
+#endif
+    char* stack_lo;
+    char* stack_hi;
+    int state;
+    int linear;
+    uint3_ tid;
+    const char* wfile;
+    int wline;
+    // warp op
+    int op;
+    unsigned mask;
+    int arg, width;
+    unsigned long long val, result;
+    const void* gsrc;
+    void* gdst;
+    unsigned long gbytes;
+    // barrier op
+    int bar_op, bar_pred;
+};
+
+struct KernelEntry {
+    const char* name;
+    void (*invoke)(void* fn, void** argv);
+    void* fn;
+    int nparams;
+    const int* params;  // pairs (size, kind)
+};
+extern "C" const KernelEntry __emu_kernel_table[];
+extern "C" const int __emu_kernel_count;
+
+struct Launch;
+
+struct Worker {
+    void* sched_sp;
+#if !defined(__x86_64__)
+    ucontext_t sched_uc;
+#endif
+    Fiber* cur;
+    std::vector<Fiber> fibers;
+    char* stacks;
+    size_t stacks_size;
+    size_t stack_size;
+    int nthreads;
+    int live;
+    int exited;
+    int bar_count;
+    int bar_sum, bar_and, bar_or;
+    unsigned warp_waiting[32];
+    unsigned warp_exist[32];
+    unsigned warp_exited[32];
+    unsigned warp_sync[32];
+    uint32_t epoch;
+    Launch* L;
+    int block_linear;
+    uint3_ block;
+    sigjmp_buf jb;
+    volatile int in_fiber;
+    void* altstack;
+};
+
+static thread_local Worker* __emu_t_worker = nullptr;
+
+struct Range { uintptr_t lo, hi; int arg; };
+struct GRegion { uintptr_t lo, hi; int32_t* wr; int32_t* rd; };
+
+struct Launch {
+    const KernelEntry* k;
+    void** argv;
+    unsigned grid[3], block[3];
+    unsigned long long shmem;
+    int checked, schedule;
+    unsigned long long seed;
+    std::atomic<long> next_block;
+    long nblocks;
+    std::atomic<int> failed;
+    std::mutex err_mu;
+    EmuError* err;
+    std::vector<Range> args;
+    std::vector<GRegion> regions;
+};
+
+static uintptr_t g_module_base = 0;
+static std::vector<std::pair<uintptr_t, uintptr_t>> g_module_ranges;  // PT_LOAD segments
+static size_t g_tls_memsz = 0;
+static std::vector<std::pair<int64_t, int64_t>> g_static_shared;    // (TLS offset, size)
+static int64_t g_anchor_off = 0;
+static int64_t g_static_lo_off = 0, g_static_hi_off = 0;
+static size_t g_stack_kb = 256;
+static std::atomic<unsigned> g_shadow_epoch{1};
+
+static uintptr_t tls_base() { return (uintptr_t)&__emu_tls_anchor - (uintptr_t)g_anchor_off; }
+
+static int phdr_cb(struct dl_phdr_info* info, size_t, void*) {
+    if (info->dlpi_addr != g_module_base) return 0;
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+        const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+        if (ph.p_type == PT_LOAD)
+            g_module_ranges.push_back({info->dlpi_addr + ph.p_vaddr, info->dlpi_addr + ph.p_vaddr + ph.p_memsz});
+        if (ph.p_type == PT_TLS) g_tls_memsz = ph.p_memsz;
+    }
+    return 1;
+}
+
+EMU_EXPORT int __emu_init(int64_t anchor_off, int nstatic, const int64_t* stat /* off,size pairs */,
+                          int stack_kb) {
+    Dl_info di;
+    if (dladdr((void*)&__emu_init, &di) && di.dli_fbase) g_module_base = (uintptr_t)di.dli_fbase;
+    g_module_ranges.clear();
+    dl_iterate_phdr(phdr_cb, nullptr);
+    g_anchor_off = anchor_off;
+    g_static_shared.clear();
+    g_static_lo_off = INT64_MAX;
+    g_static_hi_off = INT64_MIN;
+    for (int i = 0; i < nstatic; ++i) {
+        g_static_shared.push_back({stat[2 * i], stat[2 * i + 1]});
+        g_static_lo_off = std::min(g_static_lo_off, stat[2 * i]);
+        g_static_hi_off = std::max(g_static_hi_off, stat[2 * i] + stat[2 * i + 1]);
+    }
+    if (nstatic == 0) g_static_lo_off = g_static_hi_off = 0;
+    if (stack_kb > 0) g_stack_kb = (size_t)stack_kb;
+    return __emu_kernel_count;
+}
+
+EMU_EXPORT int __emu_kernel_info(int k, const char** name, int* nparams, const int** params) {
+    if (k < 0 || k >= __emu_kernel_count) return -1;
+    *name = __emu_kernel_table[k].name;
+    *nparams = __emu_kernel_table[k].nparams;
+    *params = __emu_kernel_table[k].params;
+    return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// error reporting
+static uint64_t rel_pc(const void* pc) { return pc ? (uint64_t)((uintptr_t)pc - g_module_base) : 0; }
+
+static void fill_ids(Worker* w, EmuError* e) {
+    e->block[0] = w->block.x; e->block[1] = w->block.y; e->block[2] = w->block.z;
+    if (w->cur) { e->thread[0] = w->cur->tid.x; e->thread[1] = w->cur->tid.y; e->thread[2] = w->cur->tid.z; }
+}
+
+// Returns the error record to fill, or null when another error was already recorded.
+static EmuError* begin_error(Worker* w, int code) {
+    Launch* L = w->L;
+    std::lock_guard<std::mutex> g(L->err_mu);
+    if (L->failed.load()) return nullptr;
+    L->failed.store(1);
+    EmuError* e = L->err;
+    memset(e, 0, sizeof(*e));
+    e->code = code;
+    e->arg_index = -1;
+    fill_ids(w, e);
+    return e;
+}
+
+static void emsg(EmuError* e, const char* fmt, ...) {
+    size_t n = strlen(e->msg);
+    if (n + 1 >= sizeof(e->msg)) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg + n, sizeof(e->msg) - n, fmt, ap);
+    va_end(ap);
+}
+
+static void switch_to_sched(Worker* w) {
+    Fiber* f = w->cur;
+#if defined(__x86_64__)
+    __emu_ctx_switch(&f->sp, w->sched_sp);
+#else
+    swapcontext(&f->uc, &w->sched_uc);
+#endif
+}
+
+[[noreturn]] static void abort_fiber(Worker* w) {
+    w->cur->state = F_ABORTED;
+    switch_to_sched(w);
+    __builtin_trap();  // never resumed
+}
+
+// ------------------------------------------------------------------------------------------
+// fibers
+static void fiber_main();
+#if defined(__x86_64__)
+extern "C" void __emu_fiber_entry() { fiber_main(); }
+#else
+static void fiber_entry_uc() { fiber_main(); }
+#endif
+
+static void barrier_check_release(Worker* w);
+
+static void fiber_main() {
+    Worker* w = __emu_t_worker;
+    Launch* L = w->L;
+    L->k->invoke(L->k->fn, L->argv);
+    w = __emu_t_worker;
+    Fiber* f = w->cur;
+    f->state = F_EXITED;
+    w->live--;
+    w->exited++;
+    w->warp_exited[f->linear >> 5] |= 1u << (f->linear & 31);
+    barrier_check_release(w);
+    switch_to_sched(w);
+    __builtin_trap();
+}
+
+static bool ensure_stacks(Worker* w, int n) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t ss = (g_stack_kb * 1024 + page - 1) / page * page;
+    size_t need = (size_t)n * (ss + page);
+    if (w->stacks && w->stacks_size >= need && w->stack_size == ss) return true;
+    if (w->stacks) munmap(w->stacks, w->stacks_size);
+    void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) { w->stacks = nullptr; return false; }
+    w->stacks = (char*)p;
+    w->stacks_size = need;
+    w->stack_size = ss;
+    for (int i = 0; i < n; ++i) mprotect(w->stacks + (size_t)i * (ss + page), page, PROT_NONE);  // guard
+    return true;
+}
+
+static void init_fiber(Worker* w, Fiber* f, int i) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    f->stack_lo = w->stacks + (size_t)i * (w->stack_size + page) + page;
+    f->stack_hi = f->stack_lo + w->stack_size;
+#if defined(__x86_64__)
+    uint64_t* top = (uint64_t*)((uintptr_t)f->stack_hi & ~(uintptr_t)15);
+    top[-1] = 0;
+    top[-2] = (uint64_t)(uintptr_t)&__emu_fiber_entry;
+    for (int r = 3; r <= 8; ++r) top[-r] = 0;
+    uint32_t mx = 0x1F80;
+    uint16_t cw = 0x037F;
+    uint64_t ctl = 0;
+    memcpy(&ctl, &mx, 4);
+    memcpy((char*)&ctl + 4, &cw, 2);
+    top[-9] = ctl;
+    f->sp = &top[-9];
+#else
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->stack_lo;
+    f->uc.uc_stack.ss_size = w->stack_size;
+    f->uc.uc_link = nullptr;
+    makecontext(&f->uc, fiber_entry_uc, 0);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// barriers
+static const char* basename_(const char* p) {
+    if (!p) return "?";
+    const char* s = strrchr(p, '/');
+    return s ? s + 1 : p;
+}
+
+static void release_barrier(Worker* w) {
+    int sum = w->bar_sum, all = w->bar_and, any = w->bar_or;
+    for (int i = 0; i < w->nthreads; ++i) {
+        Fiber& f = w->fibers[i];
+        if (f.state != F_WAIT_BAR) continue;
+        f.state = F_RUNNABLE;
+        f.result = f.bar_op == 1 ? (unsigned long long)sum : f.bar_op == 2 ? (unsigned long long)all
+                 : f.bar_op == 3 ? (unsigned long long)any : 0ull;
+    }
+    w->bar_count = 0;
+    w->bar_sum = 0; w->bar_and = 1; w->bar_or = 0;
+    w->epoch = g_shadow_epoch.fetch_add(1) + 1;
+    for (int i = 0; i < 32; ++i) w->warp_sync[i] = 0;
+}
+
+static void barrier_check_release(Worker* w) {
+    if (w->bar_count == 0 || w->bar_count < w->live) return;
+    if (w->L->checked && w->exited > 0) {
+        // Some threads left the kernel while others wait at __syncthreads: undefined behaviour in
+        // CUDA (the barrier must be reached by every thread of the block); report it.
+        EmuError* e = begin_error(w, E_DEADLOCK);
+        if (e) {
+            const Fiber* any = nullptr;
+            for (auto& f : w->fibers) if (f.state == F_WAIT_BAR) { any = &f; break; }
+            emsg(e, "block (%u,%u,%u): divergent __syncthreads(): %d thread(s) wait at %s:%d but %d thread(s) "
+                    "of the block already exited (e.g. thread ",
+                 w->block.x, w->block.y, w->block.z, w->bar_count, any ? any->wfile : "?", any ? any->wline : 0,
+                 w->exited);
+            for (auto& f : w->fibers) if (f.state == F_EXITED) { emsg(e, "(%u,%u,%u)", f.tid.x, f.tid.y, f.tid.z); break; }
+            emsg(e, "). Every thread of a block must reach each __syncthreads().");
+        }
+        return;  // the scheduler stops on the recorded error
+    }
+    release_barrier(w);
+}
+
+EMU_EXPORT int __emu_syncthreads_op(int op, int pred, const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    Fiber* f = w->cur;
+    f->state = F_WAIT_BAR;
+    f->wfile = file;
+    f->wline = line;
+    f->bar_op = op;
+    w->bar_count++;
+    w->bar_sum += pred;
+    w->bar_and &= pred;
+    w->bar_or |= pred;
+    barrier_check_release(w);
+    switch_to_sched(w);
+    return (int)f->result;
+}
+
+EMU_EXPORT void __emu_syncthreads(const char* file, int line) { __emu_syncthreads_op(0, 0, file, line); }
+
+// ------------------------------------------------------------------------------------------
+// warp primitives
+static void warp_compute(Worker* w, int warp, unsigned group) {
+    Fiber* base = &w->fibers[warp * 32];
+    unsigned ballot = 0;
+    for (unsigned m = group; m; m &= m - 1) {
+        int l = __builtin_ctz(m);
+        if (base[l].val) ballot |= 1u << l;
+    }
+    for (unsigned m = group; m; m &= m - 1) {
+        int l = __builtin_ctz(m);
+        Fiber& f = base[l];
+        int wd = f.width;
+        if (wd <= 0 || wd > 32 || (wd & (wd - 1))) wd = 32;
+        int seg = l & ~(wd - 1);
+        int src = l;
+        switch (f.op) {
+            case OP_IDX: src = seg + (f.arg & (wd - 1)); break;
+            case OP_UP: src = l - f.arg; if (src < seg) src = l; break;
+            case OP_DOWN: src = l + f.arg; if (src >= seg + wd) src = l; break;
+            case OP_XOR: src = l ^ f.arg; if (src < seg || src >= seg + wd) src = l; break;
+            default: break;
+        }
+        switch (f.op) {
+            case OP_IDX: case OP_UP: case OP_DOWN: case OP_XOR:
+                f.result = (src >= 0 && src < 32 && (group >> src & 1)) ? base[src].val : f.val;
+                break;
+            case OP_BALLOT: f.result = ballot & f.mask; break;
+            case OP_ANY: f.result = (ballot & f.mask) != 0; break;
+            case OP_ALL: f.result = (ballot & f.mask) == (f.mask & group); break;
+            case OP_ALLGATHER:
+                for (unsigned m2 = group; m2; m2 &= m2 - 1) {
+                    int s = __builtin_ctz(m2);
+                    if (base[s].op == OP_ALLGATHER && base[s].gbytes == f.gbytes)
+                        memcpy((char*)f.gdst + (size_t)s * f.gbytes, base[s].gsrc, f.gbytes);
+                }
+                f.result = 0;
+                break;
+            default: f.result = 0; break;
+        }
+    }
+    for (unsigned m = group; m; m &= m - 1) base[__builtin_ctz(m)].state = F_RUNNABLE;
+    w->warp_waiting[warp] &= ~group;
+    w->warp_sync[warp]++;
+}
+
+static void warp_try_release(Worker* w, int warp, unsigned mask) {
+    if ((w->warp_waiting[warp] & mask) == mask) warp_compute(w, warp, mask);
+}
+
+static unsigned long long warp_op_common(Worker* w, Fiber* f, int op, unsigned mask, const char* file, int line) {
+    int lane = f->linear & 31, warp = f->linear >> 5;
+    mask &= w->warp_exist[warp];
+    if (!(mask >> lane & 1)) {
+        if (w->L->checked) {
+            EmuError* e = begin_error(w, E_GENERIC);
+            if (e) emsg(e, "%s at %s:%d: the calling lane %d is not in the member mask 0x%08x",
+                        op_name(op), file, line, lane, mask);
+            abort_fiber(w);
+        }
+        mask |= 1u << lane;
+    }
+    f->op = op;
+    f->mask = mask;
+    f->wfile = file;
+    f->wline = line;
+    f->state = F_WAIT_WARP;
+    w->warp_waiting[warp] |= 1u << lane;
+    warp_try_release(w, warp, mask);
+    switch_to_sched(w);
+    return f->result;
+}
+
+EMU_EXPORT unsigned long long __emu_warp_op(int op, unsigned mask, unsigned long long val, int arg, int width,
+                                            const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    Fiber* f = w->cur;
+    f->val = val;
+    f->arg = arg;
+    f->width = width;
+    return warp_op_common(w, f, op, mask, file, line);
+}
+
+EMU_EXPORT void __emu_warp_allgather(unsigned mask, const void* src, void* dst, unsigned long bytes,
+                                     const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    Fiber* f = w->cur;
+    f->val = 0;
+    f->gsrc = src;
+    f->gdst = dst;
+    f->gbytes = bytes;
+    warp_op_common(w, f, OP_ALLGATHER, mask, file, line);
+}
+
+EMU_EXPORT unsigned __emu_activemask(void) {
+    Worker* w = __emu_t_worker;
+    int warp = w->cur->linear >> 5;
+    return w->warp_exist[warp] & ~w->warp_exited[warp];
+}
+
+EMU_EXPORT unsigned long long __emu_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+EMU_EXPORT void __emu_trap(const char* what, const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    if (!w || !w->cur) { fprintf(stderr, "%s at %s:%d outside a kernel launch\n", what, file, line); abort(); }
+    EmuError* e = begin_error(w, E_TRAP);
+    if (e) emsg(e, "%s at %s:%d", what, file, line);
+    abort_fiber(w);
+}
+
+// Device-side assert(): glibc's assert calls __assert_fail; -Bsymbolic binds the kernel's
+// calls to this definition, so a failing assert ends the launch with an error instead of abort().
+extern "C" __attribute__((visibility("default"), noreturn)) void __assert_fail(
+    const char* expr, const char* file, unsigned int line, const char* func) noexcept {
+    Worker* w = __emu_t_worker;
+    if (!w || !w->cur) { fprintf(stderr, "%s:%u: %s: Assertion `%s' failed.\n", file, line, func, expr); abort(); }
+    EmuError* e = begin_error(w, E_TRAP);
+    if (e) emsg(e, "device assertion `%s` failed at %s:%u in %s", expr, file, line, func);
+    abort_fiber(w);
+}
+
+// ------------------------------------------------------------------------------------------
+// checked mode: shared-memory race detection, bounds checks, inter-block global races
+struct SShadow {
+    int32_t w_tid;      // last writer (linear thread id), -1 none
+    uint32_t w_epoch;   // barrier epoch of that write
+    uint32_t w_wsync;   // writer's warp sync count at the write
+    int32_t r_tid;      // reader since: -1 none, -2 several
+    uint32_t r_epoch;
+    uint32_t r_wsync;
+    int32_t r_warp;     // warp of readers, -2 several warps
+    int32_t pad;
+    uint64_t w_pc, r_pc;
+};
+static thread_local SShadow* __emu_t_dyn_shadow = nullptr;
+static thread_local SShadow* __emu_t_stat_shadow = nullptr;
+static thread_local size_t __emu_t_stat_shadow_n = 0;
+
+static void report_race_shared(Worker* w, int space, int64_t off, uintptr_t addr, int size, bool is_write,
+                               bool other_write, int other, uint64_t other_pc, void* pc) {
+    EmuError* e = begin_error(w, E_RACE);
+    if (!e) abort_fiber(w);
+    e->space = space;
+    e->offset = off;
+    e->addr = addr;
+    e->size = size;
+    e->is_write = is_write;
+    e->other_is_write = other_write;
+    e->pc = rel_pc(pc);
+    e->other_pc = other_pc;
+    e->other_block[0] = w->block.x; e->other_block[1] = w->block.y; e->other_block[2] = w->block.z;
+    if (other >= 0) {
+        const Fiber& o = w->fibers[other];
+        e->other_thread[0] = o.tid.x; e->other_thread[1] = o.tid.y; e->other_thread[2] = o.tid.z;
+    } else {
+        e->other_thread[0] = e->other_thread[1] = e->other_thread[2] = -1;
+    }
+    abort_fiber(w);
+}
+
+static inline bool ordered(Worker* w, int me, int other, uint32_t wsync) {
+    return (me >> 5) == (other >> 5) && w->warp_sync[me >> 5] > wsync;
+}
+
+static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintptr_t addr, int size, bool wr, void* pc) {
+    int me = w->cur->linear;
+    uint32_t ep = w->epoch;
+    unsigned ws = w->warp_sync[me >> 5];
+    for (int b = 0; b < size; ++b) {
+        SShadow& s = sh[b];
+        if (s.w_tid >= 0 && s.w_epoch == ep && s.w_tid != me && !ordered(w, me, s.w_tid, s.w_wsync))
+            report_race_shared(w, space, off + b, addr + b, size, wr, true, s.w_tid, s.w_pc, pc);
+        if (wr) {
+            if (s.r_tid != -1 && s.r_epoch == ep) {
+                if (s.r_tid >= 0 && s.r_tid != me && !ordered(w, me, s.r_tid, s.r_wsync))
+                    report_race_shared(w, space, off + b, addr + b, size, wr, false, s.r_tid, s.r_pc, pc);
+                if (s.r_tid == -2 && !(s.r_warp == (me >> 5) && ws > s.r_wsync))
+                    report_race_shared(w, space, off + b, addr + b, size, wr, false, -1, s.r_pc, pc);
+            }
+            s.w_tid = me; s.w_epoch = ep; s.w_wsync = ws; s.w_pc = rel_pc(pc);
+            s.r_tid = -1;
+        } else {
+            if (s.r_tid == -1 || s.r_epoch != ep) {
+                s.r_tid = me; s.r_epoch = ep; s.r_wsync = ws; s.r_warp = me >> 5; s.r_pc = rel_pc(pc);
+            } else if (s.r_tid != me) {
+                if (s.r_warp != (me >> 5)) s.r_warp = -2;
+                s.r_tid = -2;
+            }
+        }
+    }
+}
+
+static void report_bounds(Worker* w, int space, uintptr_t addr, int size, bool wr, int64_t off, void* pc) {
+    EmuError* e = begin_error(w, E_BOUNDS);
+    if (!e) abort_fiber(w);
+    e->space = space;
+    e->addr = addr;
+    e->size = size;
+    e->is_write = wr;
+    e->pc = rel_pc(pc);
+    e->offset = off;
+    if (space == SP_GLOBAL) {
+        // nearest argument array
+        Launch* L = w->L;
+        uint64_t best = UINT64_MAX;
+        for (auto& r : L->args) {
+            uint64_t d = addr < r.lo ? r.lo - addr : (addr >= r.hi ? addr - r.hi + 1 : 0);
+            if (d < best) { best = d; e->arg_index = r.arg; e->offset = (int64_t)(addr - r.lo); }
+        }
+    }
+    abort_fiber(w);
+}
+
+static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, bool atomic) {
+    Launch* L = w->L;
+    for (auto& g : L->regions) {
+        if (a >= g.lo && a + size <= g.hi) {
+            if (atomic) return;
+            int32_t me = w->block_linear + 1;
+            size_t o = a - g.lo;
+            for (int b = 0; b < size; ++b) {
+                int32_t& wb = g.wr[o + b];
+                int32_t& rb = g.rd[o + b];
+                if (wb != 0 && wb != me) {
+                    EmuError* e = begin_error(w, E_RACE);
+                    if (!e) abort_fiber(w);
+                    e->space = SP_GLOBAL; e->addr = a + b; e->size = size; e->is_write = wr; e->other_is_write = 1;
+                    e->pc = rel_pc(pc);
+                    long ob = wb - 1;
+                    e->other_block[0] = ob % L->grid[0]; e->other_block[1] = (ob / L->grid[0]) % L->grid[1];
+                    e->other_block[2] = ob / ((long)L->grid[0] * L->grid[1]);
+                    e->other_thread[0] = e->other_thread[1] = e->other_thread[2] = -1;
+                    for (auto& r : L->args) if (a + b >= r.lo && a + b < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(a + b - r.lo); break; }
+                    abort_fiber(w);
+                }
+                if (wr) {
+                    if (rb != 0 && rb != me) {
+                        EmuError* e = begin_error(w, E_RACE);
+                        if (!e) abort_fiber(w);
+                        e->space = SP_GLOBAL; e->addr = a + b; e->size = size; e->is_write = 1; e->other_is_write = 0;
+                        e->pc = rel_pc(pc);
+                        long ob = rb > 0 ? rb - 1 : -1;
+                        if (ob >= 0) {
+                            e->other_block[0] = ob % L->grid[0]; e->other_block[1] = (ob / L->grid[0]) % L->grid[1];
+                            e->other_block[2] = ob / ((long)L->grid[0] * L->grid[1]);
+                        } else { e->other_block[0] = e->other_block[1] = e->other_block[2] = -1; }
+                        e->other_thread[0] = e->other_thread[1] = e->other_thread[2] = -1;
+                        for (auto& r : L->args) if (a + b >= r.lo && a + b < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(a + b - r.lo); break; }
+                        abort_fiber(w);
+                    }
+                    wb = me;
+                } else {
+                    if (rb == 0) rb = me;
+                    else if (rb != me) rb = -1;
+                }
+            }
+            return;
+        }
+    }
+    // not inside an argument array: ignore the emulator's own memory (fiber stacks, module image,
+    // the module's thread-local block), report everything else
+    if (a >= (uintptr_t)w->stacks && a < (uintptr_t)w->stacks + w->stacks_size) return;
+    for (auto& r : g_module_ranges) if (a >= r.first && a < r.second) return;
+    uintptr_t tb = tls_base();
+    if (a >= tb && a < tb + g_tls_memsz) return;
+    report_bounds(w, SP_GLOBAL, a, size, wr, 0, pc);
+}
+
+static inline void check_access(uintptr_t a, int size, bool wr, void* pc, bool atomic = false) {
+    Worker* w = __emu_t_worker;
+    if (!w || !w->in_fiber || !w->cur || !w->L->checked) return;
+    // fiber stacks: private
+    if (a - (uintptr_t)w->stacks < w->stacks_size) return;
+    uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
+    if (a - dyn < (uintptr_t)EMU_DYN_SMEM_MAX) {
+        int64_t off = (int64_t)(a - dyn);
+        if ((unsigned long long)off + size > w->L->shmem)
+            report_bounds(w, SP_SHARED_DYN, a, size, wr, off, pc);
+        if (!atomic) shared_access(w, __emu_t_dyn_shadow + off, SP_SHARED_DYN, off, a, size, wr, pc);
+        return;
+    }
+    if (!g_static_shared.empty()) {
+        uintptr_t tb = tls_base();
+        if (a >= tb + g_static_lo_off && a < tb + g_static_hi_off) {
+            int64_t off = (int64_t)(a - tb);
+            if (a + size > tb + g_static_hi_off) report_bounds(w, SP_SHARED_STATIC, a, size, wr, off, pc);
+            if (!atomic) shared_access(w, __emu_t_stat_shadow + (off - g_static_lo_off), SP_SHARED_STATIC, off, a, size, wr, pc);
+            return;
+        }
+    }
+    global_access(w, a, size, wr, pc, atomic);
+}
+
+#define EMU_HOOK(N)                                                                                     \
+    EMU_EXPORT void __tsan_read##N(void* a) { check_access((uintptr_t)a, N, false, __builtin_return_address(0)); } \
+    EMU_EXPORT void __tsan_write##N(void* a) { check_access((uintptr_t)a, N, true, __builtin_return_address(0)); } \
+    EMU_EXPORT void __tsan_unaligned_read##N(void* a) { check_access((uintptr_t)a, N, false, __builtin_return_address(0)); } \
+    EMU_EXPORT void __tsan_unaligned_write##N(void* a) { check_access((uintptr_t)a, N, true, __builtin_return_address(0)); } \
+    EMU_EXPORT void __tsan_volatile_read##N(void* a) { check_access((uintptr_t)a, N, false, __builtin_return_address(0)); } \
+    EMU_EXPORT void __tsan_volatile_write##N(void* a) { check_access((uintptr_t)a, N, true, __builtin_return_address(0)); }
+EMU_HOOK(1)
+EMU_HOOK(2)
+EMU_HOOK(4)
+EMU_HOOK(8)
+EMU_HOOK(16)
+EMU_EXPORT void __tsan_read_range(void* a, unsigned long n) { check_access((uintptr_t)a, (int)n, false, __builtin_return_address(0)); }
+EMU_EXPORT void __tsan_write_range(void* a, unsigned long n) { check_access((uintptr_t)a, (int)n, true, __builtin_return_address(0)); }
+EMU_EXPORT void __tsan_init(void) {}
+EMU_EXPORT void __tsan_func_entry(void*) {}
+EMU_EXPORT void __tsan_func_exit(void) {}
+EMU_EXPORT void __tsan_vptr_update(void**, void*) {}
+EMU_EXPORT void __tsan_vptr_read(void**) {}
+
+EMU_EXPORT void __emu_atomic_check(const void* p, unsigned long size, const char*, int) {
+    check_access((uintptr_t)p, (int)size, true, __builtin_return_address(0), true);
+}
+
+// ------------------------------------------------------------------------------------------
+// scheduler
+static uint64_t rng_next(uint64_t& s) {
+    s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+    return s;
+}
+
+static void describe_deadlock(Worker* w) {
+    EmuError* e = begin_error(w, E_DEADLOCK);
+    if (!e) return;
+    e->thread[0] = e->thread[1] = e->thread[2] = -1;
+    emsg(e, "deadlock in block (%u,%u,%u): no thread can make progress.\n", w->block.x, w->block.y, w->block.z);
+    // group waiting threads by (kind, site)
+    std::vector<char> done(w->nthreads, 0);
+    int groups = 0;
+    for (int i = 0; i < w->nthreads && groups < 24; ++i) {
+        Fiber& f = w->fibers[i];
+        if (done[i] || (f.state != F_WAIT_BAR && f.state != F_WAIT_WARP)) continue;
+        ++groups;
+        int count = 0, first = i, last = i;
+        for (int j = i; j < w->nthreads; ++j) {
+            Fiber& g = w->fibers[j];
+            if (done[j] || g.state != f.state || g.wfile != f.wfile || g.wline != f.wline ||
+                (f.state == F_WAIT_WARP && g.op != f.op)) continue;
+            done[j] = 1; ++count; last = j;
+        }
+        const char* what = f.state == F_WAIT_BAR ? "__syncthreads()" : op_name(f.op);
+        emsg(e, "  %d thread(s) wait in %s at %s:%d (threads with linear ids %d..%d",
+             count, what, f.wfile ? f.wfile : "?", f.wline, first, last);
+        if (f.state == F_WAIT_WARP) {
+            int warp = f.linear >> 5;
+            unsigned missing = f.mask & ~w->warp_waiting[warp];
+            emsg(e, ", warp %d, mask 0x%08x", warp, f.mask);
+            if (missing) {
+                int l = __builtin_ctz(missing);
+                Fiber& m = w->fibers[warp * 32 + l];
+                if (m.state == F_EXITED) emsg(e, "; lane %d of the mask has exited", l);
+                else if (m.state == F_WAIT_BAR) emsg(e, "; lane %d of the mask waits in __syncthreads() at %s:%d", l, m.wfile, m.wline);
+                else if (m.state == F_WAIT_WARP) emsg(e, "; lane %d of the mask waits in %s at %s:%d", l, op_name(m.op), m.wfile, m.wline);
+            }
+        }
+        emsg(e, ")\n");
+    }
+    if (w->exited) emsg(e, "  %d thread(s) have exited.\n", w->exited);
+}
+
+static void run_block(Worker* w, long b) {
+    Launch* L = w->L;
+    w->block_linear = (int)b;
+    w->block.x = (unsigned)(b % L->grid[0]);
+    w->block.y = (unsigned)((b / L->grid[0]) % L->grid[1]);
+    w->block.z = (unsigned)(b / ((long)L->grid[0] * L->grid[1]));
+    __emu_blockIdx = w->block;
+    __emu_blockDim = {L->block[0], L->block[1], L->block[2]};
+    __emu_gridDim = {L->grid[0], L->grid[1], L->grid[2]};
+    // shared memory starts as garbage on a GPU: NaN bit patterns here
+    if (L->shmem) memset(__emu_dyn_smem, 0xff, L->shmem);
+    uintptr_t tb = tls_base();
+    for (auto& s : g_static_shared) memset((void*)(tb + s.first), 0xff, (size_t)s.second);
+    int n = w->nthreads;
+    w->live = n;
+    w->exited = 0;
+    w->bar_count = 0; w->bar_sum = 0; w->bar_and = 1; w->bar_or = 0;
+    w->epoch = g_shadow_epoch.fetch_add(1) + 1;
+    for (int i = 0; i < 32; ++i) { w->warp_waiting[i] = 0; w->warp_sync[i] = 0; w->warp_exited[i] = 0; w->warp_exist[i] = 0; }
+    for (int i = 0; i < n; ++i) {
+        Fiber& f = w->fibers[i];
+        f.state = F_RUNNABLE;
+        f.linear = i;
+        f.tid.x = (unsigned)(i % L->block[0]);
+        f.tid.y = (unsigned)((i / L->block[0]) % L->block[1]);
+        f.tid.z = (unsigned)(i / (L->block[0] * L->block[1]));
+        f.wfile = nullptr; f.wline = 0;
+        w->warp_exist[i >> 5] |= 1u << (i & 31);
+        init_fiber(w, &f, i);
+    }
+    std::vector<int> order(n);
+    for (int i = 0; i < n; ++i) order[i] = L->schedule == 1 ? n - 1 - i : i;
+    uint64_t rs = (L->seed + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)b + 1) * 0xD1B54A32D192ED03ull;
+    if (!rs) rs = 1;
+    for (;;) {
+        if (L->schedule == 2)
+            for (int i = n - 1; i > 0; --i) std::swap(order[i], order[rng_next(rs) % (uint64_t)(i + 1)]);
+        bool ran = false;
+        for (int k = 0; k < n; ++k) {
+            Fiber& f = w->fibers[order[k]];
+            if (f.state != F_RUNNABLE) continue;
+            ran = true;
+            w->cur = &f;
+            __emu_threadIdx = f.tid;
+            w->in_fiber = 1;
+#if defined(__x86_64__)
+            __emu_ctx_switch(&w->sched_sp, f.sp);
+#else
+            swapcontext(&w->sched_uc, &f.uc);
+#endif
+            w->in_fiber = 0;
+            w->cur = nullptr;
+            if (L->failed.load(std::memory_order_relaxed)) return;
+        }
+        if (w->live == 0) return;
+        if (!ran) {
+            // last chance: release any satisfiable warp group (should not be needed)
+            bool rel = false;
+            for (int wp = 0; wp * 32 < n; ++wp)
+                for (int l = 0; l < 32; ++l) {
+                    if (!(w->warp_waiting[wp] >> l & 1)) continue;
+                    Fiber& f = w->fibers[wp * 32 + l];
+                    if ((w->warp_waiting[wp] & f.mask) == f.mask) { warp_compute(w, wp, f.mask); rel = true; }
+                }
+            if (!rel) { describe_deadlock(w); return; }
+        }
+    }
+}
+
+// segfaults inside device code end the launch with an error instead of killing the process
+static struct sigaction g_old_segv, g_old_bus;
+static std::mutex g_sig_mu;
+static int g_sig_users = 0;
+
+static void segv_handler(int sig, siginfo_t* si, void* uc) {
+    Worker* w = __emu_t_worker;
+    if (w && w->in_fiber && w->cur) {
+        EmuError* e = begin_error(w, E_SEGV);
+        if (e) {
+            uintptr_t a = (uintptr_t)si->si_addr;
+            e->addr = a;
+            bool guard = false;
+            size_t page = (size_t)sysconf(_SC_PAGESIZE);
+            if (a >= (uintptr_t)w->stacks && a < (uintptr_t)w->stacks + w->stacks_size) {
+                size_t o = (a - (uintptr_t)w->stacks) % (w->stack_size + page);
+                guard = o < page;
+            }
+            if (guard)
+                emsg(e, "fiber stack overflow (thread stack of %zu KiB exhausted); set CUFLASH_EMULATOR_STACK_KB "
+                        "to a larger value", w->stack_size / 1024);
+            else
+                emsg(e, "%s: invalid memory access at address 0x%lx (run with checked=True or "
+                        "CUFLASH_EMULATOR_CHECKED=1 to find the offending access)",
+                     sig == SIGSEGV ? "segmentation fault" : "bus error", (unsigned long)a);
+        }
+        w->in_fiber = 0;
+        siglongjmp(w->jb, 1);
+    }
+    // not ours: hand over to the previous handler
+    struct sigaction* old = sig == SIGSEGV ? &g_old_segv : &g_old_bus;
+    if (old->sa_flags & SA_SIGINFO) { if (old->sa_sigaction) { old->sa_sigaction(sig, si, uc); return; } }
+    else if (old->sa_handler != SIG_DFL && old->sa_handler != SIG_IGN) { old->sa_handler(sig); return; }
+    sigaction(sig, old, nullptr);
+    raise(sig);
+}
+
+static void install_signals() {
+    static const bool off = getenv("CUFLASH_EMULATOR_NO_SIGNALS") != nullptr;
+    if (off) return;
+    std::lock_guard<std::mutex> g(g_sig_mu);
+    if (g_sig_users++ > 0) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = segv_handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+    sigaction(SIGBUS, &sa, &g_old_bus);
+}
+static void remove_signals() {
+    static const bool off = getenv("CUFLASH_EMULATOR_NO_SIGNALS") != nullptr;
+    if (off) return;
+    std::lock_guard<std::mutex> g(g_sig_mu);
+    if (--g_sig_users > 0) return;
+    sigaction(SIGSEGV, &g_old_segv, nullptr);
+    sigaction(SIGBUS, &g_old_bus, nullptr);
+}
+
+static thread_local Worker* __emu_t_worker_cache = nullptr;
+
+static void worker_run(Launch* L) {
+    Worker* w = __emu_t_worker_cache;
+    if (!w) { w = new Worker(); __emu_t_worker_cache = w; }
+    w->L = L;
+    int n = (int)(L->block[0] * L->block[1] * L->block[2]);
+    w->nthreads = n;
+    if ((int)w->fibers.size() < n) w->fibers.resize(n);
+    if (!ensure_stacks(w, n)) {
+        EmuError* e = begin_error(w, E_GENERIC);
+        if (e) emsg(e, "cannot allocate fiber stacks for %d threads", n);
+        return;
+    }
+    // alternate signal stack so that a fiber stack overflow can still be reported
+    stack_t ss, old_ss;
+    const size_t alt = 64 * 1024;
+    if (!w->altstack) w->altstack = malloc(alt);
+    ss.ss_sp = w->altstack; ss.ss_size = alt; ss.ss_flags = 0;
+    sigaltstack(&ss, &old_ss);
+    if (L->checked) {
+        if (!__emu_t_dyn_shadow) {
+            __emu_t_dyn_shadow = (SShadow*)calloc(EMU_DYN_SMEM_MAX, sizeof(SShadow));
+            for (size_t i = 0; i < EMU_DYN_SMEM_MAX; ++i) { __emu_t_dyn_shadow[i].w_tid = -1; __emu_t_dyn_shadow[i].r_tid = -1; }
+        }
+        size_t ns = (size_t)(g_static_hi_off - g_static_lo_off);
+        if (__emu_t_stat_shadow_n < ns) {
+            free(__emu_t_stat_shadow);
+            __emu_t_stat_shadow = (SShadow*)calloc(ns, sizeof(SShadow));
+            for (size_t i = 0; i < ns; ++i) { __emu_t_stat_shadow[i].w_tid = -1; __emu_t_stat_shadow[i].r_tid = -1; }
+            __emu_t_stat_shadow_n = ns;
+        }
+    }
+    __emu_t_worker = w;
+    if (sigsetjmp(w->jb, 1) == 0) {
+        for (;;) {
+            if (L->failed.load(std::memory_order_relaxed)) break;
+            long b = L->next_block.fetch_add(1);
+            if (b >= L->nblocks) break;
+            run_block(w, b);
+        }
+    }
+    w->in_fiber = 0;
+    w->cur = nullptr;
+    __emu_t_worker = nullptr;
+    sigaltstack(&old_ss, nullptr);
+}
+
+EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, unsigned long long shmem,
+                            void** argv, int nranges, const unsigned long long* ranges, int checked,
+                            int schedule, unsigned long long seed, int nworkers, EmuError* err) {
+    memset(err, 0, sizeof(*err));
+    if (k < 0 || k >= __emu_kernel_count) { err->code = E_GENERIC; snprintf(err->msg, sizeof(err->msg), "bad kernel index"); return err->code; }
+    if (shmem > EMU_DYN_SMEM_MAX) {
+        err->code = E_GENERIC;
+        snprintf(err->msg, sizeof(err->msg), "dynamic shared memory of %llu bytes exceeds the emulator's (and every GPU's) limit of %d bytes", shmem, EMU_DYN_SMEM_MAX);
+        return err->code;
+    }
+    Launch L;
+    L.k = &__emu_kernel_table[k];
+    L.argv = argv;
+    for (int i = 0; i < 3; ++i) { L.grid[i] = grid[i]; L.block[i] = block[i]; }
+    L.shmem = shmem;
+    L.checked = checked;
+    L.schedule = schedule;
+    L.seed = seed;
+    L.next_block = 0;
+    L.nblocks = (long)grid[0] * grid[1] * grid[2];
+    L.failed = 0;
+    L.err = err;
+    for (int i = 0; i < nranges; ++i)
+        L.args.push_back({(uintptr_t)ranges[3 * i], (uintptr_t)(ranges[3 * i] + ranges[3 * i + 1]), (int)ranges[3 * i + 2]});
+    if (checked) {
+        // merge overlapping argument ranges into regions, each with a per-byte block shadow
+        std::vector<Range> rs = L.args;
+        std::sort(rs.begin(), rs.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+        for (auto& r : rs) {
+            if (r.hi <= r.lo) continue;
+            if (!L.regions.empty() && r.lo < L.regions.back().hi) { L.regions.back().hi = std::max(L.regions.back().hi, r.hi); continue; }
+            L.regions.push_back({r.lo, r.hi, nullptr, nullptr});
+        }
+        for (auto& g : L.regions) {
+            g.wr = (int32_t*)calloc(g.hi - g.lo, sizeof(int32_t));
+            g.rd = (int32_t*)calloc(g.hi - g.lo, sizeof(int32_t));
+        }
+        nworkers = 1;
+    }
+    if (nworkers < 1) nworkers = 1;
+    if (nworkers > L.nblocks) nworkers = (int)std::max(1L, L.nblocks);
+    install_signals();
+    std::vector<std::thread> th;
+    for (int i = 1; i < nworkers; ++i) th.emplace_back(worker_run, &L);
+    worker_run(&L);
+    for (auto& t : th) t.join();
+    remove_signals();
+    for (auto& g : L.regions) { free(g.wr); free(g.rd); }
+    fflush(stdout);
+    return err->code;
+}
+
+// micro-benchmark of the context switch (ns per switch), used by the docs/tests
+static void* bench_main_sp;
+static void* bench_fiber_sp;
+static long bench_iters;
+extern "C" void __emu_bench_fiber() {
+    for (long i = 0; i < bench_iters; ++i) {
+#if defined(__x86_64__)
+        __emu_ctx_switch(&bench_fiber_sp, bench_main_sp);
+#endif
+    }
+    for (;;) {
+#if defined(__x86_64__)
+        __emu_ctx_switch(&bench_fiber_sp, bench_main_sp);
+#endif
+    }
+}
+EMU_EXPORT double __emu_bench_switch(long iters) {
+#if defined(__x86_64__)
+    static char stack[65536] __attribute__((aligned(16)));
+    uint64_t* top = (uint64_t*)(stack + sizeof(stack));
+    top[-1] = 0;
+    top[-2] = (uint64_t)(uintptr_t)&__emu_bench_fiber;
+    for (int r = 3; r <= 8; ++r) top[-r] = 0;
+    uint32_t mx = 0x1F80; uint16_t cw = 0x037F; uint64_t ctl = 0;
+    memcpy(&ctl, &mx, 4); memcpy((char*)&ctl + 4, &cw, 2);
+    top[-9] = ctl;
+    bench_fiber_sp = &top[-9];
+    bench_iters = iters;
+    uint64_t t0 = __emu_clock();
+    for (long i = 0; i < iters; ++i) __emu_ctx_switch(&bench_main_sp, bench_fiber_sp);
+    uint64_t t1 = __emu_clock();
+    return (double)(t1 - t0) / (2.0 * iters);
+#else
+    (void)iters;
+    return -1.0;
+#endif
+}

@@ -1,0 +1,150 @@
+// common.cuh — device code every cuflash kernel shares, written once.
+//
+//   * accum_t<T>            the accumulation type (float; double for double)
+//   * to_float / from_float conversions between storage and accumulation types
+//   * neg_inf<A>()          −inf without <cmath> (NVRTC has no host headers)
+//   * fast_exp2 / fast_log2 one spelling for float and double
+//   * warp_reduce_max/sum   butterfly reductions with __shfl_xor_sync
+//   * OnlineSoftmax         the running state (m_i, l_i) of one query row, with the
+//                           three phases of the papers' Algorithm 1: init, update,
+//                           finalize (→ 1/ℓ for O, and lse)
+//
+// Everything is plain SIMT C++ (no inline PTX) so the CPU emulator runs it unchanged.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuflash {
+
+// ---------------------------------------------------------------------------------
+// Types and conversions
+// ---------------------------------------------------------------------------------
+
+// 16-bit and float inputs accumulate in float; double stays double.
+template <typename T> struct AccumType { using type = float; };
+template <> struct AccumType<double> { using type = double; };
+template <typename T> using accum_t = typename AccumType<T>::type;
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ double to_float(double x) { return x; }  // "to accum": double stays double
+
+// Storage type from its accumulation type, rounding to nearest even.
+template <typename T> __device__ __forceinline__ T from_float(accum_t<T> x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ double from_float<double>(double x) { return x; }
+
+// ---------------------------------------------------------------------------------
+// Constants and math that NVRTC lacks host headers for
+// ---------------------------------------------------------------------------------
+
+// −inf by bit pattern: NVRTC has no <cmath>/INFINITY.
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return __longlong_as_double(0xfff0000000000000ULL);
+}
+
+template <typename A> struct MathConst;
+template <> struct MathConst<float> {
+    static constexpr float log2e = 1.4426950408889634f;
+    static constexpr float ln2 = 0.6931471805599453f;
+};
+template <> struct MathConst<double> {
+    static constexpr double log2e = 1.4426950408889634074;
+    static constexpr double ln2 = 0.69314718055994530942;
+};
+
+// exp2 is one hardware instruction (MUFU.EX2) in float; scores are pre-multiplied by
+// log2(e) so that exp(x) = exp2(x · log2 e) costs no extra multiply per element.
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float fast_log2(float x) { return log2f(x); }
+__device__ __forceinline__ double fast_log2(double x) { return log2(x); }
+
+// max that ignores NaN (like fmaxf): a NaN score then still turns its row NaN through
+// P̃ = exp2(NaN − m) = NaN, and only that row.
+__device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
+
+// max that propagates NaN, as numpy.amax (and so scipy.special.softmax) does.
+template <typename A> __device__ __forceinline__ A nan_max(A a, A b) {
+    return (a != a || a > b) ? a : b;  // a NaN in `b` survives because `a > NaN` is false
+}
+
+// exp2(x − m) where m may be −inf: if m = −inf every x of the row is −inf as well and
+// x − m would be −inf − (−inf) = NaN; subtracting 0 instead gives exp2(−inf) = 0.
+template <typename A> __device__ __forceinline__ A safe_max_shift(A m) {
+    return m == neg_inf<A>() ? A(0) : m;
+}
+
+// ---------------------------------------------------------------------------------
+// Warp reductions
+// ---------------------------------------------------------------------------------
+
+// Butterfly reduction over the `width` consecutive lanes that share one row
+// (width a power of two ≤ 32); every lane of the group gets the result.
+template <int WIDTH, typename A> __device__ __forceinline__ A warp_reduce_max(A v) {
+#pragma unroll
+    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+        v = max_(v, __shfl_xor_sync(0xffffffffu, v, offset, WIDTH));
+    return v;
+}
+
+template <int WIDTH, typename A> __device__ __forceinline__ A warp_reduce_sum(A v) {
+#pragma unroll
+    for (int offset = WIDTH / 2; offset > 0; offset /= 2)
+        v += __shfl_xor_sync(0xffffffffu, v, offset, WIDTH);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------
+// Online softmax state of one query row (papers' m_i, ℓ_i; acc lives with the caller)
+// ---------------------------------------------------------------------------------
+//
+// Scores arrive already multiplied by scale·log2(e), so m_i is in log2 units and
+// P̃ = exp2(S − m_i). acc (the unscaled O row) is rescaled by the factor `alpha` that
+// update() returns.
+template <typename A> struct OnlineSoftmax {
+    A m_i;  // running row max of the scaled scores (log2 units)
+    A l_i;  // running ℓ = rowsum(P̃) relative to m_i
+
+    // -- init: m = −inf, ℓ = 0 (Algorithm 1, line 5)
+    __device__ __forceinline__ void init() {
+        m_i = neg_inf<A>();
+        l_i = A(0);
+    }
+
+    // -- update m_i: m_new = max(m_i, rowmax(S_ij)); returns alpha = exp2(m_old − m_new),
+    // the factor that rescales ℓ and acc. The caller then computes P̃ with shift() and
+    // adds rowsum(P̃) to l_i.
+    __device__ __forceinline__ A update_max(A tile_max) {
+        const A m_new = max_(m_i, tile_max);
+        // m_old = m_new = −inf (nothing seen yet, row fully masked so far) would give
+        // exp2(−inf − (−inf)) = NaN; the guarded shift makes alpha = exp2(−inf) = 0.
+        const A alpha = fast_exp2(m_i - safe_max_shift(m_new));
+        m_i = m_new;
+        l_i *= alpha;
+        return alpha;
+    }
+
+    // The value subtracted from every score before exp2 (guarded −inf, see above).
+    __device__ __forceinline__ A shift() const { return safe_max_shift(m_i); }
+
+    // -- finalize: O = acc / ℓ. A row that saw no key (ℓ = 0) gets O = 0, never 0/0 = NaN;
+    // a NaN ℓ stays NaN so a NaN score poisons its own row only.
+    __device__ __forceinline__ A inv_l() const { return l_i == A(0) ? A(0) : A(1) / l_i; }
+
+    // lse = ln Σ exp(s) = (m + log2 ℓ) · ln 2 in natural-log units; −inf for ℓ = 0.
+    __device__ __forceinline__ A lse() const {
+        return l_i == A(0) ? neg_inf<A>() : (m_i + fast_log2(l_i)) * MathConst<A>::ln2;
+    }
+};
+
+}  // namespace cuflash

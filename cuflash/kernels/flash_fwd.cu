@@ -1,0 +1,140 @@
+// flash_fwd.cu — FlashAttention-2 forward (Algorithm 1 of the FA2 paper), plain SIMT.
+//
+// One thread block per (query block i, head-dim chunk, head h, batch b). Q_i stays in
+// shared memory while K_j, V_j stream through it; each row keeps the online-softmax
+// state (m_i, ℓ_i) and an *unscaled* accumulator acc = Σ_j exp(S_ij − m_i) V_j, rescaled
+// only when m_i grows, and divided by ℓ_i once at the end.
+//
+//   prologue   load Q_i                                          (Algorithm 1, line 4)
+//   main loop  for each K_j, V_j tile below the causal diagonal   (lines 6-10)
+//                S = Q_i K_jᵀ · scale·log2 e;  m_new = max(m_i, rowmax S)
+//                P̃ = exp2(S − m_new);  ℓ_i = exp2(m_i − m_new) ℓ_i + rowsum P̃
+//                acc = exp2(m_i − m_new) acc + P̃ V_j
+//   epilogue   O_i = acc / ℓ_i,  lse_i = m_i + log ℓ_i           (lines 12-13)
+//
+// Head dims beyond the compiled bucket D run in D-wide chunks: S accumulates over every
+// chunk of Q and K, and blockIdx selects which D columns of V (and O) this block owns.
+#include "common.cuh"
+#include "mask.cuh"
+#include "attn_tile.cuh"
+
+using namespace cuflash;
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * 32)
+flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 T* __restrict__ o, accum_t<T>* __restrict__ lse,
+                 int Hq, int group, int Nq, int Nk, int d,
+                 long long q_sb, long long q_sh, long long q_sr,
+                 long long k_sb, long long k_sh, long long k_sr,
+                 long long v_sb, long long v_sh, long long v_sr,
+                 long long o_sb, long long o_sh, long long o_sr,
+                 accum_t<T> scale_log2, int causal, int num_m_blocks, int num_d_chunks) {
+    using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+    using A = typename Tr::A;
+    constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread, TD = Tr::kDimPerThread;
+
+    // Block → (m_block, d_chunk, h, b). Query blocks run last-first: under causal masking
+    // the last ones see the most keys, and starting them first evens out the tail.
+    int bid = blockIdx.x;
+    const int m_block = num_m_blocks - 1 - bid % num_m_blocks;
+    bid /= num_m_blocks;
+    const int d_chunk = bid % num_d_chunks;
+    bid /= num_d_chunks;
+    const int h = bid % Hq;
+    const int b = bid / Hq;
+    const int h_kv = h / group;  // GQA/MQA: `group` consecutive query heads share K/V
+
+    const T* q_bh = q + b * q_sb + h * q_sh;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+    T* o_bh = o + b * o_sb + h * o_sh;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* sQ = reinterpret_cast<A*>(smem_raw);
+    A* sK = sQ + Tr::kSmemQ;
+    A* sV = sK + Tr::kSmemK;
+    A* sP = sV + Tr::kSmemV;
+
+    const ThreadCoord<Tr> tc;
+    const CausalMask mask{Nq, Nk, causal != 0};
+    const int m0 = m_block * BLOCK_M;
+    const int m1 = min(m0 + BLOCK_M, Nq);
+    const int dv0 = d_chunk * HEAD_DIM;  // first V/O column this block owns
+    // Causal block skipping: tiles entirely above the diagonal are never visited.
+    const int n_end = mask.key_end(m1);
+
+    // -- prologue: Q_i into shared memory (once, when d fits one chunk); state init
+    if (num_d_chunks == 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
+
+    OnlineSoftmax<A> row[TR];
+    A acc[TR][TD];
+#pragma unroll
+    for (int i = 0; i < TR; ++i) {
+        row[i].init();  // m = −inf, ℓ = 0: ℓ here is this lane's partial row sum
+#pragma unroll
+        for (int t = 0; t < TD; ++t) acc[i][t] = A(0);
+    }
+
+    // -- main loop over K_j, V_j
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        if (num_d_chunks > 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
+        load_tile<Tr, BLOCK_N>(sK, k_bh, k_sr, n0, Nk, 0, d);
+        load_tile<Tr, BLOCK_N>(sV, v_bh, v_sr, n0, Nk, dv0, d);
+        __syncthreads();
+
+        // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked
+        A s[TR][TC];
+        compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
+                           scale_log2, mask, tc);
+
+        // -- update m_i and l_i; P̃ = exp2(S − m_i) into sP
+#pragma unroll
+        for (int i = 0; i < TR; ++i) {
+            A tile_max = neg_inf<A>();
+#pragma unroll
+            for (int j = 0; j < TC; ++j) tile_max = max_(tile_max, s[i][j]);
+            tile_max = warp_reduce_max<Tr::kLaneCols>(tile_max);
+            const A alpha = row[i].update_max(tile_max);  // also rescales ℓ_i
+            const A shift = row[i].shift();
+            A rowsum = A(0);
+#pragma unroll
+            for (int j = 0; j < TC; ++j) {
+                const A p = fast_exp2(s[i][j] - shift);
+                rowsum += p;
+                sP[tc.row(i) * Tr::kPStride + tc.col(j)] = p;
+            }
+            // ℓ stays a per-lane partial sum (alpha is the same on all 8 lanes of the
+            // row): the butterfly sum runs once in the epilogue, not once per tile.
+            row[i].l_i += rowsum;
+#pragma unroll
+            for (int t = 0; t < TD; ++t) acc[i][t] *= alpha;
+        }
+        __syncwarp();  // sP rows are written and read by the same warp only
+
+        // -- acc += P̃ V_j
+        gemm_pv<Tr>(acc, sP, sV, tc);
+        __syncthreads();  // sQ/sK/sV/sP are overwritten by the next tile
+    }
+
+    // -- epilogue: O_i = acc / ℓ_i (fully masked rows: ℓ = 0 → O = 0), lse_i
+    __syncthreads();  // sQ is reused for staging (no loop iteration may have synced)
+#pragma unroll
+    for (int i = 0; i < TR; ++i) {
+        row[i].l_i = warp_reduce_sum<Tr::kLaneCols>(row[i].l_i);
+        const A inv_l = row[i].inv_l();
+#pragma unroll
+        for (int t = 0; t < TD; ++t)
+            sQ[tc.row(i) * Tr::kRowStride + tc.col(t)] = acc[i][t] * inv_l;
+        const int gi = m0 + tc.row(i);
+        if (d_chunk == 0 && tc.lane_col == 0 && gi < Nq)  // one writer per row
+            lse[((long long)b * Hq + h) * Nq + gi] = row[i].lse();
+    }
+    __syncthreads();
+    // Store through shared memory so consecutive threads write consecutive columns.
+    for (int idx = threadIdx.x; idx < BLOCK_M * HEAD_DIM; idx += Tr::kThreads) {
+        const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
+        if (m0 + r < Nq && dv0 + c < d)
+            o_bh[(long long)(m0 + r) * o_sr + dv0 + c] = from_float<T>(sQ[r * Tr::kRowStride + c]);
+    }
+}

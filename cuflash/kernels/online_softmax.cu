@@ -1,0 +1,120 @@
+// online_softmax.cu — softmax over axis 1 of a (P, n, Q) array given with strides,
+// equal to scipy.special.softmax(x, axis=1), NaN and inf semantics included.
+//
+// Pass 1 is the seeds' online softmax: one read of the row keeps the running pair
+//   m = max(m, x),   ℓ = ℓ · e^{m_old − m} + e^{x − m}
+// (not a max pass followed by a sum pass). Pass 2 writes e^{x − m} / ℓ.
+//
+// Two launch shapes share that math:
+//   softmax_rows_kernel  one block per (p, q) line, threads stride along n and merge
+//                        their (m, ℓ) pairs (best when Q is small, e.g. Q = 1);
+//   softmax_cols_kernel  one thread per (p, q) line, walking n serially; neighbouring
+//                        threads take neighbouring q (coalesced when Q is contiguous).
+//
+// scipy semantics: the max propagates NaN (numpy.amax) so a NaN anywhere makes the whole
+// line NaN; a +inf gives e^{inf − inf} = NaN, so its line is NaN; an all −inf line gives
+// e^{−inf − (−inf)} = NaN in pass 2, as scipy does. During pass 1 the −inf − (−inf) case
+// must not poison ℓ for lines that do have finite entries later, hence the guards.
+#include "common.cuh"
+
+using namespace cuflash;
+
+namespace {
+
+// Running (m, ℓ) in log2 units: m is the max of x · log2 e.
+template <typename A> struct MaxSum {
+    A m, l;
+    __device__ __forceinline__ void init() {
+        m = neg_inf<A>();
+        l = A(0);
+    }
+    // ℓ = ℓ · 2^{m_old − m_new} + 2^{x − m_new}
+    __device__ __forceinline__ void push(A x2) {
+        const A m_new = nan_max(m, x2);
+        // Guarded shift: m_new = −inf means everything so far is −inf, and
+        // −inf − (−inf) would be NaN; both terms are 0 then.
+        const A shift = safe_max_shift(m_new);
+        l = l * fast_exp2(m - shift) + fast_exp2(x2 - shift);
+        m = m_new;
+    }
+    // Merge another partial pair (same formula with ℓ_b in place of one term).
+    __device__ __forceinline__ void merge(A m_b, A l_b) {
+        const A m_new = nan_max(m, m_b);
+        const A shift = safe_max_shift(m_new);
+        l = l * fast_exp2(m - shift) + l_b * fast_exp2(m_b - shift);
+        m = m_new;
+    }
+};
+
+// Pass 2 for one element: e^{x − m} / ℓ, with x − m evaluated as one fma in log2 units.
+// No guard here on purpose: an all −inf line gives 2^{NaN} · (1/0) = NaN, as scipy.
+template <typename A> __device__ __forceinline__ A softmax_out(A x, A m, A inv_l) {
+    return fast_exp2(fma(x, MathConst<A>::log2e, -m)) * inv_l;
+}
+
+}  // namespace
+
+template <typename T, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS)
+softmax_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, int Q,
+                    long long x_sp, long long x_sn, long long x_sq,
+                    long long y_sp, long long y_sn, long long y_sq) {
+    using A = accum_t<T>;
+    constexpr int kWarps = NUM_THREADS / 32;
+    static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "whole warps, <= 1024 threads");
+    const long long bid = blockIdx.x;
+    const int q = (int)(bid % Q), p = (int)(bid / Q);
+    const T* xl = x + p * x_sp + q * x_sq;
+    T* yl = y + p * y_sp + q * y_sq;
+
+    // -- pass 1: per-thread online (m, ℓ) over a strided slice of the line
+    MaxSum<A> st;
+    st.init();
+    for (int i = threadIdx.x; i < n; i += NUM_THREADS)
+        st.push(to_float(xl[i * x_sn]) * MathConst<A>::log2e);
+
+    // -- merge the pairs: butterfly inside each warp, then across warps via shared memory
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const A m_b = __shfl_xor_sync(0xffffffffu, st.m, offset);
+        const A l_b = __shfl_xor_sync(0xffffffffu, st.l, offset);
+        st.merge(m_b, l_b);
+    }
+    __shared__ A s_m[kWarps], s_l[kWarps];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        s_m[warp] = st.m;
+        s_l[warp] = st.l;
+    }
+    __syncthreads();
+    st.init();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) st.merge(s_m[w], s_l[w]);
+
+    // -- pass 2: normalise
+    const A inv_l = A(1) / st.l;
+    for (int i = threadIdx.x; i < n; i += NUM_THREADS)
+        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, inv_l));
+}
+
+template <typename T, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS)
+softmax_cols_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, int Q,
+                    long long x_sp, long long x_sn, long long x_sq,
+                    long long y_sp, long long y_sn, long long y_sq) {
+    using A = accum_t<T>;
+    const long long idx = (long long)blockIdx.x * NUM_THREADS + threadIdx.x;
+    if (idx >= (long long)P * Q) return;
+    const int q = (int)(idx % Q), p = (int)(idx / Q);
+    const T* xl = x + p * x_sp + q * x_sq;
+    T* yl = y + p * y_sp + q * y_sq;
+
+    // -- pass 1: online (m, ℓ) down the line
+    MaxSum<A> st;
+    st.init();
+    for (int i = 0; i < n; ++i) st.push(to_float(xl[i * x_sn]) * MathConst<A>::log2e);
+    // -- pass 2: normalise
+    const A inv_l = A(1) / st.l;
+    for (int i = 0; i < n; ++i)
+        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, inv_l));
+}

@@ -1,0 +1,107 @@
+"""The compile gate: every specialization compiles with NVRTC for every gate arch and
+assembles with ptxas without spilling — and the gate itself can fail.
+
+The full run is cached on disk (keyed by source + headers + options + names + NVRTC
+version), so only the first run after a kernel edit pays the cold compile.
+"""
+import pytest
+
+from cuflash import compile_gate, compiler
+from cuflash.backends import kernel_backward
+
+
+def _have_toolchain():
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+        compile_gate.ptxas_path()
+        return True
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+
+
+@pytest.fixture(scope="module")
+def gate_rows():
+    return compile_gate.run_gate()
+
+
+def test_every_specialization_compiles_without_spills(gate_rows):
+    bad = [r for r in gate_rows if not r.ok]
+    assert not bad, "\n" + compile_gate.format_table(bad) + "\n" + (bad[0].error or "")
+
+
+def test_gate_covers_every_arch_and_backward_kernel(gate_rows):
+    seen = {(r.kernel, r.arch) for r in gate_rows}
+    for name in kernel_backward.specializations()[kernel_backward.SOURCE]:
+        for arch in compiler.GATE_ARCHS:
+            assert (name, arch) in seen
+
+
+def test_backward_smem_formula_matches_ptxas(gate_rows):
+    """The Python plan's shared-memory bytes are what ptxas reports for the kernel."""
+    by_name = {(r.kernel, r.arch): r for r in gate_rows}
+    for dtype in kernel_backward._dtypes.SUPPORTED:
+        for D in kernel_backward.HEAD_DIM_BUCKETS:
+            p = kernel_backward.plan(dtype, D)
+            for arch in compiler.GATE_ARCHS:
+                assert by_name[(p.dkdv_name(True), arch)].smem == p.dkdv_smem_bytes
+                assert by_name[(p.dq_name(True), arch)].smem == p.dq_smem_bytes
+
+
+PLANTED = r"""
+template <int N>
+__global__ void heavy(const float* __restrict__ x, float* __restrict__ y) {
+    // N live values indexed at run time: more than 255 registers hold → local memory.
+    float a[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] = x[threadIdx.x * N + i];
+    float s = 0.f;
+    for (int i = 0; i < N; ++i) s += a[(i * 7 + threadIdx.x) % N] * a[i];
+#pragma unroll
+    for (int i = 0; i < N; ++i) y[threadIdx.x * N + i] = a[i] * s;
+}
+template <int N>
+__global__ void light(const float* x, float* y) { y[threadIdx.x] = x[threadIdx.x] * N; }
+"""
+
+BROKEN = r"""
+template <typename T>
+__global__ void broken(T* y) { y[threadIdx.x] = undefined_function(threadIdx.x); }
+"""
+
+
+def test_gate_detects_a_spill():
+    rows = compile_gate.run_gate({"planted.cu": ["heavy<512>", "light<2>"]}, archs=["sm_80"],
+                                 use_cache=False, sources={"planted.cu": PLANTED})
+    by = {r.kernel: r for r in rows}
+    assert by["heavy<512>"].status == "SPILL" and by["heavy<512>"].spill_stores > 0
+    assert not by["heavy<512>"].ok
+    assert by["light<2>"].ok and by["light<2>"].registers > 0
+
+
+def test_gate_detects_a_compile_error():
+    rows = compile_gate.run_gate({"broken.cu": ["broken<float>"]}, archs=["sm_70"],
+                                 use_cache=False, sources={"broken.cu": BROKEN})
+    assert len(rows) == 1 and not rows[0].ok
+    assert "undefined_function" in rows[0].error
+
+
+def test_check_kernels_exit_status(capsys):
+    assert compile_gate.check_kernels(["--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "flash_bwd_dkdv_kernel" in out and "sm_80" in out
+
+
+def test_parse_ptxas():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_80'
+ptxas info    : Function properties for _Z3fooPf
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16384 bytes smem, 360 bytes cmem[0]
+"""
+    info = compile_gate.parse_ptxas(log)
+    assert info == {"_Z3fooPf": {"registers": 255, "smem": 16384,
+                                 "spill_stores": 4, "spill_loads": 12}}

@@ -1,0 +1,232 @@
+"""The backward CUDA kernels (cuflash/kernels/flash_bwd.cu), run on the CPU emulator
+(and on "cuda" when a device is present) against the float64 reference backward.
+
+Inputs o and lse come from the float64 reference forward (rounded to the dtype), so the
+errors measured are the backward's own. 16-bit tolerances follow FlashAttention's rule:
+max error <= 3 x that of a plain implementation in the same precision, + a small floor.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import _dtypes, reference
+from cuflash.backends import kernel_backward
+
+from conftest import HAS_GPU, HAS_GXX, assert_close_to_reference, round_to, to_host
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+BF16 = _dtypes.BFLOAT16
+
+
+# ── backends ─────────────────────────────────────────────────────────────────────────
+
+@pytest.fixture(scope="module")
+def emu():
+    from cuflash.backends.kernels import emulator_backend
+    return emulator_backend()
+
+
+@pytest.fixture(scope="module")
+def emu_checked():
+    from cuflash.backends.kernels import emulator_backend
+    return emulator_backend(checked=True)
+
+
+# ── problem set-up ───────────────────────────────────────────────────────────────────
+
+def make_problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, seed=0, scale=None):
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    q = rng.standard_normal((B, Hq, Nq, d)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Nk, d)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Nk, d)).astype(dtype)
+    do = rng.standard_normal((B, Hq, Nq, d)).astype(dtype)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    o = o.astype(dtype)
+    lse = lse.astype(_dtypes.accum_dtype(dtype))
+    return dict(do=do, q=q, k=k, v=v, o=o, lse=lse, scale=scale)
+
+
+def plain_lowprec_backward(do, q, k, v, o, lse, *, causal, scale, dtype):
+    """The seed equations with every intermediate rounded to `dtype` (a plain 16-bit
+    implementation, for FlashAttention's tolerance rule)."""
+    r = lambda x: round_to(x, dtype)  # noqa: E731
+    do, q, k, v, o = (r(x) for x in (do, q, k, v, o))
+    group = q.shape[1] // k.shape[1]
+    ke, ve = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    S = r(scale * (q @ np.swapaxes(ke, -1, -2)))
+    Nq, Nk = q.shape[2], k.shape[2]
+    if causal:
+        S = np.where(reference.causal_mask(Nq, Nk), -np.inf, S)
+    lse_safe = np.where(lse == -np.inf, np.inf, lse.astype(np.float64))
+    P = r(np.exp(S - lse_safe[..., None]))
+    dv = r(np.swapaxes(P, -1, -2) @ do)
+    dP = r(do @ np.swapaxes(ve, -1, -2))
+    D = r(np.sum(do * o, axis=-1, keepdims=True))
+    dS = r(P * (dP - D))
+    dq = r((dS @ ke) * scale)
+    dk = r((np.swapaxes(dS, -1, -2) @ q) * scale)
+    B, Hkv = k.shape[:2]
+    dk = dk.reshape(B, Hkv, group, Nk, -1).sum(axis=2)
+    dv = dv.reshape(B, Hkv, group, Nk, -1).sum(axis=2)
+    return dq, dk, dv
+
+
+def run_and_check(backend, prob, causal, *, views=None):
+    dtype = prob["q"].dtype
+    args = [prob[n] for n in ("do", "q", "k", "v", "o", "lse")]
+    if views is not None:
+        args = views(args)
+    dq, dk, dv = kernel_backward.backward(backend, *args, causal=causal, scale=prob["scale"])
+    ref = reference.attention_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
+                                       causal=causal, scale=prob["scale"])
+    plain = (None, None, None)
+    if dtype.itemsize == 2:
+        plain = plain_lowprec_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
+                                       causal=causal, scale=prob["scale"], dtype=dtype)
+    for name, out, r, p, like in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain,
+                                     (prob["q"], prob["k"], prob["v"])):
+        assert out.dtype == like.dtype and out.shape == like.shape, name
+        assert not np.isnan(to_host(out).astype(np.float64)).any(), f"NaN in {name}"
+        assert_close_to_reference(out, r, p, dtype, factor=3.0, what=name)
+    return dq, dk, dv
+
+
+# ── correctness over dtypes, shapes, flags ───────────────────────────────────────────
+
+DTYPES = [pytest.param(np.dtype(d), id=str(np.dtype(d))) for d in _dtypes.SUPPORTED]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes(emu, dtype, causal):
+    prob = make_problem(1, 2, 2, 37, 45, 32, dtype, causal, seed=1)
+    run_and_check(emu, prob, causal)
+
+
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (1, 17), (17, 1), (113, 113), (113, 17), (17, 113)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_odd_sizes(emu, Nq, Nk, causal):
+    prob = make_problem(2, 1, 1, Nq, Nk, 59, np.float32, causal, seed=Nq * 1000 + Nk)
+    run_and_check(emu, prob, causal)
+
+
+@pytest.mark.parametrize("d,dtype", [(1, np.float32), (32, np.float16), (59, np.float64),
+                                     (64, np.float32), (128, BF16 or np.float16),
+                                     (256, np.float32), (200, np.float16)])
+def test_head_dims(emu, d, dtype):
+    prob = make_problem(1, 2, 1, 33, 29, d, dtype, True, seed=d)
+    run_and_check(emu, prob, True)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (4, 1), (6, 3)], ids=["gqa", "mqa", "gqa3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_mqa(emu, Hq, Hkv, causal):
+    prob = make_problem(2, Hq, Hkv, 23, 31, 16, np.float32, causal, seed=Hq + Hkv)
+    run_and_check(emu, prob, causal)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(np.dtype(np.float32), id="float32"),
+                                   pytest.param(np.dtype(np.float16), id="float16")])
+def test_fully_masked_rows(emu, dtype):
+    # Causal with Nq > Nk: query i sees no key while i + (Nk - Nq) < 0 → lse = -inf.
+    prob = make_problem(1, 2, 1, 50, 20, 24, dtype, True, seed=7)
+    assert np.isneginf(prob["lse"]).any()
+    dq, dk, dv = run_and_check(emu, prob, True)
+    dead = np.isneginf(prob["lse"])
+    assert np.all(to_host(dq)[dead] == 0)
+
+
+def test_strided_inputs(emu):
+    # (B, N, H, d) storage seen as (B, H, N, d), and a last axis that is not contiguous.
+    prob = make_problem(2, 3, 3, 19, 26, 20, np.float32, False, seed=3)
+
+    def views(args):
+        out = []
+        for a in args[:5]:
+            t = np.ascontiguousarray(np.swapaxes(a, 1, 2))         # (B, N, H, d) memory
+            out.append(np.swapaxes(t, 1, 2))                        # strided (B, H, N, d)
+        wide = np.zeros(out[1].shape[:-1] + (2 * out[1].shape[-1],), out[1].dtype)
+        wide[..., ::2] = out[1]
+        out[1] = wide[..., ::2]                                     # q: last-dim stride 2
+        return out + [args[5]]
+
+    run_and_check(emu, prob, False, views=views)
+
+
+def test_deterministic(emu):
+    prob = make_problem(1, 4, 2, 70, 90, 48, np.float32, True, seed=11)
+    args = [prob[n] for n in ("do", "q", "k", "v", "o", "lse")]
+    a = kernel_backward.backward(emu, *args, causal=True, scale=prob["scale"])
+    b = kernel_backward.backward(emu, *args, causal=True, scale=prob["scale"])
+    for x, y in zip(a, b):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+# ── checked mode: zero races, zero out-of-bounds ─────────────────────────────────────
+
+@pytest.mark.parametrize("case", [
+    dict(B=1, Hq=2, Hkv=1, Nq=17, Nk=23, d=59, dtype=np.float16, causal=True),
+    dict(B=1, Hq=1, Hkv=1, Nq=40, Nk=9, d=32, dtype=np.float64, causal=True),
+    dict(B=2, Hq=2, Hkv=2, Nq=9, Nk=70, d=100, dtype=np.float32, causal=False),
+], ids=["f16-gqa-causal", "f64-masked-rows", "f32-d100"])
+def test_checked_mode(emu_checked, case):
+    case = dict(case)
+    dtype, causal = case.pop("dtype"), case.pop("causal")
+    prob = make_problem(*case.values(), dtype, causal, seed=5)
+    run_and_check(emu_checked, prob, causal)
+
+
+# ── the launch plan ──────────────────────────────────────────────────────────────────
+
+def test_head_dim_too_large_is_a_clear_error():
+    with pytest.raises(ValueError, match="head dim d=300"):
+        kernel_backward.head_dim_bucket(300)
+
+
+def test_specializations_are_finite_and_fit():
+    specs = kernel_backward.specializations()
+    names = specs[kernel_backward.SOURCE]
+    assert len(names) == len(set(names))
+    for dtype in _dtypes.SUPPORTED:
+        for D in kernel_backward.HEAD_DIM_BUCKETS:
+            p = kernel_backward.plan(dtype, D)
+            assert p.dkdv_smem_bytes <= 48 * 1024 and p.dq_smem_bytes <= 48 * 1024
+            assert p.dkdv_name(True) in names and p.dq_name(False) in names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda(dtype, causal):
+    import cupy
+    from cuflash.backends.kernels import cuda_backend
+    be = cuda_backend()
+    prob = make_problem(2, 4, 2, 129, 200, 64, dtype, causal, seed=2)
+    args = [cupy.asarray(prob[n]) for n in ("do", "q", "k", "v", "o", "lse")]
+    out = kernel_backward.backward(be, *args, causal=causal, scale=prob["scale"])
+    ref = reference.attention_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
+                                       causal=causal, scale=prob["scale"])
+    plain = (None,) * 3
+    if dtype.itemsize == 2:
+        plain = plain_lowprec_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
+                                       causal=causal, scale=prob["scale"], dtype=dtype)
+    for name, o, r, p in zip(("dq", "dk", "dv"), out, ref, plain):
+        assert_close_to_reference(to_host(o), r, p, dtype, factor=3.0, what=name)
+
+
+def test_public_api_end_to_end():
+    """flash_attention → flash_attention_backward on the emulator: both kernel families."""
+    import cuflash
+    prob = make_problem(1, 4, 2, 30, 41, 40, np.float32, True, seed=9)
+    q, k, v, do = prob["q"], prob["k"], prob["v"], prob["do"]
+    o, lse = cuflash.flash_attention(q, k, v, causal=True, return_lse=True, backend="emulator")
+    dq, dk, dv = cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=True,
+                                                  backend="emulator")
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=True)
+    for name, out, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        assert_close_to_reference(out, r, None, np.float32, what=name)

@@ -1,0 +1,284 @@
+"""The NumPy backend, called directly with 4-D inputs, against the float64 references."""
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+import scipy.special
+
+from cuflash import reference as R
+from cuflash._dtypes import BFLOAT16, accum_dtype
+from cuflash.backends import numpy_backend as nb
+
+BK = nb.BACKEND
+DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
+if BFLOAT16 is not None:
+    DTYPES.insert(1, BFLOAT16)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiny tiles so that modest sizes walk through many Q and K/V tiles."""
+    monkeypatch.setattr(nb, "ROWS", 16)
+    monkeypatch.setattr(nb, "BLOCK_N", 24)
+    monkeypatch.setattr(nb, "BWD_ROWS", 16)
+    monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)
+    monkeypatch.setattr(nb, "TILE_BUDGET", 16 * 24 * 2)
+
+
+def _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype=np.float64):
+    q = rng.standard_normal((B, hq, Nq, d)).astype(dtype)
+    k = rng.standard_normal((B, hkv, Nk, d)).astype(dtype)
+    v = rng.standard_normal((B, hkv, Nk, d)).astype(dtype)
+    return q, k, v
+
+
+def _rd(x, dt):
+    """Round to dtype dt and back to float32: one "plain" low-precision step."""
+    return np.asarray(x).astype(dt).astype(np.float32)
+
+
+def _plain_forward(q, k, v, causal, scale):
+    """Attention as a plain implementation in q's low precision would do it:
+    every intermediate (S, P, O) rounded to the dtype."""
+    dt = q.dtype
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k32, v32 = np.repeat(k32, g, axis=1), np.repeat(v32, g, axis=1)
+    S = _rd(q32 @ k32.swapaxes(-1, -2) * np.float32(scale), dt)
+    if causal:
+        S = np.where(R.causal_mask(q.shape[2], k.shape[2]), -np.inf, S)
+    with np.errstate(invalid="ignore"):
+        P = _rd(np.nan_to_num(scipy.special.softmax(S, axis=-1)), dt)
+    return _rd(P @ v32, dt), P
+
+
+def _plain_backward(do, q, k, v, o, P, scale):
+    dt = q.dtype
+    do32, q32, k32, v32, o32 = (x.astype(np.float32) for x in (do, q, k, v, o))
+    g = q.shape[1] // k.shape[1]
+    k32, v32 = np.repeat(k32, g, axis=1), np.repeat(v32, g, axis=1)
+    dv = _rd(P.swapaxes(-1, -2) @ do32, dt)
+    dP = _rd(do32 @ v32.swapaxes(-1, -2), dt)
+    D = _rd(np.sum(do32 * o32, axis=-1, keepdims=True), dt)
+    dS = _rd(P * (dP - D), dt)
+    dq = _rd(dS @ k32 * np.float32(scale), dt)
+    dk = _rd(dS.swapaxes(-1, -2) @ q32 * np.float32(scale), dt)
+    B, hkv, Nk, d = k.shape
+    dk = dk.reshape(B, hkv, g, Nk, d).sum(2)
+    dv = dv.reshape(B, hkv, g, Nk, d).sum(2)
+    return dq, dk, dv
+
+
+def _err(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b))) if a.size else 0.0
+
+
+def _check(out, ref, plain, dtype, factor, what):
+    """FlashAttention's rule: |out − ref| ≤ factor·|plain − ref| + floor (16-bit);
+    fixed relative tolerances for float32 / float64."""
+    scale = max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+    e = _err(out, ref)
+    if dtype == np.float64:
+        assert e <= 1e-10 * scale, f"{what}: {e}"
+    elif dtype == np.float32:
+        assert e <= 2e-5 * scale, f"{what}: {e}"
+    else:
+        bound = factor * _err(plain, ref) + 1e-3 * scale
+        assert e <= bound, f"{what}: {e} > {bound}"
+
+
+CASES = [  # B, Hq, Hkv, Nq, Nk, d
+    (1, 1, 1, 1, 1, 1),
+    (2, 2, 2, 17, 17, 32),
+    (1, 4, 2, 113, 203, 59),
+    (1, 3, 1, 203, 113, 64),
+    (2, 2, 1, 1, 113, 8),
+    (1, 2, 2, 203, 1, 16),
+]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["bounded", "online"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, monkeypatch):
+    monkeypatch.setattr(nb, "FAST_PATH", fast)
+    rng = np.random.default_rng(0)
+    for B, hq, hkv, Nq, Nk, d in CASES:
+        q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
+        scale = 1 / math.sqrt(d)
+        o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
+        o, lse = BK.forward(q, k, v, causal=causal, scale=None, algorithm="fa2")
+        assert o.dtype == dtype and o.shape == q.shape
+        assert lse.dtype == accum_dtype(dtype) and lse.shape == q.shape[:3]
+        o_plain, P = _plain_forward(q, k, v, causal, scale)
+        case = f"{dtype} {(B, hq, hkv, Nq, Nk, d)}"
+        _check(o, o_ref, o_plain, dtype, 2, "o " + case)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+        fin = np.isfinite(lse_ref)
+        np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=1e-3 if dtype.itemsize < 8 else 1e-12)
+        assert not np.isnan(o.astype(np.float64)).any()
+
+        do = rng.standard_normal(q.shape).astype(dtype)
+        grads = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+        refs = R.attention_backward(do, q, k, v, o, lse, causal=causal)
+        plains = _plain_backward(do, q, k, v, o, P, scale)
+        for name, g, x, ref, plain in zip("qkv", grads, (q, k, v), refs, plains):
+            assert g.dtype == dtype and g.shape == x.shape
+            _check(g, ref, plain, dtype, 3, f"d{name} " + case)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fa1_agrees_with_fa2(dtype, causal, small_tiles):
+    rng = np.random.default_rng(1)
+    for B, hq, hkv, Nq, Nk, d in CASES:
+        q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
+        o1, lse1 = BK.forward(q, k, v, causal=causal, scale=0.5, algorithm="fa1")
+        o2, lse2 = BK.forward(q, k, v, causal=causal, scale=0.5, algorithm="fa2")
+        tol = 1e-12 if dtype == np.float64 else 1e-5
+        np.testing.assert_allclose(o1, o2, rtol=tol, atol=tol)
+        np.testing.assert_allclose(lse1, lse2, rtol=tol, atol=tol)
+        assert o1.dtype == o2.dtype and lse1.dtype == lse2.dtype
+
+
+def test_default_tiles_and_threads(monkeypatch):
+    """Real tile sizes, several tiles each way, one and several workers."""
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng, 1, 4, 2, 700, 1100, 64, np.float64)
+    do = rng.standard_normal(q.shape)
+    o_ref, lse_ref = R.naive_attention(q, k, v, causal=True, return_lse=True)
+    g_ref = R.attention_backward(do, q, k, v, o_ref, lse_ref, causal=True)
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(nb, "_N_THREADS", threads)
+        o, lse = BK.forward(q, k, v, causal=True, scale=None)
+        np.testing.assert_allclose(o, o_ref, atol=1e-12)
+        np.testing.assert_allclose(lse, lse_ref, atol=1e-12)
+        for g, r in zip(BK.backward(do, q, k, v, o, lse, causal=True, scale=None), g_ref):
+            np.testing.assert_allclose(g, r, atol=1e-11)
+
+
+def test_strided_inputs(small_tiles):
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((2, 40, 3, 9)).astype(np.float32)
+    q = base.transpose(0, 2, 1, 3)[:, :, ::2, :8]        # (2, 3, 20, 8), odd strides
+    k = rng.standard_normal((2, 8, 1, 30)).astype(np.float32).transpose(0, 2, 3, 1)
+    v = np.asfortranarray(rng.standard_normal((2, 1, 30, 8)).astype(np.float32))
+    o, lse = BK.forward(q, k, v, causal=True, scale=None)
+    np.testing.assert_allclose(o, R.naive_attention(q, k, v, causal=True), atol=2e-6)
+    do = np.ones_like(q)
+    ref = R.attention_backward(do, q, k, v, o, lse, causal=True)
+    for g, r in zip(BK.backward(do, q, k, v, o, lse, causal=True, scale=None), ref):
+        np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fully_masked_rows(fast, small_tiles, monkeypatch):
+    monkeypatch.setattr(nb, "FAST_PATH", fast)
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(rng, 1, 2, 1, 50, 7, 4, np.float32)     # Nq > Nk: 43 rows see nothing
+    o, lse = BK.forward(q, k, v, causal=True, scale=None)
+    assert np.all(o[:, :, :43] == 0) and np.all(lse[:, :, :43] == -np.inf)
+    assert np.isfinite(o).all() and np.isfinite(lse[:, :, 43:]).all()
+    dq, dk, dv = BK.backward(np.ones_like(q), q, k, v, o, lse, causal=True, scale=None)
+    assert np.all(dq[:, :, :43] == 0)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_nan_and_inf_stay_in_their_row(fast, small_tiles, monkeypatch):
+    monkeypatch.setattr(nb, "FAST_PATH", fast)
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 1, 1, 1, 40, 60, 4, np.float32)
+    q[0, 0, 3, 1] = np.nan          # NaN scores in row 3
+    q[0, 0, 30] = [np.inf, 0, 0, 0]  # ±inf scores in row 30: exp(inf − inf) = NaN, as scipy
+    with np.errstate(invalid="ignore"):
+        o_ref = R.naive_attention(q, k, v)
+        o, lse = BK.forward(q, k, v, causal=False, scale=None)
+    bad = np.isnan(o_ref)
+    assert bad[0, 0, 3].all() and bad[0, 0, 30].all()
+    np.testing.assert_array_equal(np.isnan(o), bad)
+    np.testing.assert_allclose(o[~bad], o_ref[~bad], atol=1e-6)
+    assert np.isnan(lse[0, 0, [3, 30]]).all() and np.isfinite(np.delete(lse, [3, 30])).all()
+
+
+def test_large_scores_fall_back_to_running_max(small_tiles):
+    """Scores far outside exp's range: the bounded path must hand over, exactly."""
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, 1, 2, 2, 40, 70, 8, np.float32)
+    for scale in (300.0, -300.0, 1e-30):
+        o_ref, lse_ref = R.naive_attention(q, k, v, causal=True, scale=scale, return_lse=True)
+        o, lse = BK.forward(q, k, v, causal=True, scale=scale)
+        np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-3)
+    # scores of −200: exp underflows to 0 although the row has keys
+    q2, k2 = np.full((1, 1, 3, 1), 1.0, np.float32), np.full((1, 1, 5, 1), -200.0, np.float32)
+    v2 = rng.standard_normal((1, 1, 5, 1)).astype(np.float32)
+    o, lse = BK.forward(q2, k2, v2, causal=False, scale=1.0)
+    np.testing.assert_allclose(o, R.naive_attention(q2, k2, v2, scale=1.0), rtol=1e-6)
+    np.testing.assert_allclose(lse, -200 + np.log(5), rtol=1e-6)
+
+
+def test_causal_schedule_skips_blocks():
+    N, Br, Bc = 2048, 256, 512
+    sched = list(nb.block_schedule(N, N, Br, Bc, causal=True))
+    tiles = [(r0, r1, c0, w, m) for r0, r1, kv in sched for c0, c1, w, m in kv]
+    assert len(tiles) == 20 < (N // Br) * (N // Bc)          # 20 of 32 tiles visited
+    assert sum(m for *_, m in tiles) == 8                      # only the diagonal is masked
+    # Keys computed: the lower triangle plus half-tiles on the diagonal, 56% of N².
+    assert sum(w * (r1 - r0) for r0, r1, c0, w, m in tiles) == 36 * 256 * 256
+    for r0, r1, c0, w, m in tiles:  # nothing visited lies entirely above the diagonal
+        assert c0 + w - 1 == min(c0 + Bc, r1) - 1
+        assert m == (c0 + w - 1 > r0)
+    # Nq > Nk: the first Q tiles see no key at all and visit nothing.
+    sched = list(nb.block_schedule(100, 10, 16, 8, causal=True))
+    assert [len(kv) for *_, kv in sched][:5] == [0, 0, 0, 0, 0]
+    assert all(not m and w == c1 - c0
+               for *_, kv in nb.block_schedule(50, 70, 16, 8, causal=False) for c0, c1, w, m in kv)
+
+
+def test_forward_memory_is_linear():
+    """One head, N = 16384, d = 64, float32: the N×N scores would be 1 GiB."""
+    rng = np.random.default_rng(7)
+    N, d = 16384, 64
+    q, k, v = _qkv(rng, 1, 1, 1, N, N, d, np.float32)
+    tracemalloc.start()
+    try:
+        o, lse = BK.forward(q, k, v, causal=True, scale=None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+    rows = [0, 5000, N - 1]  # spot-check a few rows against the reference
+    ref = R.naive_attention(q[:, :, rows], k, v, causal=False)
+    np.testing.assert_allclose(o[0, 0, -1], ref[0, 0, -1], atol=2e-6)
+
+
+# ---------------------------------------------------------------- softmax
+@pytest.mark.parametrize("block", [1, 7, 1 << 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_vs_scipy(dtype, block, monkeypatch):
+    monkeypatch.setattr(nb, "SOFTMAX_BLOCK", block)
+    rng = np.random.default_rng(8)
+    for shape in [(1, 1, 1), (3, 17, 5), (2, 113, 1), (1, 203, 4)]:
+        x = (rng.standard_normal(shape) * 10).astype(dtype)
+        p = BK.softmax(x)
+        assert p.dtype == dtype and p.shape == shape
+        ref = scipy.special.softmax(x.astype(np.float64), axis=1)
+        tol = {8: 1e-13, 4: 1e-6}.get(dtype.itemsize, 1e-2)
+        np.testing.assert_allclose(p.astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block", [1, 2, 1 << 16])
+def test_softmax_nan_inf_like_scipy(block, monkeypatch):
+    monkeypatch.setattr(nb, "SOFTMAX_BLOCK", block)
+    x = np.array([[-np.inf, -np.inf, -np.inf, -np.inf],
+                  [-np.inf, -np.inf, 1.0, 2.0],
+                  [np.inf, 1.0, 2.0, 0.0],
+                  [np.nan, 1.0, 2.0, 0.0],
+                  [1000.0, -1000.0, 999.0, 0.0]]).T[None]   # (1, n=4, Q=5)
+    with np.errstate(invalid="ignore"):
+        expected = scipy.special.softmax(x, axis=1)
+    p = BK.softmax(x)
+    np.testing.assert_array_equal(np.isnan(p), np.isnan(expected))
+    np.testing.assert_allclose(p, expected, rtol=1e-14)
