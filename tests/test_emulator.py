@@ -261,6 +261,42 @@ def test_missing_syncthreads_is_a_race(schedule):
     assert ":5" in msg and ":7" in msg  # the write (line 5) and the read (line 7)
 
 
+def test_warp_sync_orders_lanes_and_barrier_reductions():
+    code = r"""
+    extern "C" __global__ void k(float* y, int* counts) {
+        __shared__ float s[64];
+        const int lane = threadIdx.x & 31;
+        s[threadIdx.x] = (float)threadIdx.x;
+        __syncwarp();                                        // orders the lanes of each warp
+        float v = s[(threadIdx.x & ~31) | ((lane + 1) & 31)];
+        y[threadIdx.x] = v;
+        int c = __syncthreads_count(threadIdx.x % 3 == 0);
+        int a = __syncthreads_and(threadIdx.x < 64);
+        int o = __syncthreads_or(threadIdx.x == 5);
+        float g[2] = {(float)lane, 1.0f}, all[64];
+        __cuflash_emu_warp_allgather(0xffffffffu, g, all, sizeof(g));
+        if (threadIdx.x == 0) { counts[0] = c; counts[1] = a; counts[2] = o; counts[3] = (int)all[2 * 31]; }
+    }"""
+    y = np.zeros(64, np.float32)
+    counts = np.zeros(4, np.int32)
+    for checked in (False, True):
+        RawModule(code=code, checked=checked, schedule="random").get_function("k")((1,), (64,), (y, counts))
+        t = np.arange(64)
+        np.testing.assert_array_equal(y, (t & ~31) | ((t % 32 + 1) % 32))
+        np.testing.assert_array_equal(counts, [22, 1, 1, 31])
+
+
+def test_missing_syncwarp_is_a_race():
+    code = r"""
+    extern "C" __global__ void k(float* y) {
+        __shared__ float s[32];
+        s[threadIdx.x] = (float)threadIdx.x;
+        y[threadIdx.x] = s[(threadIdx.x + 1) & 31];      // no __syncwarp(): lanes are not ordered
+    }"""
+    with pytest.raises(RaceError, match="s at byte offset"):
+        RawModule(code=code, checked=True).get_function("k")((1,), (32,), (np.zeros(32, np.float32),))
+
+
 def test_read_modify_write_race_on_one_shared_word():
     code = r"""
     extern "C" __global__ void count(float* out) {
@@ -494,3 +530,22 @@ def test_same_kernels_on_gpu_agree():
                 (a, a, a, *[np.zeros_like(o) for o in outs], np.int32(300)))
     np.testing.assert_array_equal(outs[0], g[3])
     np.testing.assert_allclose(outs[1].astype(np.float32), g[4].astype(np.float32), rtol=2e-3)
+
+
+def test_intra_block_global_race():
+    # FA1-style: threads rescale rows kept in global memory; one thread reads a value another
+    # thread of the same block wrote, without a barrier in between
+    code = r"""
+    extern "C" __global__ void k(float* m, float* o) {
+        const int t = threadIdx.x;
+        m[t] = 2.0f * t;
+        SYNC
+        o[t] = m[(t + 1) % 32];
+    }"""
+    m = np.zeros(32, np.float32)
+    o = np.zeros(32, np.float32)
+    RawModule(code=code, options=("-DSYNC=__syncthreads();",), checked=True).get_function("k")((1,), (32,), (m, o))
+    np.testing.assert_array_equal(o, 2.0 * ((np.arange(32) + 1) % 32))
+    with pytest.raises(RaceError) as ei:
+        RawModule(code=code, options=("-DSYNC=",), checked=True).get_function("k")((1,), (32,), (m, o))
+    assert "global-memory race" in str(ei.value) and "argument 0" in str(ei.value)

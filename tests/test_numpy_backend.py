@@ -24,6 +24,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(nb, "BWD_ROWS", 16)
     monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)
     monkeypatch.setattr(nb, "TILE_BUDGET", 16 * 24 * 2)
+    monkeypatch.setattr(nb, "BWD_TILE_BUDGET", 16 * 24 * 2)
 
 
 def _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype=np.float64):
@@ -84,7 +85,7 @@ def _check(out, ref, plain, dtype, factor, what):
     elif dtype == np.float32:
         assert e <= 2e-5 * scale, f"{what}: {e}"
     else:
-        bound = factor * _err(plain, ref) + 1e-3 * scale
+        bound = factor * _err(plain, ref) + 1e-5 * scale
         assert e <= bound, f"{what}: {e} > {bound}"
 
 
@@ -98,7 +99,7 @@ CASES = [  # B, Hq, Hkv, Nq, Nk, d
 ]
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["bounded", "online"])
+@pytest.mark.parametrize("fast", [True, False], ids=["frozen", "online"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, monkeypatch):
@@ -203,13 +204,18 @@ def test_nan_and_inf_stay_in_their_row(fast, small_tiles, monkeypatch):
 
 
 def test_large_scores_fall_back_to_running_max(small_tiles):
-    """Scores far outside exp's range: the bounded path must hand over, exactly."""
+    """Scores far outside exp's range: the frozen-max path must hand over, exactly."""
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, 1, 2, 2, 40, 70, 8, np.float32)
-    for scale in (300.0, -300.0, 1e-30):
-        o_ref, lse_ref = R.naive_attention(q, k, v, causal=True, scale=scale, return_lse=True)
-        o, lse = BK.forward(q, k, v, causal=True, scale=scale)
-        np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4)
+    k_grow = k.copy()
+    k_grow[:, :, 30:] *= 40          # scores jump after the first K tile: exp overflows
+    v_huge = v * np.float32(1e30)     # P̃ V overflows although ℓ does not
+    for kk, vv, scale in ((k, v, 300.0), (k, v, -300.0), (k, v, 1e-30),
+                          (k_grow, v, None), (k, v_huge, 10.0)):
+        o_ref, lse_ref = R.naive_attention(q, kk, vv, causal=True, scale=scale, return_lse=True)
+        o, lse = BK.forward(q, kk, vv, causal=True, scale=scale)
+        assert np.isfinite(o).all()
+        np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4 * np.abs(o_ref).max())
         np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-3)
     # scores of −200: exp underflows to 0 although the row has keys
     q2, k2 = np.full((1, 1, 3, 1), 1.0, np.float32), np.full((1, 1, 5, 1), -200.0, np.float32)
@@ -217,6 +223,21 @@ def test_large_scores_fall_back_to_running_max(small_tiles):
     o, lse = BK.forward(q2, k2, v2, causal=False, scale=1.0)
     np.testing.assert_allclose(o, R.naive_attention(q2, k2, v2, scale=1.0), rtol=1e-6)
     np.testing.assert_allclose(lse, -200 + np.log(5), rtol=1e-6)
+
+
+def test_frozen_max_hands_over(small_tiles, monkeypatch):
+    """The fast path really declines a tile whose scores outgrow its first K tile."""
+    calls = []
+    online = nb._fwd_tile_online
+    monkeypatch.setattr(nb, "_fwd_tile_online", lambda *a: calls.append(1) or online(*a))
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, 1, 1, 1, 16, 48, 4, np.float32)
+    BK.forward(q, k, v, causal=False, scale=None)
+    assert not calls
+    k[:, :, 30:] *= 100
+    o, _ = BK.forward(q, k, v, causal=False, scale=None)
+    assert calls
+    np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def test_causal_schedule_skips_blocks():
@@ -249,9 +270,9 @@ def test_forward_memory_is_linear():
     finally:
         tracemalloc.stop()
     assert peak < 64 * 2**20, f"peak {peak / 2**20:.1f} MiB"
-    rows = [0, 5000, N - 1]  # spot-check a few rows against the reference
-    ref = R.naive_attention(q[:, :, rows], k, v, causal=False)
-    np.testing.assert_allclose(o[0, 0, -1], ref[0, 0, -1], atol=2e-6)
+    for i in (0, 5000, N - 1):  # spot-check rows: causal row i sees keys 0..i
+        ref = R.naive_attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1])
+        np.testing.assert_allclose(o[:, :, i:i + 1], ref, atol=2e-6)
 
 
 # ---------------------------------------------------------------- softmax

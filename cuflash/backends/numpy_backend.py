@@ -39,11 +39,12 @@ NEG_INF = -np.inf
 # 256×512 one head +12%, 256×1024 +12%, 128×512 +40%, 512×256 +3%.
 ROWS = 512        # rows of one score tile (G query heads × Br rows)
 BLOCK_N = 512     # Bc: keys per K/V tile
-BWD_ROWS = 128    # backward keeps P and dP tiles alive together: smaller tiles
-BWD_BLOCK_N = 256
-TILE_BUDGET = 1 << 18   # max elements of one score tile batch (heads × rows × cols)
+BWD_ROWS = 256    # backward keeps two tiles (P, dP) alive: half the rows
+BWD_BLOCK_N = 512
+TILE_BUDGET = 1 << 18      # max elements of one forward score tile (heads × rows × cols)
+BWD_TILE_BUDGET = 1 << 17  # the same for each of the backward's two tiles
 _N_THREADS = None      # None: one worker per usable core
-FAST_PATH = True       # bounded-exp forward tiles (see _fwd_tile_bounded)
+FAST_PATH = True       # frozen-max forward tiles (see _fwd_tile_frozen)
 
 
 def _n_workers():
@@ -57,6 +58,16 @@ def _n_workers():
 
 _POOL = None
 _POOL_LOCK = threading.Lock()
+
+
+def _forget_pool_after_fork():
+    # A forked child inherits the pool object but none of its threads.
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _blas_one_thread_here():
@@ -94,6 +105,8 @@ def _map(fn, tasks):
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL._max_workers != n:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="cuflash-np",
                                        initializer=_blas_one_thread_here)
         pool = _POOL
@@ -144,7 +157,10 @@ def _causal_tile(Nq, Nk, r0, r1, c0, c1):
 
 
 def _head_chunks(BH, per_head_elems, budget):
+    """Split the B·Hkv K/V heads into ranges whose score tiles fit `budget` elements,
+    with at least one range per worker when there are enough heads (small N)."""
     hc = max(1, min(BH, budget // max(1, per_head_elems)))
+    hc = min(hc, max(1, BH // _n_workers()))
     return [(h, min(h + hc, BH)) for h in range(0, BH, hc)]
 
 
@@ -172,35 +188,38 @@ class _Buf:
 
 # ---------------------------------------------------------------------------- forward
 
-# The bounded fast path keeps ℓ_i ≥ 2^-60 and ≤ 2^100 (both far inside float32's
-# range); outside that window the tile is redone with the running max.
-_L_MIN, _L_MAX = 2.0 ** -60, 2.0 ** 100
+# The frozen-max fast path accepts a tile when every row keeps ℓ_i within
+# [2^-30, 2^64] and acc finite; otherwise the tile is redone with the running max.
+_L_MIN, _L_MAX = 2.0 ** -30, 2.0 ** 64
 
 
 def _prepare_kv(k3, v3, acc_t):
-    """Kᵀ and [V | 1] in the accumulation dtype, made once per call (O(N·d), like o).
+    """[Kᵀ; 1] and [V | 1] in the accumulation dtype, made once per call (O(N·d), like o).
 
-    Kᵀ contiguous: OpenBLAS runs Q Kᵀ faster on it than on a transposed view,
-    and a transposed copy per tile cost ~10% of the forward. The column of ones
-    makes one matmul P̃ [V_j | 1] give both P̃ V_j and ℓ̃ = rowsum(P̃), saving a
-    pass over every score tile. The copy is also where 16-bit K, V are widened.
+    [Q_i | −m] [Kᵀ; 1] = Q_i Kᵀ − m: the row of ones lets the matmul subtract a
+    per-row max for free. [V | 1] lets one matmul P̃ [V_j | 1] give both P̃ V_j
+    and ℓ̃ = rowsum(P̃), saving a pass over every score tile. Kᵀ is contiguous
+    because OpenBLAS runs faster on it than on a transposed view (a transposed
+    copy per tile cost ~10% of the forward). 16-bit K, V are widened here.
     """
     BH, Nk, d = v3.shape
-    KT = np.empty((BH, d, Nk), acc_t)
-    np.copyto(KT, k3.transpose(0, 2, 1))
+    KTx = np.empty((BH, d + 1, Nk), acc_t)
+    np.copyto(KTx[:, :d], k3.transpose(0, 2, 1))
+    KTx[:, d] = 1
     Vx = np.empty((BH, Nk, d + 1), acc_t)
     Vx[:, :, :d] = v3
     Vx[:, :, d] = 1
-    return KT, Vx
+    return KTx, Vx
 
 
-def _fwd_tile_online(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local):
+def _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local):
     """One Q tile, FlashAttention-2's inner loop with the running max m_i.
 
-    Returns the unnormalised state (acc, ℓ_i, m_i) for the epilogue.
+    Qx is [scale·Q_i | 0]. Returns the unnormalised state (acc, ℓ_i, m_i).
     """
-    nh, rows = Q_i.shape[:2]
+    nh, rows = Qx.shape[:2]
     br = r1 - r0
+    Qx[:, :, d] = 0
     # -- init --
     m_i = np.full((nh, rows), NEG_INF, acc_t)
     l_i = np.zeros((nh, rows), acc_t)
@@ -209,7 +228,7 @@ def _fwd_tile_online(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local
         c1 = c0 + width  # keys past `width` are masked for every row: never loaded
         bc = c1 - c0
         # -- compute qk: S_ij = (scale·Q_i) K_jᵀ --
-        S = np.matmul(Q_i, KT[h0:h1, :, c0:c1], out=local.S.get((nh, rows, bc)))
+        S = np.matmul(Qx, KTx[h0:h1, :, c0:c1], out=local.S.get((nh, rows, bc)))
         if needs_mask:  # only the tiles the diagonal crosses
             np.copyto(S.reshape(nh, G, br, bc), NEG_INF,
                       where=_causal_tile(Nq, Nk, r0, r1, c0, c1))
@@ -218,11 +237,10 @@ def _fwd_tile_online(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local
         # Guard: a row that has seen only −inf keeps m = −inf and
         # −inf − (−inf) would be NaN; subtracting 0 gives exp(−inf) = 0.
         m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
-        with np.errstate(invalid="ignore", over="ignore"):
-            np.subtract(S, m_safe[:, :, None], out=S)
-            np.exp(S, out=S)                             # P̃_ij = exp(S_ij − m_i)
-            alpha = np.exp(m_i - m_safe)                 # e^{m_old − m_new}
-            PV = np.matmul(S, Vx[h0:h1, c0:c1], out=local.PV.get((nh, rows, d + 1)))
+        np.subtract(S, m_safe[:, :, None], out=S)
+        np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
+        alpha = np.exp(m_i - m_safe)                     # e^{m_old − m_new}
+        PV = np.matmul(S, Vx[h0:h1, c0:c1], out=local.PV.get((nh, rows, d + 1)))
         # ℓ_i = α ℓ_i + rowsum(P̃_ij);  acc = diag(α) acc + P̃_ij V_j  (O kept unscaled)
         l_i *= alpha
         l_i += PV[:, :, d]
@@ -232,38 +250,50 @@ def _fwd_tile_online(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local
     return acc, l_i, m_i
 
 
-def _fwd_tile_bounded(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, has_key, acc_t, local):
-    """One Q tile with the running max fixed at m_i = 0: P̃ = exp(S) directly.
+def _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, has_key, acc_t, local):
+    """One Q tile with the running max frozen after the first K tile.
 
-    exp(S − m) only guards against overflow; when every score of the tile's rows
-    keeps ℓ_i = Σ exp(S) inside [2^-60, 2^100], exp(S) is exactly as accurate
-    (floating point is relative) and the rowmax pass, the subtraction and the
-    α rescales all disappear: S = Q Kᵀ, exp, P̃ [V | 1] — 3 passes instead of 5,
-    ~25% faster on CPU. Returns None when a row leaves that window (large
-    scores, +inf or NaN), and the caller redoes the tile with the running max.
+    The max in exp(S − m) only guards against overflow; any fixed reference m
+    near the row's scale gives the same result to rounding. So m_i is taken from
+    the first K tile (key 0 is visible to every row that sees any key) and then
+    folded into the matmul, [Q_i | −m_i] [K_jᵀ; 1] = S_ij − m_i: the later tiles
+    need no rowmax pass, no subtraction and no α rescale — Q Kᵀ, exp, P̃ [V | 1],
+    3 passes instead of 5. The result is accepted when every row kept
+    ℓ_i ∈ [2^-30, 2^64] and a finite acc; otherwise (scores that grew by > 44
+    after the first tile, +inf, NaN, huge V) it returns None and the caller
+    redoes the tile with the running max.
     """
-    nh, rows = Q_i.shape[:2]
+    nh, rows = Qx.shape[:2]
     br = r1 - r0
+    Qx[:, :, d] = 0
+    # -- init --
     l_i = np.zeros((nh, rows), acc_t)
     acc = np.zeros((nh, rows, d), acc_t)
-    with np.errstate(invalid="ignore", over="ignore"):
-        for c0, c1, width, needs_mask in kv:
-            c1 = c0 + width
-            bc = c1 - c0
-            S = np.matmul(Q_i, KT[h0:h1, :, c0:c1], out=local.S.get((nh, rows, bc)))
-            if needs_mask:
-                np.copyto(S.reshape(nh, G, br, bc), NEG_INF,
-                          where=_causal_tile(Nq, Nk, r0, r1, c0, c1))
-            np.exp(S, out=S)                             # P̃_ij = exp(S_ij − 0)
-            PV = np.matmul(S, Vx[h0:h1, c0:c1], out=local.PV.get((nh, rows, d + 1)))
-            l_i += PV[:, :, d]
-            acc += PV[:, :, :d]
+    m_i = None
+    for c0, c1, width, needs_mask in kv:
+        c1 = c0 + width
+        bc = c1 - c0
+        # -- compute qk: S_ij − m_i = [scale·Q_i | −m_i] [K_jᵀ; 1] --
+        S = np.matmul(Qx, KTx[h0:h1, :, c0:c1], out=local.S.get((nh, rows, bc)))
+        if needs_mask:
+            np.copyto(S.reshape(nh, G, br, bc), NEG_INF,
+                      where=_causal_tile(Nq, Nk, r0, r1, c0, c1))
+        if m_i is None:  # first K tile: take m_i = rowmax (0 where −inf: see the guard above)
+            m_i = S.max(axis=-1)
+            m_i[m_i == NEG_INF] = 0
+            np.subtract(S, m_i[:, :, None], out=S)
+            Qx[:, :, d] = -m_i
+        np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
+        PV = np.matmul(S, Vx[h0:h1, c0:c1], out=local.PV.get((nh, rows, d + 1)))
+        l_i += PV[:, :, d]                               # ℓ_i += rowsum(P̃_ij)
+        acc += PV[:, :, :d]                              # acc += P̃_ij V_j
     # A row with no visible key has ℓ = 0 legitimately; any other row must stay
     # in the window (NaN fails every comparison, so NaN rows go to the slow path).
     ok = (l_i <= _L_MAX) & ((l_i >= _L_MIN) | ((l_i == 0) & ~has_key))
-    if not ok.all():
+    if not (ok.all() and np.isfinite(acc).all()):
         return None
-    return acc, l_i, np.zeros_like(l_i)
+    return acc, l_i, m_i
+
 
 def _fwd_fa2(q, k, v, causal, scale):
     B, Hq, Nq, d = q.shape
@@ -283,7 +313,7 @@ def _fwd_fa2(q, k, v, causal, scale):
     Br = max(1, min(Nq, ROWS // G)) if G <= ROWS else 1
     Bc = min(BLOCK_N, Nk)
     chunks = _head_chunks(BH, G * Br * Bc, TILE_BUDGET)
-    KT, Vx = _prepare_kv(k3, v3, acc_t)
+    KTx, Vx = _prepare_kv(k3, v3, acc_t)
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal))
     # Longest tiles first (causal: the bottom rows see the most keys) balances workers.
     tasks = [(h0, h1, r0, r1, kv) for (r0, r1, kv) in sched for (h0, h1) in chunks]
@@ -301,18 +331,19 @@ def _fwd_fa2(q, k, v, causal, scale):
             lse3[h0:h1, :, r0:r1] = NEG_INF
             return
         if not hasattr(local, "S"):
-            local.S, local.PV = _Buf(acc_t), _Buf(acc_t)
-        # -- prologue: load Q_i (all G heads), fold the softmax scale in once --
-        Q_i = np.multiply(q4[h0:h1, :, r0:r1], acc_t.type(scale), dtype=acc_t)
-        Q_i = Q_i.reshape(nh, rows, d)
+            local.S, local.PV, local.Q = _Buf(acc_t), _Buf(acc_t), _Buf(acc_t)
+        # -- prologue: load Q_i (all G heads) as [scale·Q_i | ·], the scale folded in once --
+        Qx = local.Q.get((nh, rows, d + 1))
+        np.multiply(q4[h0:h1, :, r0:r1], acc_t.type(scale),
+                    out=Qx.reshape(nh, G, br, d + 1)[..., :d], casting="unsafe")
         # Rows that see at least one key (causal: query r sees keys 0 .. r + Nk − Nq).
         has_key = np.tile(np.arange(r0, r1) + off >= 0 if causal else np.ones(br, bool), G)
         state = None
         if FAST_PATH:
-            state = _fwd_tile_bounded(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk,
-                                      has_key, acc_t, local)
+            state = _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk,
+                                     has_key, acc_t, local)
         if state is None:
-            state = _fwd_tile_online(Q_i, KT, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local)
+            state = _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local)
         acc, l_i, m_i = state
         # -- epilogue (finalize): the one rescale O_i = acc / ℓ_i, lse = m_i + log ℓ_i --
         seen = l_i > 0  # NaN rows compare False but keep their NaN through acc and m
@@ -415,7 +446,7 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
 
     Br = max(1, min(Nq, BWD_ROWS // G)) if G <= BWD_ROWS else 1
     Bc = min(BWD_BLOCK_N, Nk)
-    chunks = _head_chunks(BH, G * Br * Bc, TILE_BUDGET)
+    chunks = _head_chunks(BH, G * Br * Bc, BWD_TILE_BUDGET)
     # For each K tile, the Q tiles that see it (the forward schedule turned around).
     by_kv = {}
     for r0, r1, kv in block_schedule(Nq, Nk, Br, Bc, causal=causal):

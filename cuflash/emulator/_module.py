@@ -386,6 +386,34 @@ def _runtime_object(cxx: str, cache: Path) -> Path:
     return obj
 
 
+def _precompiled_shim(cxx: str, cache: Path, common: list, sys_incs: list) -> Path:
+    """shim.h with a precompiled header next to it (cuts ~1 s of header parsing per compile).
+
+    GCC uses ``shim.h.gch`` only when it is valid for the compile's flags and macros, and
+    falls back to the text header otherwise, so a stale or mismatched PCH is harmless.
+    """
+    if os.environ.get("CUFLASH_EMULATOR_NO_PCH"):
+        return _SHIM
+    text = _SHIM.read_bytes()
+    key = hashlib.sha256(text + repr((common, sys_incs, _compiler_version(cxx), cxx)).encode()).hexdigest()[:24]
+    d = cache / f"pch-{key}"
+    if (d / "shim.h.gch").exists():
+        return d / "shim.h"
+    tmp = Path(tempfile.mkdtemp(prefix="pchbuild-", dir=cache))
+    try:
+        (tmp / "shim.h").write_bytes(text)
+        r = _run([cxx] + common + sys_incs + ["-x", "c++-header", str(tmp / "shim.h"), "-o", str(tmp / "shim.h.gch")])
+        if r.returncode != 0:
+            return _SHIM  # the real compile will show the error
+        try:
+            os.rename(tmp, d)
+        except OSError:
+            pass  # another process won the race; use theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return d / "shim.h" if (d / "shim.h.gch").exists() else _SHIM
+
+
 def _build(code: str, src_path, options, names: list, checked: bool) -> _Library:
     cxx = _compiler()
     incs, defs, std = _parse_options(options)
@@ -420,30 +448,42 @@ def _build(code: str, src_path, options, names: list, checked: bool) -> _Library
                     if not src_file.exists() or src_file.read_text() != code:
                         (tmp / "kernel.cu").write_text(code)
                         os.replace(tmp / "kernel.cu", src_file)
-                launcher = tmp / "launcher.cpp"
-                launcher.write_text(_launcher_source(src_file, names))
-                flags = [cxx, f"-std={'gnu++17' if std == 'c++17' else std}", "-fPIC", "-x", "c++",
-                         "-include", str(_SHIM), "-I", str(_RUNTIME_DIR)]
+                std_flag = f"-std={'gnu++17' if std == 'c++17' else std}"
+                common = [std_flag, "-fPIC", "-fno-extern-tls-init", "-fno-gnu-unique", "-fstack-clash-protection",
+                          "-fno-strict-aliasing", "-fno-omit-frame-pointer", "-w", "-fvisibility=hidden"]
+                if checked:
+                    common += ["-O1", "-g", "-gdwarf-4", "-fsanitize=thread", "--param",
+                               "tsan-instrument-func-entry-exit=0", "--param", "tsan-distinguish-volatile=0"]
+                else:
+                    common += ["-O2"]
+                sys_incs = []
+                for d in cuda_incs:
+                    sys_incs += ["-isystem", d]
+                shim = _precompiled_shim(cxx, cache, common, sys_incs)
+                flags = [cxx] + common + ["-x", "c++", "-include", str(shim), "-I", str(_RUNTIME_DIR)]
                 if src_dir:
                     flags += ["-I", str(src_dir)]
                 for d in incs:
                     flags += ["-I", d]
-                for d in cuda_incs:
-                    flags += ["-isystem", d]
+                flags += sys_incs
+                # -D/-U of the user's own macros go into the launcher after the shim, so that the
+                # precompiled shim stays valid (GCC rejects a PCH when a -D name occurs in it);
+                # CUDA configuration macros stay on the command line, ahead of the CUDA headers
+                pre = []
                 for d in defs:
-                    if d.startswith("!"):
-                        flags.append("-U" + d[1:])
-                    elif d.startswith("@"):
+                    name = d.lstrip("!@").split("=", 1)[0]
+                    early = name.startswith(("__CUDA", "CUDA", "__CUDACC", "_GLIBCXX", "__STDC", "_GNU"))
+                    if d.startswith("@"):
                         flags += ["-include", d[1:]]
-                    else:
+                    elif d.startswith("!"):
+                        flags.append("-U" + d[1:]) if early else pre.append(f"#undef {name}")
+                    elif early:
                         flags.append("-D" + d)
-                flags += ["-fno-extern-tls-init", "-fno-gnu-unique", "-fstack-clash-protection",
-                          "-fno-strict-aliasing", "-fno-omit-frame-pointer", "-w", "-fvisibility=hidden"]
-                if checked:
-                    flags += ["-O1", "-g", "-gdwarf-4", "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
-                              "--param", "tsan-distinguish-volatile=0"]
-                else:
-                    flags += ["-O2"]
+                    else:
+                        val = d.split("=", 1)[1] if "=" in d else "1"
+                        pre.append(f"#define {name} {val}")
+                launcher = tmp / "launcher.cpp"
+                launcher.write_text("\n".join(pre) + "\n" + _launcher_source(src_file, names))
                 obj = tmp / "kernel.o"
                 r = _run(flags + ["-c", str(launcher), "-o", str(obj)])
                 if r.returncode != 0:
@@ -567,7 +607,17 @@ class RawModule:
                 self._extra.append(name)
         k = RawKernel(self, name)
         # compile eagerly in the mode the module was created for, like cupy does at get_function
-        k._lib(self.checked or _checked_from_env())
+        try:
+            k._lib(self.checked or _checked_from_env())
+        except EmulatorCompileError as e:
+            with self._mlock:
+                if name in self._extra:
+                    self._extra.remove(name)
+            if "launcher.cpp" in str(e) and f"&{name}" in str(e):
+                raise EmulatorCompileError(
+                    f"kernel {name!r} not found: it does not name a __global__ function (or template "
+                    f"instantiation) of the source.\n\n{e}") from None
+            raise
         return k
 
     get_kernel = get_function
@@ -747,6 +797,12 @@ def _make_error(err: _ErrorStruct, lib: _Library, kname: str, args) -> EmulatorE
                     else f"address {err.addr:#x}")
             other = _fmt3(err.other_block)
             prev = "wrote" if err.other_is_write else "read"
+            if err.other_thread[0] >= 0 or (err.other_pc and tuple(err.other_block) == tuple(err.block)):
+                ow = f"thread {_fmt3(err.other_thread)}" if err.other_thread[0] >= 0 else "other threads"
+                return RaceError(
+                    f"{kname}: global-memory race between threads of one block on {desc}: {who} {rw} "
+                    f"{err.size} byte(s) at {_where(lib, err.pc)}; {ow} {prev} it at {_where(lib, err.other_pc)} "
+                    "with no __syncthreads() in between")
             text = (f"inter-block race on global memory {desc}: {who} {rw} {err.size} byte(s) at "
                     f"{_where(lib, err.pc)}, but block {other} already {prev} it in this launch "
                     "(blocks run in any order on a GPU)")

@@ -20,8 +20,10 @@
 
 using namespace cuflash;
 
+// minBlocksPerSM = 1 lets ptxas use the registers it needs: with the bare thread count it
+// sometimes aims at a higher occupancy and spills (sm_90, double, D = 128).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  T* __restrict__ o, accum_t<T>* __restrict__ lse,
                  int Hq, int group, int Nq, int Nk, int d,

@@ -168,7 +168,8 @@ struct Worker {
 static thread_local Worker* __emu_t_worker = nullptr;
 
 struct Range { uintptr_t lo, hi; int arg; };
-struct GRegion { uintptr_t lo, hi; int32_t* wr; int32_t* rd; };
+struct SShadow;
+struct GRegion { uintptr_t lo, hi; int32_t* wr; int32_t* rd; SShadow* sh; };
 
 struct Launch {
     const KernelEntry* k;
@@ -546,9 +547,8 @@ struct SShadow {
     uint32_t r_epoch;
     uint32_t r_wsync;
     int32_t r_warp;     // warp of readers, -2 several warps
-    int32_t pad;
-    uint64_t w_pc, r_pc;
-};
+    uint32_t w_pc, r_pc; // module-relative pcs of the accesses
+};  // all-zero bytes mean "no access recorded" (epoch 0 is never current)
 static thread_local SShadow* __emu_t_dyn_shadow = nullptr;
 static thread_local SShadow* __emu_t_stat_shadow = nullptr;
 static thread_local size_t __emu_t_stat_shadow_n = 0;
@@ -566,6 +566,10 @@ static void report_race_shared(Worker* w, int space, int64_t off, uintptr_t addr
     e->pc = rel_pc(pc);
     e->other_pc = other_pc;
     e->other_block[0] = w->block.x; e->other_block[1] = w->block.y; e->other_block[2] = w->block.z;
+    if (space == SP_GLOBAL) {
+        for (auto& r : w->L->args)
+            if (addr >= r.lo && addr < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(addr - r.lo); break; }
+    }
     if (other >= 0) {
         const Fiber& o = w->fibers[other];
         e->other_thread[0] = o.tid.x; e->other_thread[1] = o.tid.y; e->other_thread[2] = o.tid.z;
@@ -594,11 +598,11 @@ static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintpt
                 if (s.r_tid == -2 && !(s.r_warp == (me >> 5) && ws > s.r_wsync))
                     report_race_shared(w, space, off + b, addr + b, size, wr, false, -1, s.r_pc, pc);
             }
-            s.w_tid = me; s.w_epoch = ep; s.w_wsync = ws; s.w_pc = rel_pc(pc);
+            s.w_tid = me; s.w_epoch = ep; s.w_wsync = ws; s.w_pc = (uint32_t)rel_pc(pc);
             s.r_tid = -1;
         } else {
             if (s.r_tid == -1 || s.r_epoch != ep) {
-                s.r_tid = me; s.r_epoch = ep; s.r_wsync = ws; s.r_warp = me >> 5; s.r_pc = rel_pc(pc);
+                s.r_tid = me; s.r_epoch = ep; s.r_wsync = ws; s.r_warp = me >> 5; s.r_pc = (uint32_t)rel_pc(pc);
             } else if (s.r_tid != me) {
                 if (s.r_warp != (me >> 5)) s.r_warp = -2;
                 s.r_tid = -2;
@@ -671,6 +675,8 @@ static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, b
                     else if (rb != me) rb = -1;
                 }
             }
+            // races between threads of this block (no barrier between their accesses)
+            if (g.sh) shared_access(w, g.sh + o, SP_GLOBAL, (int64_t)o, a, size, wr, pc);
             return;
         }
     }
@@ -985,11 +991,17 @@ EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, 
         for (auto& r : rs) {
             if (r.hi <= r.lo) continue;
             if (!L.regions.empty() && r.lo < L.regions.back().hi) { L.regions.back().hi = std::max(L.regions.back().hi, r.hi); continue; }
-            L.regions.push_back({r.lo, r.hi, nullptr, nullptr});
+            L.regions.push_back({r.lo, r.hi, nullptr, nullptr, nullptr});
         }
+        size_t total = 0;
+        for (auto& g : L.regions) total += g.hi - g.lo;
+        // intra-block race tracking on global memory costs 32 bytes of (lazily touched) shadow per
+        // byte; skip it for very large launches (bounds and inter-block checks stay on)
+        const bool intra = total <= ((size_t)512 << 20) / sizeof(SShadow);
         for (auto& g : L.regions) {
             g.wr = (int32_t*)calloc(g.hi - g.lo, sizeof(int32_t));
             g.rd = (int32_t*)calloc(g.hi - g.lo, sizeof(int32_t));
+            if (intra) g.sh = (SShadow*)calloc(g.hi - g.lo, sizeof(SShadow));
         }
         nworkers = 1;
     }
@@ -1001,7 +1013,7 @@ EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, 
     worker_run(&L);
     for (auto& t : th) t.join();
     remove_signals();
-    for (auto& g : L.regions) { free(g.wr); free(g.rd); }
+    for (auto& g : L.regions) { free(g.wr); free(g.rd); free(g.sh); }
     fflush(stdout);
     return err->code;
 }
