@@ -230,6 +230,9 @@ def main(argv=None):
                         f"{b / 2**20:.2f} MiB"])
         w.writerow(["naive", "scores memory", 1, 1, Nm, 64, "", "", "",
                     f"{naive_bytes / 2**20:.2f} MiB"])
+        if hasattr(os, "getloadavg"):  # timings on a busy machine are not comparable
+            w.writerow(["machine", f"load average {os.getloadavg()[0]:.1f} on "
+                        f"{os.cpu_count()} CPUs", "", "", "", "", "", "", "", ""])
     print(f"\nwrote {csv_path}")
 
     if not args.no_plot:

@@ -549,3 +549,23 @@ def test_intra_block_global_race():
     with pytest.raises(RaceError) as ei:
         RawModule(code=code, options=("-DSYNC=",), checked=True).get_function("k")((1,), (32,), (m, o))
     assert "global-memory race" in str(ei.value) and "argument 0" in str(ei.value)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+def test_launches_do_not_leak_mappings(monkeypatch):
+    # fiber stacks (one guard-page mapping per thread) must be returned after every launch,
+    # or a long test session runs out of vm.max_map_count
+    monkeypatch.setenv("CUFLASH_EMULATOR_THREADS", "2")
+    f = mod("dynsmem.cu").get_function("reverse_chunks")
+    x = np.arange(512, dtype=np.float32)
+    y = np.zeros(512, np.float32)
+    f((2,), (256,), (x, y, np.int32(512)), shared_mem=1024)
+
+    def nmaps():
+        with open("/proc/self/maps") as fh:
+            return sum(1 for _ in fh)
+
+    before = nmaps()
+    for _ in range(40):
+        f((2,), (256,), (x, y, np.int32(512)), shared_mem=1024)
+    assert nmaps() - before < 64

@@ -45,6 +45,7 @@ TILE_BUDGET = 1 << 18      # max elements of one forward score tile (heads × ro
 BWD_TILE_BUDGET = 1 << 17  # the same for each of the backward's two tiles
 _N_THREADS = None      # None: one worker per usable core
 FAST_PATH = True       # frozen-max forward tiles (see _fwd_tile_frozen)
+MAX_SAMPLE = 64        # keys whose row max becomes the frozen reference
 
 
 def _n_workers():
@@ -251,25 +252,33 @@ def _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, acc_t, local
 
 
 def _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, has_key, acc_t, local):
-    """One Q tile with the running max frozen after the first K tile.
+    """One Q tile with the running max frozen from a sample of keys.
 
     The max in exp(S − m) only guards against overflow; any fixed reference m
-    near the row's scale gives the same result to rounding. So m_i is taken from
-    the first K tile (key 0 is visible to every row that sees any key) and then
-    folded into the matmul, [Q_i | −m_i] [K_jᵀ; 1] = S_ij − m_i: the later tiles
-    need no rowmax pass, no subtraction and no α rescale — Q Kᵀ, exp, P̃ [V | 1],
-    3 passes instead of 5. The result is accepted when every row kept
-    ℓ_i ∈ [2^-30, 2^64] and a finite acc; otherwise (scores that grew by > 44
-    after the first tile, +inf, NaN, huge V) it returns None and the caller
-    redoes the tile with the running max.
+    near the row's largest score gives the same result to rounding. So m_i is
+    the row max over the first MAX_SAMPLE keys (key 0 is visible to every row
+    that sees any key, so ℓ_i ≥ 1), folded into the matmul as
+    [Q_i | −m_i] [K_jᵀ; 1] = S_ij − m_i: no tile needs a rowmax pass, a
+    subtraction or an α rescale — Q Kᵀ, exp, P̃ [V | 1], 3 passes instead of 5.
+    The result is accepted when every row kept ℓ_i ∈ [2^-30, 2^64] and a finite
+    acc; otherwise (a score more than ~44 above the sample's max, +inf, NaN,
+    huge V) it returns None and the caller redoes the tile with the running max.
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
+    # -- init: the frozen reference m_i from a sample of keys --
+    c0, _, width, needs_mask = kv[0]
+    ns = min(width, MAX_SAMPLE)
     Qx[:, :, d] = 0
-    # -- init --
+    S0 = np.matmul(Qx, KTx[h0:h1, :, c0:c0 + ns])
+    if needs_mask:
+        np.copyto(S0.reshape(nh, G, br, ns), NEG_INF,
+                  where=_causal_tile(Nq, Nk, r0, r1, c0, c0 + ns))
+    m_i = S0.max(axis=-1)
+    m_i[m_i == NEG_INF] = 0   # −inf − (−inf) guard: such rows subtract 0
+    Qx[:, :, d] = -m_i
     l_i = np.zeros((nh, rows), acc_t)
     acc = np.zeros((nh, rows, d), acc_t)
-    m_i = None
     for c0, c1, width, needs_mask in kv:
         c1 = c0 + width
         bc = c1 - c0
@@ -278,11 +287,6 @@ def _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, Nq, Nk, has_key, acc
         if needs_mask:
             np.copyto(S.reshape(nh, G, br, bc), NEG_INF,
                       where=_causal_tile(Nq, Nk, r0, r1, c0, c1))
-        if m_i is None:  # first K tile: take m_i = rowmax (0 where −inf: see the guard above)
-            m_i = S.max(axis=-1)
-            m_i[m_i == NEG_INF] = 0
-            np.subtract(S, m_i[:, :, None], out=S)
-            Qx[:, :, d] = -m_i
         np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
         PV = np.matmul(S, Vx[h0:h1, c0:c1], out=local.PV.get((nh, rows, d + 1)))
         l_i += PV[:, :, d]                               # ℓ_i += rowsum(P̃_ij)

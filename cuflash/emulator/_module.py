@@ -257,24 +257,21 @@ class _Library:
                                           ctypes.c_ulonglong, ctypes.c_int, ctypes.POINTER(_ErrorStruct)]
 
     def addr2line(self, pcs) -> list:
-        pcs = [p for p in pcs if p]
-        if not pcs or shutil.which("addr2line") is None:
+        """(function, file:line) of module-relative return addresses (None where unknown)."""
+        if shutil.which("addr2line") is None:
             return [None] * len(pcs)
-        out = subprocess.run(["addr2line", "-C", "-i", "-f", "-e", str(self.path)] + [hex(p - 1) for p in pcs],
-                             capture_output=True, text=True).stdout
-        # with -i, each address may print several (function, file:line) pairs; take the innermost
-        # frame of each address by asking one address at a time when needed
         res = []
         for p in pcs:
+            if not p:
+                res.append(None)
+                continue
+            # -i prints the inlining chain innermost first; the first pair is the access itself
             o = subprocess.run(["addr2line", "-C", "-i", "-f", "-e", str(self.path), hex(p - 1)],
                                capture_output=True, text=True).stdout.splitlines()
             if len(o) >= 2:
-                fn, loc = o[0], o[1]
-                loc = re.sub(r" \(discriminator \d+\)", "", loc)
-                res.append((fn, loc))
+                res.append((o[0], re.sub(r" \(discriminator \d+\)", "", o[1])))
             else:
                 res.append(None)
-        del out
         return res
 
 

@@ -914,7 +914,7 @@ static void remove_signals() {
 
 static thread_local Worker* __emu_t_worker_cache = nullptr;
 
-static void worker_run(Launch* L) {
+static void worker_run(Launch* L, bool persistent) {
     Worker* w = __emu_t_worker_cache;
     if (!w) { w = new Worker(); __emu_t_worker_cache = w; }
     w->L = L;
@@ -933,17 +933,12 @@ static void worker_run(Launch* L) {
     ss.ss_sp = w->altstack; ss.ss_size = alt; ss.ss_flags = 0;
     sigaltstack(&ss, &old_ss);
     if (L->checked) {
-        if (!__emu_t_dyn_shadow) {
-            __emu_t_dyn_shadow = (SShadow*)calloc(EMU_DYN_SMEM_MAX, sizeof(SShadow));
-            for (size_t i = 0; i < EMU_DYN_SMEM_MAX; ++i) { __emu_t_dyn_shadow[i].w_tid = -1; __emu_t_dyn_shadow[i].r_tid = -1; }
-        }
+        // zero-filled shadow means "no access recorded"; calloc'ed pages are only touched where
+        // the kernel accesses shared memory. Freed at the end of the launch.
+        __emu_t_dyn_shadow = (SShadow*)calloc(EMU_DYN_SMEM_MAX, sizeof(SShadow));
         size_t ns = (size_t)(g_static_hi_off - g_static_lo_off);
-        if (__emu_t_stat_shadow_n < ns) {
-            free(__emu_t_stat_shadow);
-            __emu_t_stat_shadow = (SShadow*)calloc(ns, sizeof(SShadow));
-            for (size_t i = 0; i < ns; ++i) { __emu_t_stat_shadow[i].w_tid = -1; __emu_t_stat_shadow[i].r_tid = -1; }
-            __emu_t_stat_shadow_n = ns;
-        }
+        __emu_t_stat_shadow = (SShadow*)calloc(ns ? ns : 1, sizeof(SShadow));
+        __emu_t_stat_shadow_n = ns;
     }
     __emu_t_worker = w;
     if (sigsetjmp(w->jb, 1) == 0) {
@@ -958,6 +953,21 @@ static void worker_run(Launch* L) {
     w->cur = nullptr;
     __emu_t_worker = nullptr;
     sigaltstack(&old_ss, nullptr);
+    free(__emu_t_dyn_shadow);
+    __emu_t_dyn_shadow = nullptr;
+    free(__emu_t_stat_shadow);
+    __emu_t_stat_shadow = nullptr;
+    __emu_t_stat_shadow_n = 0;
+    (void)persistent;
+    {
+        // give the fiber stacks back after every launch: each guard page is a separate mapping,
+        // and every loaded kernel library has its own runtime, so keeping them would exhaust
+        // vm.max_map_count in a long test session (re-mapping costs well under a millisecond)
+        if (w->stacks) munmap(w->stacks, w->stacks_size);
+        free(w->altstack);
+        delete w;
+        __emu_t_worker_cache = nullptr;
+    }
 }
 
 EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, unsigned long long shmem,
@@ -1009,8 +1019,8 @@ EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, 
     if (nworkers > L.nblocks) nworkers = (int)std::max(1L, L.nblocks);
     install_signals();
     std::vector<std::thread> th;
-    for (int i = 1; i < nworkers; ++i) th.emplace_back(worker_run, &L);
-    worker_run(&L);
+    for (int i = 1; i < nworkers; ++i) th.emplace_back(worker_run, &L, false);
+    worker_run(&L, true);
     for (auto& t : th) t.join();
     remove_signals();
     for (auto& g : L.regions) { free(g.wr); free(g.rd); free(g.sh); }
