@@ -77,19 +77,30 @@ template <class Tr> struct ThreadCoord {
 // A. Rows >= n_rows and columns >= n_cols are written as 0: zero-padding makes the
 // padded head-dim columns add nothing to Q Kᵀ and keeps P̃ · V finite (0 · NaN = NaN, and
 // the emulator fills shared memory with NaN).
-// Consecutive threads read consecutive columns: coalesced.
+// Each thread keeps one column and walks rows (no per-element div/mod; a trip count known
+// at compile time), and consecutive threads read consecutive columns: coalesced.
 template <class Tr, int ROWS, typename T>
 __device__ __forceinline__ void load_tile(typename Tr::A* __restrict__ s, const T* __restrict__ g,
                                           long long ld, int row0, int n_rows, int col0,
                                           int n_cols) {
-    constexpr int D = Tr::kHeadDim;
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * D; idx += Tr::kThreads) {
-        const int r = idx / D, c = idx % D;
-        typename Tr::A x = 0;
-        if (row0 + r < n_rows && col0 + c < n_cols)
-            x = to_float(g[(long long)(row0 + r) * ld + (col0 + c)]);
-        s[r * Tr::kRowStride + c] = x;
+    using A = typename Tr::A;
+    constexpr int D = Tr::kHeadDim, NT = Tr::kThreads;
+    static_assert(NT % D == 0 || D % NT == 0, "HEAD_DIM and the thread count must nest");
+    constexpr int kColsPerPass = D < NT ? D : NT;    // columns covered by one pass
+    constexpr int kRowsPerPass = NT / kColsPerPass;  // rows covered by one pass
+    constexpr int kColPasses = D / kColsPerPass;
+    const int c0 = threadIdx.x % kColsPerPass;
+    const int r0 = threadIdx.x / kColsPerPass;
+#pragma unroll
+    for (int cp = 0; cp < kColPasses; ++cp) {
+        const int c = c0 + cp * kColsPerPass;
+        const bool col_ok = col0 + c < n_cols;
+#pragma unroll 1
+        for (int r = r0; r < ROWS; r += kRowsPerPass) {
+            A x = A(0);
+            if (col_ok && row0 + r < n_rows) x = to_float(g[(long long)(row0 + r) * ld + (col0 + c)]);
+            s[r * Tr::kRowStride + c] = x;
+        }
     }
 }
 
@@ -101,7 +112,7 @@ __device__ __forceinline__ void gemm_qk(typename Tr::A (&s)[Tr::kRowsPerThread][
                                         const ThreadCoord<Tr>& tc) {
     using A = typename Tr::A;
     constexpr int D = Tr::kHeadDim;
-#pragma unroll 8
+#pragma unroll 4
     for (int k = 0; k < D; ++k) {
         A qv[Tr::kRowsPerThread], kv[Tr::kColsPerThread];
 #pragma unroll
