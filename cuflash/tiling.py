@@ -108,6 +108,11 @@ class KernelPlan:
     def source(self) -> str:
         return KERNEL_SOURCES[self.kernel]
 
+    def __str__(self) -> str:
+        return (f"{self.kernel} {self.dtype} D={self.head_dim_bucket} "
+                f"Br={self.block_m} Bc={self.block_n} threads={self.num_threads} "
+                f"smem={self.smem_bytes} B")
+
     @property
     def name_expression(self) -> str:
         ctype = _dtypes.c_type(np.dtype(self.dtype))

@@ -21,6 +21,11 @@ using namespace cuflash;
 
 namespace {
 
+// x · log2 e − m as one fma (m in log2 units): 2^{x·log2 e − m} = e^{x − m·ln 2}.
+template <typename A> __device__ __forceinline__ A shifted(A x, A m) {
+    return fma(x, MathConst<A>::log2e, -m);
+}
+
 // Running (m, ℓ) in log2 units: m is the max of x · log2 e.
 template <typename A> struct MaxSum {
     A m, l;
@@ -28,13 +33,14 @@ template <typename A> struct MaxSum {
         m = neg_inf<A>();
         l = A(0);
     }
-    // ℓ = ℓ · 2^{m_old − m_new} + 2^{x − m_new}
-    __device__ __forceinline__ void push(A x2) {
-        const A m_new = nan_max(m, x2);
+    // ℓ = ℓ · 2^{m_old − m_new} + 2^{x − m_new}, x in natural units (x · log2 e is
+    // taken inside shifted(), exactly as pass 2 does).
+    __device__ __forceinline__ void push(A x) {
+        const A m_new = nan_max(m, x * MathConst<A>::log2e);
         // Guarded shift: m_new = −inf means everything so far is −inf, and
         // −inf − (−inf) would be NaN; both terms are 0 then.
         const A shift = safe_max_shift(m_new);
-        l = l * fast_exp2(m - shift) + fast_exp2(x2 - shift);
+        l = l * fast_exp2(m - shift) + fast_exp2(shifted(x, shift));
         m = m_new;
     }
     // Merge another partial pair (same formula with ℓ_b in place of one term).
@@ -46,10 +52,13 @@ template <typename A> struct MaxSum {
     }
 };
 
-// Pass 2 for one element: e^{x − m} / ℓ, with x − m evaluated as one fma in log2 units.
-// No guard here on purpose: an all −inf line gives 2^{NaN} · (1/0) = NaN, as scipy.
-template <typename A> __device__ __forceinline__ A softmax_out(A x, A m, A inv_l) {
-    return fast_exp2(fma(x, MathConst<A>::log2e, -m)) * inv_l;
+// Pass 2 for one element: e^{x − m} / ℓ. The exponent is the very expression pass 1
+// summed (one explicit fma, never left to the compiler's contraction choices), and the
+// division is exact-rounded, so a line whose terms sum to ℓ exactly (one element, equal
+// elements) gives exactly 1/n, as scipy does. No guard here on purpose: an all −inf line
+// gives 2^{NaN} / 0 = NaN, as scipy.
+template <typename A> __device__ __forceinline__ A softmax_out(A x, A m, A l) {
+    return fast_exp2(shifted(x, m)) / l;
 }
 
 }  // namespace
@@ -71,7 +80,7 @@ softmax_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     MaxSum<A> st;
     st.init();
     for (int i = threadIdx.x; i < n; i += NUM_THREADS)
-        st.push(to_float(xl[i * x_sn]) * MathConst<A>::log2e);
+        st.push(to_float(xl[i * x_sn]));
 
     // -- merge the pairs: butterfly inside each warp, then across warps via shared memory
 #pragma unroll
@@ -92,9 +101,8 @@ softmax_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     for (int w = 0; w < kWarps; ++w) st.merge(s_m[w], s_l[w]);
 
     // -- pass 2: normalise
-    const A inv_l = A(1) / st.l;
     for (int i = threadIdx.x; i < n; i += NUM_THREADS)
-        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, inv_l));
+        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, st.l));
 }
 
 template <typename T, int NUM_THREADS>
@@ -112,9 +120,8 @@ softmax_cols_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     // -- pass 1: online (m, ℓ) down the line
     MaxSum<A> st;
     st.init();
-    for (int i = 0; i < n; ++i) st.push(to_float(xl[i * x_sn]) * MathConst<A>::log2e);
+    for (int i = 0; i < n; ++i) st.push(to_float(xl[i * x_sn]));
     // -- pass 2: normalise
-    const A inv_l = A(1) / st.l;
     for (int i = 0; i < n; ++i)
-        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, inv_l));
+        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, st.l));
 }
