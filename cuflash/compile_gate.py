@@ -199,9 +199,10 @@ def _key(source_text, names, arch, options):
     h.update("\0".join(options).encode() + b"\1")
     h.update("\0".join(names).encode() + b"\1")
     h.update(source_text.encode())
-    # Headers are part of the program: hash every header of the kernel directory.
-    for hdr in sorted(compiler.KERNEL_DIR.glob("*.cuh")):
-        h.update(hdr.name.encode() + b"\0" + hdr.read_bytes())
+    # Headers are part of the program: hash every local header it includes (transitively),
+    # so an edit to another kernel family's header does not invalidate this file's entry.
+    for name in sorted(_local_includes(source_text)):
+        h.update(name.encode() + b"\0" + (compiler.KERNEL_DIR / name).read_bytes())
     try:
         from cupy.cuda import nvrtc
         h.update(repr(nvrtc.getVersion()).encode())
@@ -209,6 +210,20 @@ def _key(source_text, names, arch, options):
         pass
     h.update(ptxas_path().encode())
     return h.hexdigest()
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _local_includes(text, seen=None):
+    """Names of the cuflash/kernels/ headers `text` includes, directly or not."""
+    seen = set() if seen is None else seen
+    for name in _INCLUDE.findall(text):
+        path = compiler.KERNEL_DIR / name
+        if name not in seen and path.is_file():
+            seen.add(name)
+            _local_includes(path.read_text(), seen)
+    return seen
 
 
 def _load(key):
