@@ -11,7 +11,8 @@ import scipy.special
 
 import cuflash
 from cuflash import _dtypes, reference
-from conftest import (DTYPES, assert_close_to_reference, round_to, to_backend, to_host)
+from conftest import (DTYPES, HAS_GPU, assert_close_to_reference, round_to, to_backend,
+                      to_host)
 
 
 def rand(rng, shape, dtype, low=-1.0, high=1.0):
@@ -323,3 +324,34 @@ def test_gpu_arrays_need_the_cuda_backend():
 
     with pytest.raises(TypeError, match="backend='cuda'"):
         cuflash.flash_attention(FakeGpuArray(), F32[0], F32[0], backend="numpy")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_foreign_gpu_arrays_are_taken_zero_copy():
+    """Arrays of other GPU libraries come in through __cuda_array_interface__ or DLPack."""
+    import cupy
+    from cuflash.api import _to_cupy
+
+    class ViaInterface:
+        def __init__(self, a):
+            self.__cuda_array_interface__ = a.__cuda_array_interface__
+
+    class ViaDLPack:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kwargs):
+            return self.a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    q = cupy.random.standard_normal((2, 64, 32), dtype=cupy.float32)
+    for wrap in (ViaInterface, ViaDLPack):
+        assert _to_cupy("q", wrap(q)).data.ptr == q.data.ptr  # a view, not a copy
+        o = cuflash.flash_attention(wrap(q), wrap(q), wrap(q), causal=True)
+        assert isinstance(o, cupy.ndarray)
+        h = q.get()
+        np.testing.assert_allclose(o.get(), reference.naive_attention(h, h, h, causal=True),
+                                   rtol=1e-5, atol=2e-5)
