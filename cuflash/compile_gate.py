@@ -246,15 +246,10 @@ def _store(key, rows):
 
 
 def collect_specializations():
-    """{filename: [name expressions]} from the forward/softmax and backward launchers."""
-    from .backends import kernel_backward
+    """{filename: [name expressions]}: every specialization cuflash can launch."""
+    from .backends import kernels
     specs = {}
-    try:
-        from .backends import kernels
-        groups = [kernels.specializations(), kernel_backward.specializations()]
-    except (ImportError, AttributeError):
-        groups = [kernel_backward.specializations()]
-    for group in groups:
+    for group in [kernels.specializations()]:
         for filename, names in group.items():
             lst = specs.setdefault(filename, [])
             lst.extend(n for n in names if n not in lst)

@@ -9,8 +9,11 @@ Two things live here:
   struct `AttnTileTraits` in `kernels/attn_tile.cuh` term for term. That formula exists
   once here and once there (with messaged static_asserts); nothing else computes it.
 
-The set of plans is finite: `all_plans()` lists every specialization the library can
-launch, and the compile gate compiles exactly those.
+The backward's plans (`BwdPlan`, `plan_backward`, `bwd_smem_bytes` mirroring the
+`__shared__` arrays of `kernels/flash_bwd.cu`) live here too, beside the forward's.
+
+The set of plans is finite: `all_plans()` (forward) and `all_bwd_plans()` (backward) list
+every specialization the library can launch, and the compile gate compiles exactly those.
 """
 from __future__ import annotations
 
@@ -84,8 +87,18 @@ def attention_smem_bytes(accum_bytes: int, head_dim: int, block_m: int, block_n:
     return elems * accum_bytes
 
 
+class _Plan:
+    """What every plan (forward `KernelPlan`, backward `BwdPlan`) offers: the fields
+    `kernel`, `dtype`, `head_dim_bucket`, and `num_threads`, `smem_bytes` (its kernel
+    family's formula), `source`, `name_expression` for the launch and the gate."""
+
+    @property
+    def accum_bytes(self) -> int:
+        return _dtypes.accum_dtype(np.dtype(self.dtype)).itemsize
+
+
 @dataclasses.dataclass(frozen=True)
-class KernelPlan:
+class KernelPlan(_Plan):
     """One launchable specialization of a forward attention kernel."""
 
     kernel: str            # "flash_fwd" (FA2) or "flash_fwd_fa1"
@@ -94,10 +107,6 @@ class KernelPlan:
     block_m: int           # Br: query rows per tile
     block_n: int           # Bc: keys per tile
     num_threads: int
-
-    @property
-    def accum_bytes(self) -> int:
-        return _dtypes.accum_dtype(np.dtype(self.dtype)).itemsize
 
     @property
     def smem_bytes(self) -> int:
@@ -185,6 +194,172 @@ def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
         f"device's {max_smem} bytes of shared memory per block; the smallest needs {need} "
         f"bytes. Reduce d (or use float32/16-bit inputs instead of float64), or use "
         f"backend='numpy'.")
+
+
+# ── backward (flash_bwd.cu) ────────────────────────────────────────────────────────────
+#
+# The backward kernels are plain SIMT with *static* shared memory (every tile stays under
+# the 48 KB any device gives without opting in), laid out differently from the forward:
+# a warp is cut into groups of G lanes, a group owns `rows_per_group` rows (keys in the
+# dK/dV kernel, queries in the dQ kernel) and lane g of the group holds the head-dim
+# columns g, g+G, … (DPL = D/G of them); the other operand streams through shared memory
+# in tiles of `tile_rows` rows. See the comments at the top of flash_bwd.cu.
+#
+# Head dims above the largest bucket run the `*_chunked` kernels in 256-wide chunks: a
+# block owns one chunk of its output's columns and sums the scores over every chunk
+# (`bwd_head_dim_chunks`). Their causal flag is a run-time argument (they are the slow
+# path), the one-chunk kernels' a template flag.
+BWD_HEAD_DIM_BUCKETS = (32, 64, 128, 256)   # the same for every dtype (double too)
+BWD_NUM_WARPS = 8                # 256 threads per block for the dK/dV and dQ kernels
+BWD_PREPROCESS_ROWS = 4          # rows (warps) per block of the preprocess kernel
+BWD_SMEM_TILE_BYTES = 32 * 1024  # the streamed operand pair (2 · tile_rows · D accumulators)
+BWD_SOURCE = "flash_bwd.cu"
+BWD_KERNELS = ("flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_chunked",
+               "flash_bwd_dq_chunked")
+
+
+def bwd_smem_bytes(kernel: str, accum_bytes: int, head_dim: int, tile_rows: int,
+                   block_rows: int) -> int:
+    """Static shared memory of one backward block: mirrors the `__shared__` arrays of the
+    four kernels of flash_bwd.cu (and is checked against ptxas by the compile gate).
+
+    dK/dV  sQ[BR][D], sdO[BR][D], sL[BR], sD[BR]        (BR = tile_rows)
+    dQ     sK[BC][D], sV[BC][D]                          (BC = tile_rows)
+    the chunked kernels add sS, sdP [tile_rows x block_rows] (partial scores).
+    """
+    elems = 2 * tile_rows * head_dim
+    if kernel.startswith("flash_bwd_dkdv"):
+        elems += 2 * tile_rows
+    if kernel.endswith("_chunked"):
+        elems += 2 * tile_rows * block_rows
+    return elems * accum_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan(_Plan):
+    """One launchable specialization of a backward kernel (dK/dV or dQ, maybe chunked).
+
+    A block owns `block_rows` = num_warps · (32/G) · rows_per_group rows (BC keys of the
+    dK/dV kernel, BRQ queries of the dQ kernel); the streamed operand comes in tiles of
+    `tile_rows` rows (BR / BC). `causal` is the template flag of the one-chunk kernels
+    (None for the chunked ones, whose causal flag is a run-time argument).
+    """
+
+    kernel: str            # one of BWD_KERNELS
+    dtype: str             # NumPy dtype name
+    head_dim_bucket: int   # compile-time D
+    lanes_per_row: int     # G
+    rows_per_group: int    # KPG (dK/dV) or QPG (dQ)
+    num_warps: int
+    tile_rows: int
+    causal: bool | None = None
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def block_rows(self) -> int:
+        return self.num_warps * (32 // self.lanes_per_row) * self.rows_per_group
+
+    @property
+    def chunked(self) -> bool:
+        return self.kernel.endswith("_chunked")
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_smem_bytes(self.kernel, self.accum_bytes, self.head_dim_bucket,
+                              self.tile_rows, self.block_rows)
+
+    @property
+    def source(self) -> str:
+        return BWD_SOURCE
+
+    def __str__(self) -> str:
+        flag = "" if self.causal is None else (" causal" if self.causal else " full")
+        return (f"{self.kernel} {self.dtype} D={self.head_dim_bucket} G={self.lanes_per_row} "
+                f"rows={self.block_rows} tile={self.tile_rows} threads={self.num_threads}"
+                f"{flag} smem={self.smem_bytes} B")
+
+    @property
+    def name_expression(self) -> str:
+        ctype = _dtypes.c_type(np.dtype(self.dtype))
+        args = (f"{ctype}, {self.head_dim_bucket}, {self.lanes_per_row}, {self.rows_per_group}, "
+                f"{self.num_warps}, {self.tile_rows}")
+        if self.causal is not None:
+            args += f", {'true' if self.causal else 'false'}"
+        return f"{self.kernel}_kernel<{args}>"
+
+
+def bwd_head_dim_bucket(d: int) -> int:
+    """The smallest backward bucket >= d; d above the largest runs in chunks of it."""
+    if d < 1:
+        raise ValueError(f"head dim d must be >= 1; got d={d}")
+    for b in BWD_HEAD_DIM_BUCKETS:
+        if d <= b:
+            return b
+    return BWD_HEAD_DIM_BUCKETS[-1]
+
+
+def bwd_head_dim_chunks(d: int) -> int:
+    """How many bucket-wide chunks the backward splits head dim d into."""
+    return -(-d // bwd_head_dim_bucket(d))
+
+
+def _bwd_shape(dtype, D):
+    """(G, rows_per_group, tile_rows) of the backward tiles for `dtype` and bucket D."""
+    acc_bytes = _dtypes.accum_dtype(np.dtype(dtype)).itemsize
+    # Columns per lane: 8 float accumulators (4 doubles) keep the 4·rows·DPL register
+    # accumulators (K, V, dK, dV) near 64 words per thread.
+    dpl = 8 if acc_bytes == 4 else 4
+    G = max(1, min(32, D // dpl))
+    # Two rows per lane group reuse each shared-memory read twice; the one case whose
+    # DPL is forced up (double, D=256 → DPL 8) keeps one row to stay spill-free.
+    rows_per_group = 1 if (acc_bytes == 8 and D // G > 4) else 2
+    tile_rows = min(64, BWD_SMEM_TILE_BYTES // (2 * D * acc_bytes))
+    return G, rows_per_group, tile_rows
+
+
+def _bwd_plan(kernel, dtype, D, causal):
+    G, rpg, tile_rows = _bwd_shape(dtype, D)
+    return BwdPlan(kernel, np.dtype(dtype).name, D, G, rpg, BWD_NUM_WARPS, tile_rows,
+                   None if kernel.endswith("_chunked") else bool(causal))
+
+
+def plan_backward(d: int, dtype, *, causal: bool, max_smem: int = 48 * 1024, sm_count=None,
+                  cc=None) -> tuple[BwdPlan, BwdPlan]:
+    """The (dK/dV, dQ) plans for head dim d and dtype; the chunked kernels for d above
+    the largest bucket (`bwd_head_dim_chunks(d)` chunks, a run-time argument)."""
+    if not _dtypes.is_supported(dtype):
+        raise TypeError(f"dtype must be one of {_dtypes.SUPPORTED_NAMES}; got {dtype}")
+    D = bwd_head_dim_bucket(d)
+    suffix = "_chunked" if d > D else ""
+    plans = (_bwd_plan("flash_bwd_dkdv" + suffix, dtype, D, causal),
+             _bwd_plan("flash_bwd_dq" + suffix, dtype, D, causal))
+    need = max(p.smem_bytes for p in plans)
+    if need > max_smem:
+        raise ValueError(
+            f"the backward tiles for head dim d={d} ({np.dtype(dtype).name}) need {need} "
+            f"bytes of shared memory per block; this device has {max_smem}. "
+            f"Use backend='numpy'.")
+    return plans
+
+
+def bwd_preprocess_name(dtype) -> str:
+    return f"flash_bwd_preprocess_kernel<{_dtypes.c_type(np.dtype(dtype))}>"
+
+
+@functools.cache
+def all_bwd_plans() -> tuple[BwdPlan, ...]:
+    """Every backward dK/dV and dQ specialization the library can launch (for the gate):
+    per dtype, both kernels for every bucket and causal flag, and the two chunked ones."""
+    plans = []
+    for dt in _dtypes.SUPPORTED:
+        for D in BWD_HEAD_DIM_BUCKETS:
+            for causal in (False, True):
+                plans.extend(plan_backward(D, dt, causal=causal))
+        plans.extend(plan_backward(BWD_HEAD_DIM_BUCKETS[-1] + 1, dt, causal=False))
+    return tuple(plans)
 
 
 def device_limits():

@@ -6,8 +6,8 @@ version), so only the first run after a kernel edit pays the cold compile.
 """
 import pytest
 
-from cuflash import compile_gate, compiler
-from cuflash.backends import kernel_backward
+from cuflash import compile_gate, compiler, tiling
+from cuflash.backends import kernels
 
 
 def _have_toolchain():
@@ -35,7 +35,7 @@ def test_every_specialization_compiles_without_spills(gate_rows):
 
 def test_gate_covers_every_arch_and_backward_kernel(gate_rows):
     seen = {(r.kernel, r.arch) for r in gate_rows}
-    for name in kernel_backward.specializations()[kernel_backward.SOURCE]:
+    for name in kernels.specializations()[tiling.BWD_SOURCE]:
         for arch in compiler.GATE_ARCHS:
             assert (name, arch) in seen
 
@@ -43,12 +43,9 @@ def test_gate_covers_every_arch_and_backward_kernel(gate_rows):
 def test_backward_smem_formula_matches_ptxas(gate_rows):
     """The Python plan's shared-memory bytes are what ptxas reports for the kernel."""
     by_name = {(r.kernel, r.arch): r for r in gate_rows}
-    for dtype in kernel_backward._dtypes.SUPPORTED:
-        for D in kernel_backward.HEAD_DIM_BUCKETS:
-            p = kernel_backward.plan(dtype, D)
-            for arch in compiler.GATE_ARCHS:
-                assert by_name[(p.dkdv_name(True), arch)].smem == p.dkdv_smem_bytes
-                assert by_name[(p.dq_name(True), arch)].smem == p.dq_smem_bytes
+    for p in tiling.all_bwd_plans():
+        for arch in compiler.GATE_ARCHS:
+            assert by_name[(p.name_expression, arch)].smem == p.smem_bytes, str(p)
 
 
 PLANTED = r"""

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from cuflash import _dtypes, reference
+from cuflash import _dtypes, reference, tiling
 from cuflash.backends import kernel_backward
 
 from conftest import HAS_GPU, HAS_GXX, assert_close_to_reference, round_to, to_host
@@ -157,13 +157,44 @@ def test_strided_inputs(emu):
     run_and_check(emu, prob, False, views=views)
 
 
-def test_deterministic(emu):
-    prob = make_problem(1, 4, 2, 70, 90, 48, np.float32, True, seed=11)
+@pytest.mark.parametrize("d", [48, 300])
+def test_deterministic(emu, d):
+    prob = make_problem(1, 4, 2, 70, 90, d, np.float32, True, seed=11)
     args = [prob[n] for n in ("do", "q", "k", "v", "o", "lse")]
     a = kernel_backward.backward(emu, *args, causal=True, scale=prob["scale"])
     b = kernel_backward.backward(emu, *args, causal=True, scale=prob["scale"])
     for x, y in zip(a, b):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+# ── head dims above the largest bucket: the chunked kernels ──────────────────────────
+
+LOWP = BF16 or np.float16
+
+
+def _large(d, dtype, causal):
+    return pytest.param(d, np.dtype(dtype), causal,
+                        id=f"d{d}-{np.dtype(dtype)}-{'causal' if causal else 'full'}")
+
+
+@pytest.mark.parametrize("d,dtype,causal", [
+    _large(300, np.float32, False), _large(300, np.float32, True),
+    _large(300, np.float64, True), _large(300, LOWP, False),
+    _large(520, np.float32, True), _large(520, np.float64, False),
+    _large(520, np.float16, True),
+])
+def test_large_head_dims(emu, d, dtype, causal):
+    # GQA (2 query heads per K/V head), partial tiles on both axes, Nq < Nk.
+    assert tiling.bwd_head_dim_chunks(d) > 1
+    prob = make_problem(2, 4, 2, 21, 26, d, dtype, causal, seed=d + causal)
+    run_and_check(emu, prob, causal)
+
+
+def test_large_head_dim_fully_masked_rows(emu):
+    prob = make_problem(1, 2, 1, 30, 12, 300, np.float32, True, seed=13)
+    assert np.isneginf(prob["lse"]).any()
+    dq, _, _ = run_and_check(emu, prob, True)
+    assert np.all(to_host(dq)[np.isneginf(prob["lse"])] == 0)
 
 
 # ── checked mode: zero races, zero out-of-bounds ─────────────────────────────────────
@@ -172,7 +203,8 @@ def test_deterministic(emu):
     dict(B=1, Hq=2, Hkv=1, Nq=17, Nk=23, d=59, dtype=np.float16, causal=True),
     dict(B=1, Hq=1, Hkv=1, Nq=40, Nk=9, d=32, dtype=np.float64, causal=True),
     dict(B=2, Hq=2, Hkv=2, Nq=9, Nk=70, d=100, dtype=np.float32, causal=False),
-], ids=["f16-gqa-causal", "f64-masked-rows", "f32-d100"])
+    dict(B=1, Hq=2, Hkv=1, Nq=19, Nk=13, d=300, dtype=np.float32, causal=True),
+], ids=["f16-gqa-causal", "f64-masked-rows", "f32-d100", "f32-d300-gqa-chunked"])
 def test_checked_mode(emu_checked, case):
     case = dict(case)
     dtype, causal = case.pop("dtype"), case.pop("causal")
@@ -182,20 +214,28 @@ def test_checked_mode(emu_checked, case):
 
 # ── the launch plan ──────────────────────────────────────────────────────────────────
 
-def test_head_dim_too_large_is_a_clear_error():
-    with pytest.raises(ValueError, match="head dim d=300"):
-        kernel_backward.head_dim_bucket(300)
+def test_plan_backward_routes_large_head_dims_to_chunks():
+    for d, chunks in ((1, 1), (256, 1), (257, 2), (300, 2), (512, 2), (520, 3)):
+        assert tiling.bwd_head_dim_chunks(d) == chunks
+        dkdv, dq = tiling.plan_backward(d, np.float32, causal=True)
+        assert dkdv.chunked == dq.chunked == (chunks > 1)
+        assert dkdv.kernel.startswith("flash_bwd_dkdv") and dq.kernel.startswith("flash_bwd_dq")
+    with pytest.raises(ValueError, match="d=0"):
+        tiling.plan_backward(0, np.float32, causal=False)
 
 
 def test_specializations_are_finite_and_fit():
-    specs = kernel_backward.specializations()
-    names = specs[kernel_backward.SOURCE]
+    from cuflash.backends import kernels
+    names = kernels.specializations()[tiling.BWD_SOURCE]
     assert len(names) == len(set(names))
+    plans = tiling.all_bwd_plans()
+    assert {p.name_expression for p in plans} <= set(names)
     for dtype in _dtypes.SUPPORTED:
-        for D in kernel_backward.HEAD_DIM_BUCKETS:
-            p = kernel_backward.plan(dtype, D)
-            assert p.dkdv_smem_bytes <= 48 * 1024 and p.dq_smem_bytes <= 48 * 1024
-            assert p.dkdv_name(True) in names and p.dq_name(False) in names
+        assert tiling.bwd_preprocess_name(dtype) in names
+        for d in (*tiling.BWD_HEAD_DIM_BUCKETS, 300):
+            for causal in (False, True):
+                for p in tiling.plan_backward(d, dtype, causal=causal):
+                    assert p in plans and p.smem_bytes <= 48 * 1024
 
 
 @pytest.mark.gpu
@@ -219,10 +259,11 @@ def test_cuda(dtype, causal):
         assert_close_to_reference(to_host(o), r, p, dtype, factor=3.0, what=name)
 
 
-def test_public_api_end_to_end():
+@pytest.mark.parametrize("d", [40, 300])
+def test_public_api_end_to_end(d):
     """flash_attention → flash_attention_backward on the emulator: both kernel families."""
     import cuflash
-    prob = make_problem(1, 4, 2, 30, 41, 40, np.float32, True, seed=9)
+    prob = make_problem(1, 4, 2, 30, 41, d, np.float32, True, seed=9)
     q, k, v, do = prob["q"], prob["k"], prob["v"], prob["do"]
     o, lse = cuflash.flash_attention(q, k, v, causal=True, return_lse=True, backend="emulator")
     dq, dk, dv = cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=True,

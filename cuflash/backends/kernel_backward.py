@@ -7,156 +7,23 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 2. `flash_bwd_dkdv_kernel`: one thread block per K/V block (Q tiles streamed), dK, dV;
 3. `flash_bwd_dq_kernel`: one thread block per Q block (K/V tiles streamed), dQ.
 
+Head dims above the largest bucket (d > 256) launch the `*_chunked` kernels instead, one
+block per (row block, 256-wide head-dim chunk); see flash_bwd.cu.
 No launch uses atomics, so results are bitwise reproducible.
 
-The tile plan for each (dtype, head-dim bucket) is `plan()`; its shared-memory formula
-mirrors the kernels' `__shared__` declarations (the one place it is written in Python).
-`specializations()` lists every instantiation `backward` can launch, for the compile gate.
+This module is the launch sequence only: the tile plans (`BwdPlan`, `plan_backward`, the
+shared-memory formula, every specialization for the compile gate) are in
+`cuflash/tiling.py`; argument marshalling (layouts, strides, range checks) is shared with
+the forward in `backends/kernels.py`.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import numpy as np
 
-from .. import _dtypes, compiler
-
-SOURCE = "flash_bwd.cu"
-
-# Head-dim buckets: a head dim d runs in the smallest bucket D >= d (columns d..D-1 are
-# zero-padded in registers and shared memory, never read from or written to memory).
-HEAD_DIM_BUCKETS = (32, 64, 128, 256)
-MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-
-NWARPS = 8                  # 256 threads per block for the dK/dV and dQ kernels
-PREPROCESS_ROWS = 4         # rows (warps) per block of the preprocess kernel
-SMEM_TILE_BYTES = 32 * 1024  # per streamed operand pair: stays under the 48 KB static limit
-
-
-@dataclasses.dataclass(frozen=True)
-class BwdPlan:
-    """Tiles of the dK/dV and dQ kernels for one element type and head-dim bucket.
-
-    G lanes share one row (key or query), each holding DPL = D/G columns; every lane
-    group owns `rows_per_group` rows, so a block owns `block_rows` = NWARPS·(32/G)·rpg
-    rows (BC keys of the dK/dV kernel, BRQ queries of the dQ kernel); the operand that
-    is streamed through shared memory comes in tiles of `tile_rows` rows (BR / BC).
-    """
-    c_type: str
-    acc_bytes: int
-    D: int
-    G: int
-    rows_per_group: int
-    nwarps: int
-    tile_rows: int
-
-    @property
-    def threads(self):
-        return self.nwarps * 32
-
-    @property
-    def block_rows(self):
-        return self.nwarps * (32 // self.G) * self.rows_per_group
-
-    @property
-    def dkdv_smem_bytes(self):
-        # __shared__ Acc sQ[BR][D], sdO[BR][D], sL[BR], sD[BR];
-        return (2 * self.tile_rows * self.D + 2 * self.tile_rows) * self.acc_bytes
-
-    @property
-    def dq_smem_bytes(self):
-        # __shared__ Acc sK[BC][D], sV[BC][D];
-        return 2 * self.tile_rows * self.D * self.acc_bytes
-
-    def dkdv_name(self, causal):
-        return (f"flash_bwd_dkdv_kernel<{self.c_type}, {self.D}, {self.G}, "
-                f"{self.rows_per_group}, {self.nwarps}, {self.tile_rows}, "
-                f"{'true' if causal else 'false'}>")
-
-    def dq_name(self, causal):
-        return (f"flash_bwd_dq_kernel<{self.c_type}, {self.D}, {self.G}, "
-                f"{self.rows_per_group}, {self.nwarps}, {self.tile_rows}, "
-                f"{'true' if causal else 'false'}>")
-
-
-def head_dim_bucket(d: int) -> int:
-    for D in HEAD_DIM_BUCKETS:
-        if d <= D:
-            return D
-    raise ValueError(
-        f"head dim d={d} is not supported by the CUDA backward kernels; they accept "
-        f"1 <= d <= {MAX_HEAD_DIM} (use backend='numpy' for larger head dims)")
-
-
-@functools.cache
-def plan(dtype, D: int) -> BwdPlan:
-    """The backward tile plan for element `dtype` and head-dim bucket `D`."""
-    dtype = np.dtype(dtype)
-    acc_bytes = _dtypes.accum_dtype(dtype).itemsize
-    # Columns per lane: 8 float accumulators (4 doubles) keep the 4·KPG·DPL register
-    # accumulators (K, V, dK, dV) near 64 words per thread.
-    dpl = 8 if acc_bytes == 4 else 4
-    G = max(1, min(32, D // dpl))
-    # Two rows per lane group reuse each shared-memory read twice; the one case whose
-    # DPL is forced up (double, D=256 → DPL 8) keeps one row to stay spill-free.
-    rows_per_group = 1 if (acc_bytes == 8 and D // G > 4) else 2
-    tile_rows = min(64, SMEM_TILE_BYTES // (2 * D * acc_bytes))
-    return BwdPlan(_dtypes.c_type(dtype), acc_bytes, D, G, rows_per_group, NWARPS, tile_rows)
-
-
-def preprocess_name(dtype) -> str:
-    return f"flash_bwd_preprocess_kernel<{_dtypes.c_type(dtype)}>"
-
-
-def specializations() -> dict:
-    """Every backward kernel instantiation the library can launch: {filename: [names]}."""
-    names = []
-    for dtype in _dtypes.SUPPORTED:
-        names.append(preprocess_name(dtype))
-        for D in HEAD_DIM_BUCKETS:
-            p = plan(dtype, D)
-            for causal in (False, True):
-                names.append(p.dkdv_name(causal))
-                names.append(p.dq_name(causal))
-    return {SOURCE: names}
-
-
-# ── launching ────────────────────────────────────────────────────────────────────────
-
-def _get_function(backend, name_expr):
-    """The compiled kernel `name_expr` of flash_bwd.cu on `backend`: the backend's
-    memoised accessor `get_function(source, name_expression)` (backends/kernels.py)."""
-    return backend.get_function(SOURCE, name_expr)
-
-
-def _kernel_layout(xp, a):
-    """`a` itself when the kernels can read it in place (unit last-axis stride, no
-    negative strides); a contiguous copy otherwise."""
-    if (a.shape[-1] > 1 and a.strides[-1] != a.itemsize) or any(s < 0 for s in a.strides):
-        return xp.ascontiguousarray(a)
-    return a
-
-
-_INT32_MAX = 2**31 - 1
-_GRID_YZ_MAX = 65535
-
-
-def _check_launch(B, Hq, Hkv, Nq, Nk):
-    for what, n in (("Nq", Nq), ("Nk", Nk), ("batch x heads x Nq", B * Hq * Nq)):
-        if n > _INT32_MAX:
-            raise ValueError(f"{what}={n} exceeds the backward kernels' 32-bit range "
-                             f"(max {_INT32_MAX}); split the batch")
-    for what, n in (("batch", B), ("query heads", Hq), ("key/value heads", Hkv)):
-        if n > _GRID_YZ_MAX:
-            raise ValueError(f"{what}={n} exceeds the backward kernels' grid limit "
-                             f"({_GRID_YZ_MAX}); split that axis into several calls")
-
-
-def _elem_strides(a):
-    """int64 element strides of the first three axes of a 4-D array."""
-    return tuple(np.int64(s // a.itemsize) for s in a.strides[:3])
+from .. import _dtypes, tiling
+from .kernels import check_grid_yz, elem_strides, i32, prepare
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale):
@@ -173,10 +40,6 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale):
     acc = _dtypes.accum_dtype(dtype)
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    D = head_dim_bucket(d)
-    p = plan(dtype, D)
-    _check_launch(B, Hq, Hkv, Nq, Nk)
-
     dq = xp.empty((B, Hq, Nq, d), dtype=dtype)
     dk = xp.empty((B, Hkv, Nk, d), dtype=dtype)
     dv = xp.empty((B, Hkv, Nk, d), dtype=dtype)
@@ -188,30 +51,40 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale):
             dv[...] = 0
         return dq, dk, dv
 
-    q, k, v, o, do = (_kernel_layout(xp, a) for a in (q, k, v, o, do))
+    p_dkdv, p_dq = tiling.plan_backward(d, dtype, causal=causal)
+    n_chunks = tiling.bwd_head_dim_chunks(d)
+    # Range checks: 32-bit row indices and sizes; grid y/z carry heads and batch.
+    i32(B * Hq * Nq, "batch x heads x Nq")
+    for n, what in ((B, "batch"), (Hq, "query heads"), (Hkv, "key/value heads")):
+        check_grid_yz(n, what)
+    grid_kv = i32(math.ceil(Nk / p_dkdv.block_rows) * n_chunks, "dK/dV blocks per head")
+    grid_q = i32(math.ceil(Nq / p_dq.block_rows) * n_chunks, "dQ blocks per head")
+
+    q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     lse = xp.ascontiguousarray(lse, dtype=acc)
     Dvec = xp.empty((B, Hq, Nq), dtype=acc)
-    acc_t = acc.type
-    scale = acc_t(scale)
-    sizes = (np.int32(Hq), np.int32(Hkv), np.int32(Nq), np.int32(Nk), np.int32(d))
+    scale = acc.type(scale)
+    sizes = (i32(Hq, "query heads"), i32(Hkv, "key/value heads"), i32(Nq, "Nq"),
+             i32(Nk, "Nk"), i32(d, "d"))
+    s3 = lambda a: elem_strides(a)[:3]  # noqa: E731  (batch, head, row) element strides
 
     # 1. D = rowsum(dO ∘ O)
     rows = B * Hq * Nq
-    f = _get_function(backend, preprocess_name(dtype))
-    f((math.ceil(rows / PREPROCESS_ROWS),), (PREPROCESS_ROWS * 32,),
-      (do, o, Dvec, np.int32(Hq), np.int32(Nq), np.int32(d), np.int64(rows),
-       *_elem_strides(do), *_elem_strides(o)))
+    f = backend.get_function(tiling.BWD_SOURCE, tiling.bwd_preprocess_name(dtype))
+    f((math.ceil(rows / tiling.BWD_PREPROCESS_ROWS),), (tiling.BWD_PREPROCESS_ROWS * 32,),
+      (do, o, Dvec, sizes[0], sizes[2], sizes[4], np.int64(rows), *s3(do), *s3(o)))
 
-    strides_in = (*_elem_strides(q), *_elem_strides(k), *_elem_strides(v), *_elem_strides(do))
+    strides_in = (*s3(q), *s3(k), *s3(v), *s3(do))
+    # The chunked kernels take the causal flag and the chunk count at run time.
+    extra = (np.int32(bool(causal)), np.int32(n_chunks)) if p_dkdv.chunked else ()
 
-    # 2. dK, dV: one block per (K/V block, kv head, batch)
-    f = _get_function(backend, p.dkdv_name(causal))
-    f((math.ceil(Nk / p.block_rows), Hkv, B), (p.threads,),
-      (q, k, v, do, lse, Dvec, dk, dv, *sizes, scale, *strides_in,
-       *_elem_strides(dk), *_elem_strides(dv)))
+    # 2. dK, dV: one block per (K/V block [x head-dim chunk], kv head, batch)
+    f = backend.get_function(p_dkdv.source, p_dkdv.name_expression)
+    f((grid_kv, Hkv, B), (p_dkdv.num_threads,),
+      (q, k, v, do, lse, Dvec, dk, dv, *sizes, scale, *strides_in, *s3(dk), *s3(dv), *extra))
 
-    # 3. dQ: one block per (Q block, query head, batch)
-    f = _get_function(backend, p.dq_name(causal))
-    f((math.ceil(Nq / p.block_rows), Hq, B), (p.threads,),
-      (q, k, v, do, lse, Dvec, dq, *sizes, scale, *strides_in, *_elem_strides(dq)))
+    # 3. dQ: one block per (Q block [x head-dim chunk], query head, batch)
+    f = backend.get_function(p_dq.source, p_dq.name_expression)
+    f((grid_q, Hq, B), (p_dq.num_threads,),
+      (q, k, v, do, lse, Dvec, dq, *sizes, scale, *strides_in, *s3(dq), *extra))
     return dq, dk, dv

@@ -39,7 +39,7 @@ def _softmax_names():
 
 
 def specializations() -> dict[str, list[str]]:
-    """Every forward and softmax kernel specialization the library can launch.
+    """Every kernel specialization the library can launch: forward, softmax, backward.
 
     {source filename: [name expression, ...]}: finite (all tile plans, dtypes and head-dim
     buckets), for the compile gate.
@@ -48,17 +48,43 @@ def specializations() -> dict[str, list[str]]:
     for plan in tiling.all_plans():
         out.setdefault(plan.source, []).append(plan.name_expression)
     out[SOFTMAX_SOURCE] = _softmax_names()
+    bwd = out.setdefault(tiling.BWD_SOURCE, [])
+    bwd.extend(tiling.bwd_preprocess_name(dt) for dt in _dtypes.SUPPORTED)
+    bwd.extend(p.name_expression for p in tiling.all_bwd_plans())
     return out
 
 
-def _elem_strides(a) -> tuple[int, ...]:
-    return tuple(s // a.itemsize for s in a.strides)
+# -- argument marshalling, shared by the forward, softmax and backward launches ---------
+
+_GRID_YZ_MAX = 65535
 
 
-def _i32(n: int, what: str) -> np.int32:
+def elem_strides(a) -> tuple[np.int64, ...]:
+    """Element strides of every axis of `a`, as the kernels' `long long` parameters."""
+    return tuple(np.int64(s // a.itemsize) for s in a.strides)
+
+
+def i32(n: int, what: str) -> np.int32:
+    """`n` as a kernel `int` parameter; ValueError naming `what` when it does not fit."""
     if n > _INT32_MAX:
         raise ValueError(f"{what}={n} exceeds the kernels' 32-bit index range (max {_INT32_MAX})")
     return np.int32(n)
+
+
+def check_grid_yz(n: int, what: str) -> None:
+    """A grid's y or z extent (at most 65535 blocks): say which axis to split."""
+    if n > _GRID_YZ_MAX:
+        raise ValueError(f"{what}={n} exceeds the kernels' grid limit ({_GRID_YZ_MAX}); "
+                         f"split that axis into several calls")
+
+
+def prepare(xp, a):
+    """`a` itself when the kernels can read it in place (unit last-axis stride, no
+    negative strides); a contiguous copy otherwise."""
+    st = a.strides
+    if (a.shape[-1] > 1 and st[-1] != a.itemsize) or any(s < 0 for s in st):
+        return xp.ascontiguousarray(a)
+    return a
 
 
 class KernelBackend:
@@ -102,13 +128,6 @@ class KernelBackend:
                 fn.max_dynamic_shared_size_bytes = smem_bytes
         return fn
 
-    def _prepare(self, a):
-        """Kernels need a unit last-dim stride and non-negative strides: copy otherwise."""
-        st = a.strides
-        if (a.shape[-1] > 1 and st[-1] != a.itemsize) or any(s < 0 for s in st):
-            return self.xp.ascontiguousarray(a)
-        return a
-
     # -- forward ------------------------------------------------------------------------
 
     def plan(self, d, dtype, algorithm="fa2") -> tiling.KernelPlan:
@@ -117,7 +136,7 @@ class KernelBackend:
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2"):
         """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d); see backends/__init__."""
         xp = self.xp
-        q, k, v = self._prepare(q), self._prepare(k), self._prepare(v)
+        q, k, v = (prepare(xp, a) for a in (q, k, v))
         B, Hq, Nq, d = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         dtype = q.dtype
@@ -130,11 +149,10 @@ class KernelBackend:
             return o, lse
         strides = []
         for a in (q, k, v, o):
-            sb, sh, sr, _ = _elem_strides(a)
-            strides += [np.int64(sb), np.int64(sh), np.int64(sr)]
+            strides += elem_strides(a)[:3]
         scale_log2 = acc.type(float(scale) * _LOG2E)  # softmax scale folded with log2(e)
-        sizes = [_i32(Hq, "heads"), _i32(Hq // Hkv, "group"), _i32(Nq, "Nq"), _i32(Nk, "Nk"),
-                 _i32(d, "d")]
+        sizes = [i32(Hq, "heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
+                 i32(d, "d")]
         fn = self.get_function(plan.source, plan.name_expression, plan.smem_bytes)
         if plan.kernel == "flash_fwd":
             num_m_blocks = -(-Nq // plan.block_m)
@@ -146,9 +164,9 @@ class KernelBackend:
             l_buf = xp.empty((n_chunks, B, Hq, Nq), dtype=acc)
             m_buf = xp.empty((n_chunks, B, Hq, Nq), dtype=acc)
             grid = n_chunks * Hq * B
-            args = (q, k, v, o, lse, o_acc, l_buf, m_buf, _i32(B, "batch"), *sizes, *strides,
+            args = (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(B, "batch"), *sizes, *strides,
                     scale_log2, np.int32(bool(causal)), np.int32(n_chunks))
-        _i32(grid, "grid size (blocks = query blocks x heads x batch)")
+        i32(grid, "grid size (blocks = query blocks x heads x batch)")
         fn((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
         return o, lse
 
@@ -170,8 +188,7 @@ class KernelBackend:
         if y.size == 0:
             return y
         c = _dtypes.c_type(x.dtype)
-        xs = [np.int64(s) for s in _elem_strides(x)]
-        ys = [np.int64(s) for s in _elem_strides(y)]
+        xs, ys = elem_strides(x), elem_strides(y)
         lines = P * Q
         if Q >= SOFTMAX_COLS_MIN_Q:
             # One thread per (p, q) line: neighbouring threads read neighbouring q.
@@ -181,9 +198,9 @@ class KernelBackend:
             # One block per line; its threads stride along n and merge their (m, ℓ).
             name = f"softmax_rows_kernel<{c}, {SOFTMAX_THREADS}>"
             grid = lines
-        _i32(grid, "grid size (softmax lines)")
+        i32(grid, "grid size (softmax lines)")
         fn = self.get_function(SOFTMAX_SOURCE, name)
-        fn((grid,), (SOFTMAX_THREADS,), (x, y, _i32(P, "P"), _i32(n, "n"), _i32(Q, "Q"), *xs, *ys))
+        fn((grid,), (SOFTMAX_THREADS,), (x, y, i32(P, "P"), i32(n, "n"), i32(Q, "Q"), *xs, *ys))
         return y
 
 
