@@ -72,7 +72,9 @@ def cmd_info(args):
     for dtype in _dtypes.SUPPORTED:
         for d in (64, 128, 256):
             try:
-                print(f"  {str(dtype):9s} d={d:<4d} {tiling.plan_forward(d, dtype, **limits)}")
+                fwd = tiling.plan_forward(d, dtype, **limits)
+                dkdv, dq = tiling.plan_backward(d, dtype, causal=False, **limits)
+                print(f"  {str(dtype):9s} d={d:<4d} forward {fwd}\n{'':19s}backward {dkdv}; {dq}")
             except ValueError as exc:
                 print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
     return 0

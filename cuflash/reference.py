@@ -6,7 +6,7 @@ input dtype: the tests compare every other implementation against these.
 - `naive_attention`   S = scale·Q Kᵀ, mask, P = softmax(S), O = P V (builds N×N).
 - `fa1_attention`     FlashAttention   (Dao et al. 2022) Algorithm 1, line by line.
 - `fa2_attention`     FlashAttention-2 (Dao 2023)       Algorithm 1, line by line.
-- `attention_backward` the seeds' backward equations, from the stored lse.
+- `attention_backward` the FlashAttention backward equations, from the stored lse.
 - `softmax`, `online_softmax` the softmax, directly and in the one-pass
   (running max, running sum) form that FlashAttention is built on.
 
@@ -15,8 +15,8 @@ h uses K/V head h // (Hq / Hkv) (GQA / MQA). Causal masking is aligned to the
 bottom-right corner: key j is masked for query i when j > i + (Nk - Nq). A
 query row that sees no key gets O = 0 and lse = -inf, never NaN.
 
-The online-softmax state is named as in STYLE.md and in the NumPy backend and
-the CUDA kernels: `m_i` (running row max), `l_i` (running row sum), `acc`
+The online-softmax state is named as in the NumPy backend and the CUDA
+kernels, so they read side by side: `m_i` (running row max), `l_i` (running row sum), `acc`
 (the output accumulator), with three phases init / update / finalize.
 """
 import math

@@ -1,7 +1,7 @@
 // online_softmax.cu — softmax over axis 1 of a (P, n, Q) array given with strides,
 // equal to scipy.special.softmax(x, axis=1), NaN and inf semantics included.
 //
-// Pass 1 is the seeds' online softmax: one read of the row keeps the running pair
+// Pass 1 is the online softmax (Milakov & Gimelshein 2018): one read of the row keeps the running pair
 //   m = max(m, x),   ℓ = ℓ · e^{m_old − m} + e^{x − m}
 // (not a max pass followed by a sum pass). Pass 2 writes e^{x − m} / ℓ.
 //
