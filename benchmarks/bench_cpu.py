@@ -233,6 +233,9 @@ def main(argv=None):
         if hasattr(os, "getloadavg"):  # timings on a busy machine are not comparable
             w.writerow(["machine", f"load average {os.getloadavg()[0]:.1f} on "
                         f"{os.cpu_count()} CPUs", "", "", "", "", "", "", "", ""])
+    if hasattr(os, "getloadavg"):
+        print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (timings above ~1 on "
+              f"{os.cpu_count()} CPUs are inflated, ratios less so)")
     print(f"\nwrote {csv_path}")
 
     if not args.no_plot:

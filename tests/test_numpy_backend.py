@@ -21,8 +21,11 @@ def small_tiles(monkeypatch):
     """Tiny tiles so that modest sizes walk through many Q and K/V tiles."""
     monkeypatch.setattr(nb, "ROWS", 16)
     monkeypatch.setattr(nb, "BLOCK_N", 24)
+    monkeypatch.setattr(nb, "CAUSAL_BLOCK_N", 12)
     monkeypatch.setattr(nb, "BWD_ROWS", 16)
     monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)
+    monkeypatch.setattr(nb, "DIAG_ROWS", 5)   # diagonal strips: 16 = 5 + 5 + 5 + 1
+    monkeypatch.setattr(nb, "BWD_DIAG", 7)    # 24 = 7 + 7 + 7 + 3
     monkeypatch.setattr(nb, "TILE_BUDGET", 16 * 24 * 2)
     monkeypatch.setattr(nb, "BWD_TILE_BUDGET", 16 * 24 * 2)
     monkeypatch.setattr(nb, "MAX_SAMPLE", 5)  # the frozen max from part of a tile
@@ -241,22 +244,66 @@ def test_frozen_max_hands_over(small_tiles, monkeypatch):
     np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
+def _coverage(Nq, Nk, Br, Bc, causal, outer, diag):
+    """How often block_schedule computes each (query, key) pair unmasked / masked."""
+    seen = np.zeros((Nq, Nk), int)
+    masked = np.zeros((Nq, Nk), int)
+    for a0, a1, steps in nb.block_schedule(Nq, Nk, Br, Bc, causal=causal, outer=outer,
+                                           diag=diag):
+        for r0, r1, c0, c1, t in steps:
+            assert r1 > r0 and c1 > c0
+            assert (a0 <= r0 < r1 <= a1) if outer == "q" else (a0 <= c0 < c1 <= a1)
+            S = np.zeros((1, r1 - r0, c1 - c0))
+            if t is not None:
+                nb._mask_block(S, 1, r1 - r0, t)
+            hidden = S[0] == -np.inf
+            # No key (outer="q") / no row (outer="k") of a block is hidden throughout it.
+            assert not hidden.all(axis=0 if outer == "q" else 1).any()
+            seen[r0:r1, c0:c1] += ~hidden
+            masked[r0:r1, c0:c1] += hidden
+    return seen, masked
+
+
+@pytest.mark.parametrize("outer", ["q", "k"])
+@pytest.mark.parametrize("shape", [(64, 64, 8, 16), (50, 70, 16, 8), (100, 10, 16, 8),
+                                   (10, 100, 3, 7), (1, 33, 4, 4), (33, 1, 4, 4),
+                                   (300, 300, 64, 48), (77, 300, 32, 64)])
+@pytest.mark.parametrize("diag", [None, 1, 5, 16])
+def test_schedule_covers_exactly_the_visible_keys(shape, outer, diag):
+    """Every visible (query, key) pair is computed once and unmasked; no hidden pair
+    escapes the mask (checked with _mask_block itself, the code the loops run)."""
+    Nq, Nk, Br, Bc = shape
+    for causal in (False, True):
+        visible = ~R.causal_mask(Nq, Nk) if causal else np.ones((Nq, Nk), bool)
+        seen, masked = _coverage(Nq, Nk, Br, Bc, causal, outer, diag)
+        np.testing.assert_array_equal(seen, visible)
+        assert causal or not masked.any()
+
+
 def test_causal_schedule_skips_blocks():
-    N, Br, Bc = 2048, 256, 512
-    sched = list(nb.block_schedule(N, N, Br, Bc, causal=True))
-    tiles = [(r0, r1, c0, w, m) for r0, r1, kv in sched for c0, c1, w, m in kv]
-    assert len(tiles) == 20 < (N // Br) * (N // Bc)          # 20 of 32 tiles visited
-    assert sum(m for *_, m in tiles) == 8                      # only the diagonal is masked
-    # Keys computed: the lower triangle plus half-tiles on the diagonal, 56% of N².
-    assert sum(w * (r1 - r0) for r0, r1, c0, w, m in tiles) == 36 * 256 * 256
-    for r0, r1, c0, w, m in tiles:  # nothing visited lies entirely above the diagonal
-        assert c0 + w - 1 == min(c0 + Bc, r1) - 1
-        assert m == (c0 + w - 1 > r0)
+    N = 2048
+    # Forward, 512-row Q tiles: unmasked full-height blocks below the diagonal, and
+    # the 512 × 512 triangle on it cut into 128-row strips, each computing only
+    # keys its rows see: 1 + 2 + 3 + 4 of the triangle's 16 128² blocks. Computed:
+    # 53% of N² (the whole triangle, as before: 62.5%).
+    sched = list(nb.block_schedule(N, N, 512, 512, causal=True, diag=128))
+    blocks = [b for r0, r1, kv in sched for b in kv]
+    diag = [b for b in blocks if b[4] is not None]
+    assert len(diag) == 16 and all(a1 - a0 == 128 and c0 == a0 // 512 * 512 and c1 == a1
+                                   for a0, a1, c0, c1, t in diag)
+    assert all(a1 - a0 == 512 and c1 - c0 == 512 for a0, a1, c0, c1, t in blocks if t is None)
+    total = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, t in blocks)
+    assert total == 128 * 128 * 136 and total / N**2 < 0.54   # (1 + 2 + … + 16) 128² blocks
+    # Backward, 512-key tiles cut into 128-key strips on the diagonal: the mirror image.
+    sched = list(nb.block_schedule(N, N, 256, 512, causal=True, outer="k", diag=128))
+    blocks = [b for c0, c1, qt in sched for b in qt]
+    assert sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, t in blocks) == total
+    assert sum(t is not None for *_, t in blocks) == 16
     # Nq > Nk: the first Q tiles see no key at all and visit nothing.
     sched = list(nb.block_schedule(100, 10, 16, 8, causal=True))
     assert [len(kv) for *_, kv in sched][:5] == [0, 0, 0, 0, 0]
-    assert all(not m and w == c1 - c0
-               for *_, kv in nb.block_schedule(50, 70, 16, 8, causal=False) for c0, c1, w, m in kv)
+    assert all(t is None for *_, kv in nb.block_schedule(50, 70, 16, 8, causal=False)
+               for *_, t in kv)
 
 
 def test_forward_memory_is_linear():
