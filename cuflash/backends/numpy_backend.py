@@ -14,7 +14,7 @@ Q rows) are spread over a small thread pool, one worker per core.
 Memory: one score tile (heads, G·Br, Bc) per worker, plus O(N·d) arrays (the
 outputs, Kᵀ and [V | 1] prepared once per call, dQ accumulators) — never N×N.
 
-Numerics (DESIGN.md §1): 16-bit inputs are widened to float32 (K, V once per
+Numerics: 16-bit inputs are widened to float32 (K, V once per
 call, Q per tile) and accumulated in float32, float64 in float64; −inf − (−inf)
 is guarded by subtracting 0 from rows whose running max is still −inf; a fully
 masked row gets o = 0 and lse = −inf; a NaN or +inf score poisons its own row
@@ -127,7 +127,7 @@ def _map(fn, tasks):
         pool = _POOL
 
     def quiet(task):
-        # NaN and ±inf propagate by design (DESIGN.md §1): exp(inf − inf) and
+        # NaN and ±inf propagate as the API promises: exp(inf − inf) and
         # 0·inf inside a row are the defined result, not a warning.
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             return fn(task)
