@@ -389,16 +389,20 @@ def _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, sample_t, has_key, a
     return acc, l_i, m_i
 
 
-def _fwd_fa2(q, k, v, causal, scale):
+def _grouped_heads(q, k, v):
+    """Sizes and GQA views without copies: the G query heads of one K/V head are axis 1
+    of q4 (BH, G, Nq, d); k3 and v3 are (BH, Nk, d), with BH = B · Hkv."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
     BH = B * Hkv
+    return (B, Hq, Nq, d, Hkv, Nk, G, BH, q.reshape(BH, G, Nq, d),
+            k.reshape(BH, Nk, d), v.reshape(BH, Nk, d))
+
+
+def _fwd_fa2(q, k, v, causal, scale):
+    B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = _grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
-    # GQA without copies: the G query heads of one K/V head are axis 1 of q4.
-    q4 = q.reshape(BH, G, Nq, d)
-    k3 = k.reshape(BH, Nk, d)
-    v3 = v.reshape(BH, Nk, d)
     o = np.empty((B, Hq, Nq, d), q.dtype)
     lse = np.empty((B, Hq, Nq), lse_dtype(q.dtype))
     o4 = o.reshape(BH, G, Nq, d)
@@ -459,14 +463,8 @@ def _fwd_fa2(q, k, v, causal, scale):
 
 def _fwd_fa1(q, k, v, causal, scale):
     """FlashAttention-1 loop order: K/V tiles outer, O, ℓ, m in "HBM", rescaled each step."""
-    B, Hq, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    BH = B * Hkv
+    B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = _grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
-    q4 = q.reshape(BH, G, Nq, d)
-    k3 = k.reshape(BH, Nk, d)
-    v3 = v.reshape(BH, Nk, d)
     Br = max(1, min(Nq, ROWS // G)) if G <= ROWS else 1
     Bc = min(BLOCK_N, Nk)
     # O, ℓ, m live in "HBM" (full arrays), normalised after every step.
@@ -523,17 +521,13 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
         dQ_i += dS_ij K_j · scale
         dK_j += dS_ijᵀ Q_i · scale
     """
-    B, Hq, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    BH = B * Hkv
+    B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = _grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
     sc = acc_t.type(scale)
     # Prepared once per call, O(N·d) like dq: Qx = [scale·Q | −L], dOx = [dO | −D],
     # KTx = [Kᵀ; 1], VTx = [Vᵀ; 1], so that the matmuls give S − L and dP − D
     # directly: two passes over every score tile saved, and no per-tile casts.
-    q4, do4, o4 = (x.reshape(BH, G, Nq, d) for x in (q, do, o))
-    k3, v3 = k.reshape(BH, Nk, d), v.reshape(BH, Nk, d)
+    do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
     L = lse.reshape(BH, G, Nq)
     Qx = np.empty((BH, G, Nq, d + 1), acc_t)
     dOx = np.empty((BH, G, Nq, d + 1), acc_t)
