@@ -252,35 +252,56 @@ class _Buf:
 
 # ---------------------------------------------------------------------------- forward
 
-# The frozen-max fast path accepts a tile when every row keeps ℓ_i within
-# [2^-30, 2^64] and acc finite; otherwise the tile is redone with the running max.
+# The frozen-max fast path accepts a tile when every row that sees a key keeps
+# ℓ_i within [2^-30, 2^64] and acc finite; otherwise the tile is redone with the
+# running max.
 _L_MIN, _L_MAX = 2.0 ** -30, 2.0 ** 64
 
 
-def _prepare_kv(k3, v3, acc_t):
-    """[Kᵀ; 1] and [V | 1] in the accumulation dtype, made once per call (O(N·d), like o).
+def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
+    """Qx = [scale·Q | −m], Kx = [K | 1], Vx = [V | 1] and m in the accumulation
+    dtype, made once per call on the pool (O(N·d), like o).
 
-    [Q_i | −m] [Kᵀ; 1] = Q_i Kᵀ − m: the row of ones lets the matmul subtract a
-    per-row max for free. [V | 1] lets one matmul P̃ [V_j | 1] give both P̃ V_j
-    and ℓ̃ = rowsum(P̃), saving a pass over every score tile. Kᵀ is contiguous
-    because OpenBLAS runs faster on it than on a transposed view (a transposed
-    copy per tile cost ~10% of the forward). 16-bit K, V are widened here.
+    [Q_i | −m_i] [K_j | 1]ᵀ = S_ij − m_i: the column of ones lets the matmul
+    subtract the frozen reference m (see _fwd_tile_frozen) for free. [V | 1] lets
+    one matmul P̃ [V_j | 1] give both P̃ V_j and ℓ̃ = rowsum(P̃), saving a pass
+    over every score tile. 16-bit inputs are widened here.
+
+    m is each row's max over the first MAX_SAMPLE keys, for all rows of a head
+    in one matmul: done per tile, its matmul, max and fix-ups were ~10 NumPy
+    calls per tile, and with two workers every call is a GIL hand-over.
     """
-    BH, Nk, d = v3.shape
-    KTx = np.empty((BH, d + 1, Nk), acc_t)
+    BH, G, Nq, d = q4.shape
+    Nk = k3.shape[1]
+    Qx = np.empty((BH, G, Nq, d + 1), acc_t)
+    Kx = np.empty((BH, Nk, d + 1), acc_t)
     Vx = np.empty((BH, Nk, d + 1), acc_t)
+    m = np.zeros((BH, G, Nq), acc_t)
+    ns = min(MAX_SAMPLE, Nk)
 
     def prepare(h):
-        _transpose_ones(k3[h], KTx[h])
-        Vx[h, :, :d] = v3[h]
-        Vx[h, :, d] = 1
+        np.multiply(q4[h], acc_t.type(scale), out=Qx[h, ..., :d], casting="unsafe")
+        for x, xx in ((k3, Kx), (v3, Vx)):
+            xx[h, :, :d] = x[h]
+            xx[h, :, d] = 1
+        if FAST_PATH:
+            # Keys × rows: the max over keys is then an elementwise maximum of rows
+            # (a max along a short last axis measured 6× slower).
+            S0T = Kx[h, :ns, :d] @ Qx[h, ..., :d].reshape(G * Nq, d).T
+            if causal:  # row r sees key j ≤ r + Nk − Nq
+                _mask_block(S0T.reshape(ns, G, Nq).transpose(1, 2, 0)[None], G, Nq, Nk - Nq)
+            mh = S0T.max(axis=0).reshape(G, Nq)
+            # A row that sees no sampled key sees no key at all (key 0 is sampled): it
+            # subtracts 0, so that exp(−inf − 0) = 0 rather than exp(−inf + inf) = NaN.
+            np.copyto(m[h], mh, where=mh != NEG_INF)
+        np.negative(m[h], out=Qx[h, ..., d])
 
     _map(prepare, range(BH))
-    return KTx, Vx
+    return Qx, Kx, Vx, m
 
 
 def _transpose_ones(x, out):
-    """out = [xᵀ; 1] for one head x (N, d), out (d + 1, N) contiguous (see _prepare_kv)."""
+    """out = [xᵀ; 1] for one head x (N, d), out (d + 1, N) contiguous (see _bwd_fa2)."""
     np.copyto(out[:-1], x.T, casting="unsafe")
     out[-1] = 1
 
@@ -293,22 +314,23 @@ def _strip(X, G, br, a0, a1):
     return X.reshape(X.shape[0], G, br, *X.shape[2:])[:, :, a0:a1]
 
 
-def _fwd_scores(Qx, KTx, h0, h1, r0, br, step, G, buf):
-    """S = Qx Kᵀ for one step (r0 is the tile's first row), masked if it straddles
+def _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, buf):
+    """S = Qx Kxᵀ for one step (r0 is the tile's first row), masked if it straddles
     the diagonal. Returns (S, rows view) with S in buf, shaped like the view of Qx."""
     a0, a1, c0, c1, t = step
     Q = _strip(Qx, G, br, a0 - r0, a1 - r0)
-    KT = KTx[h0:h1, :, c0:c1]
+    KT = Kx[h0:h1, c0:c1].transpose(0, 2, 1)
     S = np.matmul(Q, KT if Q.ndim == 3 else KT[:, None], out=buf.get(Q.shape[:-1] + (c1 - c0,)))
     if t is not None:  # only the blocks the diagonal crosses
         _mask_block(S, G, a1 - a0, t)
     return S, (a0 - r0, a1 - r0)
 
 
-def _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
+def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
     """One Q tile, FlashAttention-2's inner loop with the running max m_i.
 
-    Qx is [scale·Q_i | 0]. Returns the unnormalised state (acc, ℓ_i, m_i).
+    Qx is the tile's [scale·Q_i | ·]; its last column is overwritten with 0 (no
+    other tile reads these rows). Returns the unnormalised state (acc, ℓ_i, m_i).
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
@@ -319,7 +341,7 @@ def _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
     for step in kv:
         c0, c1 = step[2:4]
         # -- compute qk: S_ij = (scale·Q_i) K_jᵀ, for the step's rows --
-        S, (a0, a1) = _fwd_scores(Qx, KTx, h0, h1, r0, br, step, G, local.S)
+        S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
         m_s, accx_s = _strip(m_i, G, br, a0, a1), _strip(accx, G, br, a0, a1)
         # -- update m_i and l_i --
         m_new = np.maximum(m_s, S.max(axis=-1))
@@ -339,54 +361,45 @@ def _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
     return accx[..., :d], accx[..., d], m_i
 
 
-def _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, sample_t, has_key, acc_t, local):
-    """One Q tile with the running max frozen from a sample of keys.
+def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, local):
+    """One Q tile with the running max frozen at the reference m_i in Qx's last column.
 
     The max in exp(S − m) only guards against overflow; any fixed reference m
     near the row's largest score gives the same result to rounding. So m_i is
     the row max over the first MAX_SAMPLE keys (key 0 is visible to every row
-    that sees any key, so ℓ_i ≥ 1; sample_t is their causal mask, None if none),
-    folded into the matmul as [Q_i | −m_i] [K_jᵀ; 1] = S_ij − m_i: no tile needs
-    a rowmax pass, a subtraction or an α rescale — Q Kᵀ, exp, P̃ [V | 1], 3
-    passes instead of 5. The result is accepted when every row kept
-    ℓ_i ∈ [2^-30, 2^64] and a finite acc; otherwise (a score more than ~44 above
-    the sample's max, +inf, NaN, huge V) it returns None and the caller redoes
-    the tile with the running max.
+    that sees any key, so ℓ_i ≥ 1), folded into the matmul as
+    [Q_i | −m_i] [K_jᵀ; 1] = S_ij − m_i: no tile needs a rowmax pass, a
+    subtraction or an α rescale — Q Kᵀ, exp, P̃ [V | 1], 3 passes instead of 5.
+
+    Returns [acc | ℓ_i] (nh, G·br, d + 1) when every row from `first` on (the
+    rows that see a key) kept ℓ_i ∈ [2^-30, 2^64] and acc stayed finite;
+    otherwise (a score more than ~44 above the sample's max, +inf, NaN, huge V)
+    None, and the caller redoes the tile with the running max.
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
-    # -- init: the frozen reference m_i from a sample of keys --
-    Qx[:, :, d] = 0
-    # Computed transposed, keys × rows: the max over keys is then an elementwise
-    # maximum of rows (a max along a short last axis measured 80 µs per tile, 6×).
-    KT0 = KTx[h0:h1, :, :MAX_SAMPLE]
-    S0T = np.matmul(KT0.transpose(0, 2, 1), Qx.transpose(0, 2, 1))
-    if sample_t is not None:
-        ns = KT0.shape[-1]
-        _mask_block(S0T.reshape(nh, ns, G, br).transpose(0, 2, 3, 1), G, br, sample_t)
-    m_i = S0T.max(axis=1)
-    m_i[m_i == NEG_INF] = 0   # −inf − (−inf) guard: such rows subtract 0
-    Qx[:, :, d] = -m_i
     # [acc | ℓ_i] in one array, so that one addition of P̃ [V_j | 1] updates both:
     # with two workers every NumPy call is a GIL hand-over (a context switch when
-    # the other worker holds it), so calls per step count (measured on causal strips).
-    accx = np.zeros((nh, rows, d + 1), acc_t)
-    acc, l_i = accx[..., :d], accx[..., d]
+    # the other worker holds it), so calls per step count.
+    accx = local.acc.get((nh, rows, d + 1))
+    accx.fill(0)
     for step in kv:
         c0, c1 = step[2:4]
         # -- compute qk: S_ij − m_i = [scale·Q_i | −m_i] [K_jᵀ; 1], for the step's rows --
-        S, (a0, a1) = _fwd_scores(Qx, KTx, h0, h1, r0, br, step, G, local.S)
+        S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
         np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
         V = Vx[h0:h1, c0:c1]
         PV = np.matmul(S, V if S.ndim == 3 else V[:, None],
                        out=local.PV.get(S.shape[:-1] + (d + 1,)))
         _strip(accx, G, br, a0, a1)[...] += PV           # acc += P̃_ij V_j; ℓ_i += rowsum(P̃_ij)
-    # A row with no visible key has ℓ = 0 legitimately; any other row must stay
-    # in the window (NaN fails every comparison, so NaN rows go to the slow path).
-    ok = (l_i <= _L_MAX) & ((l_i >= _L_MIN) | ((l_i == 0) & ~has_key))
-    if not (ok.all() and np.isfinite(acc).all()):
+    # Rows before `first` see no key: ℓ = 0 there by the mask. min/max are NaN for
+    # a NaN row, which fails both comparisons; the sum is finite only if acc is.
+    l_seen = accx.reshape(nh, G, br, d + 1)[:, :, first:, d]
+    if l_seen.size and not (l_seen.min() >= _L_MIN and l_seen.max() <= _L_MAX):
         return None
-    return acc, l_i, m_i
+    if not math.isfinite(accx.sum()):
+        return None
+    return accx
 
 
 def _grouped_heads(q, k, v):
@@ -412,50 +425,50 @@ def _fwd_fa2(q, k, v, causal, scale):
     Bc = min(CAUSAL_BLOCK_N if causal else BLOCK_N, Nk)
     # Heads per task sized for BLOCK_N even when causal: a task's K/V and score tile
     # then stay within L2 (two heads of 256-key tiles measured 5% slower).
-    chunks = _head_chunks(BH, G * Br * min(BLOCK_N, Nk), TILE_BUDGET)
-    KTx, Vx = _prepare_kv(k3, v3, acc_t)
+    chunks = _head_chunks(BH, G * Br * Bc, TILE_BUDGET)
+    Qx, Kx, Vx, m = _prepare_fwd(q4, k3, v3, scale, causal, acc_t)
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal,
                                 diag=max(1, min(Br, DIAG_ROWS // G))))
     # Biggest tiles first (causal: the bottom rows see the most keys) balances workers.
     tasks = [(h0, h1, r0, r1, kv) for (r0, r1, kv) in sched for (h0, h1) in chunks]
     tasks.sort(key=lambda t: -sum((a1 - a0) * (c1 - c0) for a0, a1, c0, c1, _ in t[4]))
     local = threading.local()
-
-    off = Nk - Nq
+    # Causal rows before Nq − Nk see no key (o = 0, lse = −inf); all others see key 0.
+    first_seen = max(0, Nq - Nk) if causal else 0
 
     def run(task):
         h0, h1, r0, r1, kv = task
         nh, br = h1 - h0, r1 - r0
-        rows = G * br
-        if not kv:  # no visible key for any row of this tile: o = 0, lse = −inf
-            o4[h0:h1, :, r0:r1] = 0
-            lse3[h0:h1, :, r0:r1] = NEG_INF
+        o_t, lse_t = o4[h0:h1, :, r0:r1], lse3[h0:h1, :, r0:r1]
+        first = min(max(first_seen - r0, 0), br)  # the tile's first row that sees a key
+        o_t[:, :, :first] = 0
+        lse_t[:, :, :first] = NEG_INF
+        if first == br:
             return
         if not hasattr(local, "S"):
-            local.S, local.PV, local.Q = _Buf(acc_t), _Buf(acc_t), _Buf(acc_t)
-        # -- prologue: load Q_i (all G heads) as [scale·Q_i | ·], the scale folded in once --
-        Qx = local.Q.get((nh, rows, d + 1))
-        np.multiply(q4[h0:h1, :, r0:r1], acc_t.type(scale),
-                    out=Qx.reshape(nh, G, br, d + 1)[..., :d], casting="unsafe")
-        # Rows that see at least one key (causal: query r sees keys 0 .. r + Nk − Nq).
-        has_key = np.tile(np.arange(r0, r1) + off >= 0 if causal else np.ones(br, bool), G)
-        state = None
-        if FAST_PATH:
-            sample_t = r0 + off if causal else None   # the sample is keys 0 .. MAX_SAMPLE−1
-            state = _fwd_tile_frozen(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, sample_t,
-                                     has_key, acc_t, local)
-        if state is None:
-            state = _fwd_tile_online(Qx, KTx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local)
-        acc, l_i, m_i = state
-        # -- epilogue (finalize): the one rescale O_i = acc / ℓ_i, lse = m_i + log ℓ_i --
+            local.S, local.PV, local.acc = _Buf(acc_t), _Buf(acc_t), _Buf(acc_t)
+        # -- prologue: Q_i of all G heads as one (G·br, d + 1) matrix (a copy only when G > 1) --
+        Qx_i = Qx[h0:h1, :, r0:r1].reshape(nh, G * br, d + 1)
+        accx = _fwd_tile_frozen(Qx_i, Kx, Vx, h0, h1, r0, r1, kv, G, d, first,
+                                local) if FAST_PATH else None
+        if accx is not None:
+            # -- epilogue (finalize): the one rescale O_i = acc / ℓ_i, lse = m_i + log ℓ_i --
+            acc = accx.reshape(nh, G, br, d + 1)[:, :, first:]
+            l_i = acc[..., d]
+            np.divide(acc[..., :d], l_i[..., None], out=o_t[:, :, first:], casting="unsafe")
+            np.log(l_i, out=lse_t[:, :, first:], casting="unsafe")
+            lse_t[:, :, first:] += m[h0:h1, :, r0 + first:r1]
+            return
+        acc, l_i, m_i = _fwd_tile_online(Qx_i, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local)
+        # -- epilogue, for any row: ℓ = 0 (no key), NaN rows --
         seen = l_i > 0  # NaN rows compare False but keep their NaN through acc and m
         with np.errstate(divide="ignore", invalid="ignore"):
             l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
             acc /= l_div[:, :, None]
             L = np.where(seen, m_i + np.log(l_div), NEG_INF)
             L[np.isnan(l_i)] = np.nan  # a NaN score: NaN lse, in that row only
-        o4[h0:h1, :, r0:r1] = acc.reshape(nh, G, br, d)
-        lse3[h0:h1, :, r0:r1] = L.reshape(nh, G, br)
+        o_t[...] = acc.reshape(nh, G, br, d)
+        lse_t[...] = L.reshape(nh, G, br)
 
     _map(run, tasks)
     return o, lse
