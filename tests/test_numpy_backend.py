@@ -21,7 +21,6 @@ def small_tiles(monkeypatch):
     """Tiny tiles so that modest sizes walk through many Q and K/V tiles."""
     monkeypatch.setattr(nb, "ROWS", 16)
     monkeypatch.setattr(nb, "BLOCK_N", 24)
-    monkeypatch.setattr(nb, "CAUSAL_BLOCK_N", 12)
     monkeypatch.setattr(nb, "BWD_ROWS", 16)
     monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)
     monkeypatch.setattr(nb, "DIAG_ROWS", 5)   # diagonal strips: 16 = 5 + 5 + 5 + 1

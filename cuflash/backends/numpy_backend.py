@@ -37,12 +37,14 @@ NEG_INF = -np.inf
 
 # ---------------------------------------------------------------------------- tuning
 # Tile sizes, measured on a 2-core Xeon (AVX-512, 2 MB L2 per core), float32,
-# B=1, H=8, N=2048, d=64 (benchmarks/bench_cpu.py). A 512 × 512 float32 score
-# tile is 1 MB and stays in L2 from Q Kᵀ through exp to P̃ V. Alternatives that
-# lost (forward, one worker, same run): 256×512 two heads per tile +45%,
-# 256×512 one head +12%, 256×1024 +12%, 128×512 +40%, 512×256 +3%.
-ROWS = 512        # rows of one score tile (G query heads × Br rows)
-BLOCK_N = 512     # Bc: keys per K/V tile
+# B=1, H=8, N=2048, d=64 (benchmarks/bench_cpu.py). A 1024 × 256 float32 score
+# tile is 1 MB and stays in L2 from Q Kᵀ through exp to P̃ V. Forward CPU time
+# per call, two workers, medians of 31 interleaved runs: 1024×256 198 ms,
+# 2048×256 203 ms, 512×512 210 ms; earlier, one worker: 256×512 +12%,
+# 128×512 +40% over 512×512. Causal: 512 or 1024 rows, 128 or 256 keys, all
+# within 3%.
+ROWS = 1024       # rows of one score tile (G query heads × Br rows)
+BLOCK_N = 256     # Bc: keys per K/V tile
 BWD_ROWS = 256    # backward keeps two tiles (P, dP) alive: half the rows
 BWD_BLOCK_N = 512
 TILE_BUDGET = 1 << 18      # max elements of one forward score tile (heads × rows × cols)
@@ -56,7 +58,6 @@ BWD_TILE_BUDGET = 1 << 17  # the same for each of the backward's two tiles
 # hand-over between the workers).
 DIAG_ROWS = 128
 BWD_DIAG = 256
-CAUSAL_BLOCK_N = 256   # causal forward Bc: measured 5–20% faster than 512 with 2 workers
 _N_THREADS = None      # None: one worker per usable core
 FAST_PATH = True       # frozen-max forward tiles (see _fwd_tile_frozen)
 MAX_SAMPLE = 64        # keys whose row max becomes the frozen reference
@@ -422,10 +423,12 @@ def _fwd_fa2(q, k, v, causal, scale):
     lse3 = lse.reshape(BH, G, Nq)
 
     Br = max(1, min(Nq, ROWS // G)) if G <= ROWS else 1
-    Bc = min(CAUSAL_BLOCK_N if causal else BLOCK_N, Nk)
-    # Heads per task sized for BLOCK_N even when causal: a task's K/V and score tile
-    # then stay within L2 (two heads of 256-key tiles measured 5% slower).
+    Bc = min(BLOCK_N, Nk)
     chunks = _head_chunks(BH, G * Br * Bc, TILE_BUDGET)
+    # Fewer head ranges than workers (one long sequence): shorter Q tiles, so that
+    # every worker gets some.
+    per_chunk = -(-_n_workers() // len(chunks))
+    Br = min(Br, -(-Nq // per_chunk))
     Qx, Kx, Vx, m = _prepare_fwd(q4, k3, v3, scale, causal, acc_t)
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal,
                                 diag=max(1, min(Br, DIAG_ROWS // G))))
