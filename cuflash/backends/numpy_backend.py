@@ -369,7 +369,7 @@ def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, local):
     near the row's largest score gives the same result to rounding. So m_i is
     the row max over the first MAX_SAMPLE keys (key 0 is visible to every row
     that sees any key, so ℓ_i ≥ 1), folded into the matmul as
-    [Q_i | −m_i] [K_jᵀ; 1] = S_ij − m_i: no tile needs a rowmax pass, a
+    [Q_i | −m_i] [K_j | 1]ᵀ = S_ij − m_i: no tile needs a rowmax pass, a
     subtraction or an α rescale — Q Kᵀ, exp, P̃ [V | 1], 3 passes instead of 5.
 
     Returns [acc | ℓ_i] (nh, G·br, d + 1) when every row from `first` on (the
@@ -386,7 +386,7 @@ def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, local):
     accx.fill(0)
     for step in kv:
         c0, c1 = step[2:4]
-        # -- compute qk: S_ij − m_i = [scale·Q_i | −m_i] [K_jᵀ; 1], for the step's rows --
+        # -- compute qk: S_ij − m_i = [scale·Q_i | −m_i] [K_j | 1]ᵀ, for the step's rows --
         S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
         np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
         V = Vx[h0:h1, c0:c1]
