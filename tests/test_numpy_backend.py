@@ -243,6 +243,51 @@ def test_frozen_max_hands_over(small_tiles, monkeypatch):
     np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
+def test_exp2_range_bound():
+    """in_range promises |S₂ − m₂| within exp2's fast range, from norms alone."""
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, 1, 4, 2, 300, 200, 16, np.float32)
+    f32 = np.dtype(np.float32)
+    q4, k3, v3 = q.reshape(2, 2, 300, 16), k.reshape(2, 200, 16), v.reshape(2, 200, 16)
+    for scale, causal in ((0.25, False), (0.25, True)):
+        Qx, Kx, Vx, m, in_range = nb._prepare_fwd(q4, k3, v3, scale, causal, f32)
+        assert in_range.all()
+        S2 = Qx @ Kx.transpose(0, 2, 1)[:, None]        # S₂ − m₂ for every (row, key)
+        assert np.abs(S2).max() <= nb._exp2_limit(f32)
+        np.testing.assert_allclose(-Qx[..., -1] * nb.LN2, m, rtol=1e-6)
+    k3_big = k3.copy()
+    k3_big[1] *= 100                                     # |c·q||k| past 125 in head 1 only
+    *_, in_range = nb._prepare_fwd(q4, k3_big, v3, 0.25, False, f32)
+    assert in_range.tolist() == [True, False]
+    q4_nan = q4.copy()
+    q4_nan[0, 1, 7, 3] = np.nan
+    *_, in_range = nb._prepare_fwd(q4_nan, k3, v3, 0.25, False, f32)
+    assert in_range.tolist() == [False, True]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_clipped_exp2_keeps_the_fast_path(causal, small_tiles, monkeypatch):
+    """Scores far below the row max (weights < 2^-125) are clipped, not sent to the
+    slow path: the frozen max still serves and the result is the reference's."""
+    calls = []
+    online = nb._fwd_tile_online
+    monkeypatch.setattr(nb, "_fwd_tile_online", lambda *a: calls.append(1) or online(*a))
+    rng = np.random.default_rng(11)
+    q = np.abs(rng.standard_normal((1, 2, 40, 8))).astype(np.float32)
+    k = rng.standard_normal((1, 2, 60, 8)).astype(np.float32) * 10
+    k[:, :, 0] = 100          # key 0 (sampled, seen by every row) scores highest everywhere
+    v = rng.standard_normal((1, 2, 60, 8)).astype(np.float32)
+    *_, in_range = nb._prepare_fwd(q.reshape(2, 1, 40, 8), k.reshape(2, 60, 8),
+                                   v.reshape(2, 60, 8), 1.0, causal, np.dtype(np.float32))
+    assert not in_range.any()
+    o_ref, lse_ref = R.naive_attention(q.astype(np.float64), k, v, causal=causal, scale=1.0,
+                                       return_lse=True)
+    o, lse = BK.forward(q, k, v, causal=causal, scale=1.0)
+    assert not calls
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)
+
+
 def _coverage(Nq, Nk, Br, Bc, causal, outer, diag):
     """How often block_schedule computes each (query, key) pair unmasked / masked."""
     seen = np.zeros((Nq, Nk), int)

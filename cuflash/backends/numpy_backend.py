@@ -31,9 +31,7 @@ import numpy as np
 from .._dtypes import accum_dtype, lse_dtype
 
 NEG_INF = -np.inf
-# (np.exp, not exp2 in base 2: NumPy's float32 exp2 is ~1.8× faster on ordinary
-# scores but falls to a scalar path on −inf and on underflow, 14× slower per such
-# element — masked blocks and peaked rows would fall off a cliff.)
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 # ---------------------------------------------------------------------------- tuning
 # Tile sizes, measured on a 2-core Xeon (AVX-512, 2 MB L2 per core), float32,
@@ -208,16 +206,17 @@ def _hidden(rows, cols, t):
     return mask
 
 
-def _mask_block(S, G, rows, t):
-    """Write −inf into the hidden entries of S (nh, G·rows, w) or (nh, G, rows, w), a
-    block straddling the diagonal (b − a > t hidden). Only the corner that holds
-    hidden entries is touched: columns b > t and rows a < w − 1 − t."""
+def _mask_block(S, G, rows, t, fill=NEG_INF):
+    """Write `fill` (−inf: a hidden score; 0: a hidden probability) into the hidden
+    entries of S (nh, G·rows, w) or (nh, G, rows, w), a block straddling the
+    diagonal (b − a > t hidden). Only the corner that holds hidden entries is
+    touched: columns b > t and rows a < w − 1 − t."""
     nh, w = S.shape[0], S.shape[-1]
     b0 = max(0, t + 1)
     b0 -= b0 % _ALIGN
     a1 = min(rows, max(0, w - 1 - t))
     if b0 < w and a1 > 0:
-        np.copyto(S.reshape(nh, G, rows, w)[:, :, :a1, b0:], NEG_INF,
+        np.copyto(S.reshape(nh, G, rows, w)[:, :, :a1, b0:], fill,
                   where=_hidden(a1, w - b0, t - b0))
 
 
@@ -259,18 +258,28 @@ class _Buf:
 _L_MIN, _L_MAX = 2.0 ** -30, 2.0 ** 64
 
 
-def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
-    """Qx = [scale·Q | −m], Kx = [K | 1], Vx = [V | 1] and m in the accumulation
-    dtype, made once per call on the pool (O(N·d), like o).
+def _exp2_limit(dtype):
+    """NumPy's exp2 runs its SIMD loop for |x| ≤ this (125 in float32, 1021 in
+    float64); past it (an underflow to a subnormal or 0, an overflow, ±inf) a
+    scalar path costs ~100× more per element — as np.exp does past x < −87."""
+    return np.finfo(dtype).maxexp - 3
 
-    [Q_i | −m_i] [K_j | 1]ᵀ = S_ij − m_i: the column of ones lets the matmul
-    subtract the frozen reference m (see _fwd_tile_frozen) for free. [V | 1] lets
+
+def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
+    """Qx = [c·Q | −m₂], Kx = [K | 1], Vx = [V | 1] in the accumulation dtype, made
+    once per call on the pool (O(N·d), like o), with c = scale·log₂e: scores come
+    out in base 2, S₂ = c·Q Kᵀ, and exp2(S₂ − m₂) = exp(S − m).
+
+    [Q_i | −m₂_i] [K_j | 1]ᵀ = S₂_ij − m₂_i: the column of ones lets the matmul
+    subtract the frozen reference (see _fwd_tile_frozen) for free. [V | 1] lets
     one matmul P̃ [V_j | 1] give both P̃ V_j and ℓ̃ = rowsum(P̃), saving a pass
     over every score tile. 16-bit inputs are widened here.
 
-    m is each row's max over the first MAX_SAMPLE keys, for all rows of a head
-    in one matmul: done per tile, its matmul, max and fix-ups were ~10 NumPy
-    calls per tile, and with two workers every call is a GIL hand-over.
+    m₂ is each row's max over the first MAX_SAMPLE keys, for all rows of a head
+    in one matmul (done per tile, it was ~10 NumPy calls per tile, and with two
+    workers every call is a GIL hand-over). Returns also m = m₂·ln 2 (natural
+    units, for lse) and, per K/V head, whether every S₂ − m₂ is known to lie in
+    exp2's fast range: |S₂_ij − m₂_i| ≤ |c·q_i| |k_j| + |m₂_i| (Cauchy–Schwarz).
     """
     BH, G, Nq, d = q4.shape
     Nk = k3.shape[1]
@@ -278,27 +287,36 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
     Kx = np.empty((BH, Nk, d + 1), acc_t)
     Vx = np.empty((BH, Nk, d + 1), acc_t)
     m = np.zeros((BH, G, Nq), acc_t)
+    in_range = np.zeros(BH, bool)
     ns = min(MAX_SAMPLE, Nk)
+    c, lim = acc_t.type(scale * LOG2E), _exp2_limit(acc_t)
 
     def prepare(h):
-        np.multiply(q4[h], acc_t.type(scale), out=Qx[h, ..., :d], casting="unsafe")
+        Q = Qx[h, ..., :d].reshape(G * Nq, d)
+        np.multiply(q4[h].reshape(G * Nq, d), c, out=Q, casting="unsafe")
         for x, xx in ((k3, Kx), (v3, Vx)):
             xx[h, :, :d] = x[h]
             xx[h, :, d] = 1
+        m2 = np.zeros(G * Nq, acc_t)
         if FAST_PATH:
             # Keys × rows: the max over keys is then an elementwise maximum of rows
             # (a max along a short last axis measured 6× slower).
-            S0T = Kx[h, :ns, :d] @ Qx[h, ..., :d].reshape(G * Nq, d).T
+            S0T = Kx[h, :ns, :d] @ Q.T
             if causal:  # row r sees key j ≤ r + Nk − Nq
                 _mask_block(S0T.reshape(ns, G, Nq).transpose(1, 2, 0)[None], G, Nq, Nk - Nq)
-            mh = S0T.max(axis=0).reshape(G, Nq)
+            mh = S0T.max(axis=0)
             # A row that sees no sampled key sees no key at all (key 0 is sampled): it
-            # subtracts 0, so that exp(−inf − 0) = 0 rather than exp(−inf + inf) = NaN.
-            np.copyto(m[h], mh, where=mh != NEG_INF)
-        np.negative(m[h], out=Qx[h, ..., d])
+            # subtracts 0, so that exp2(−inf − 0) = 0 rather than exp2(−inf + inf) = NaN.
+            np.copyto(m2, mh, where=mh != NEG_INF)
+            K = Kx[h, :, :d]
+            q_norm = np.sqrt(np.einsum("ij,ij->i", Q, Q))
+            k_norm = np.sqrt(np.einsum("ij,ij->i", K, K).max())
+            in_range[h] = (q_norm * k_norm + np.abs(m2)).max() <= lim  # NaN: False
+        np.negative(m2, out=Qx[h, ..., d].reshape(G * Nq))
+        np.multiply(m2, LN2, out=m[h].reshape(G * Nq))
 
     _map(prepare, range(BH))
-    return Qx, Kx, Vx, m
+    return Qx, Kx, Vx, m, in_range
 
 
 def _transpose_ones(x, out):
@@ -316,22 +334,20 @@ def _strip(X, G, br, a0, a1):
 
 
 def _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, buf):
-    """S = Qx Kxᵀ for one step (r0 is the tile's first row), masked if it straddles
-    the diagonal. Returns (S, rows view) with S in buf, shaped like the view of Qx."""
+    """S = Qx Kxᵀ for one step (r0 is the tile's first row), not masked. Returns
+    (S, rows view) with S in buf, shaped like the view of Qx."""
     a0, a1, c0, c1, t = step
     Q = _strip(Qx, G, br, a0 - r0, a1 - r0)
     KT = Kx[h0:h1, c0:c1].transpose(0, 2, 1)
     S = np.matmul(Q, KT if Q.ndim == 3 else KT[:, None], out=buf.get(Q.shape[:-1] + (c1 - c0,)))
-    if t is not None:  # only the blocks the diagonal crosses
-        _mask_block(S, G, a1 - a0, t)
     return S, (a0 - r0, a1 - r0)
 
 
 def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
-    """One Q tile, FlashAttention-2's inner loop with the running max m_i.
+    """One Q tile, FlashAttention-2's inner loop with the running max m_i, in base 2.
 
-    Qx is the tile's [scale·Q_i | ·]; its last column is overwritten with 0 (no
-    other tile reads these rows). Returns the unnormalised state (acc, ℓ_i, m_i).
+    Qx is the tile's [c·Q_i | ·]; its last column is overwritten with 0 (no other
+    tile reads these rows). Returns the unnormalised state (acc, ℓ_i, m₂_i).
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
@@ -340,18 +356,20 @@ def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
     m_i = np.full((nh, rows), NEG_INF, acc_t)
     accx = np.zeros((nh, rows, d + 1), acc_t)
     for step in kv:
-        c0, c1 = step[2:4]
-        # -- compute qk: S_ij = (scale·Q_i) K_jᵀ, for the step's rows --
+        c0, c1, t = step[2:]
+        # -- compute qk: S₂_ij = (c·Q_i) K_jᵀ, for the step's rows --
         S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
+        if t is not None:  # only the blocks the diagonal crosses
+            _mask_block(S, G, a1 - a0, t)
         m_s, accx_s = _strip(m_i, G, br, a0, a1), _strip(accx, G, br, a0, a1)
         # -- update m_i and l_i --
         m_new = np.maximum(m_s, S.max(axis=-1))
         # Guard: a row that has seen only −inf keeps m = −inf and
-        # −inf − (−inf) would be NaN; subtracting 0 gives exp(−inf) = 0.
+        # −inf − (−inf) would be NaN; subtracting 0 gives exp2(−inf) = 0.
         m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
         np.subtract(S, m_safe[..., None], out=S)
-        np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
-        alpha = np.exp(m_s - m_safe)                     # e^{m_old − m_new}
+        np.exp2(S, out=S)                                # P̃_ij = exp(S_ij − m_i)
+        alpha = np.exp2(m_s - m_safe)                    # e^{m_old − m_new}
         V = Vx[h0:h1, c0:c1]
         PV = np.matmul(S, V if S.ndim == 3 else V[:, None],
                        out=local.PV.get(S.shape[:-1] + (d + 1,)))
@@ -362,15 +380,21 @@ def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
     return accx[..., :d], accx[..., d], m_i
 
 
-def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, local):
-    """One Q tile with the running max frozen at the reference m_i in Qx's last column.
+def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, in_range, local):
+    """One Q tile with the running max frozen at the reference m₂_i in Qx's last column.
 
     The max in exp(S − m) only guards against overflow; any fixed reference m
     near the row's largest score gives the same result to rounding. So m_i is
     the row max over the first MAX_SAMPLE keys (key 0 is visible to every row
     that sees any key, so ℓ_i ≥ 1), folded into the matmul as
-    [Q_i | −m_i] [K_j | 1]ᵀ = S_ij − m_i: no tile needs a rowmax pass, a
-    subtraction or an α rescale — Q Kᵀ, exp, P̃ [V | 1], 3 passes instead of 5.
+    [Q_i | −m₂_i] [K_j | 1]ᵀ = S₂_ij − m₂_i: no tile needs a rowmax pass, a
+    subtraction or an α rescale — Q Kᵀ, exp2, P̃ [V | 1], 3 passes instead of 5.
+
+    exp2 is NumPy's fastest exponential (30% faster than exp in float32) as long
+    as its argument stays in range (_exp2_limit). Where `in_range` cannot promise
+    that, S₂ − m₂ is clipped to it first: an entry below 2^-125 then weighs
+    2^-125 instead, below rounding next to ℓ_i ≥ 1. Hidden (causal) entries are
+    zeroed after the exp2, so −inf never reaches it.
 
     Returns [acc | ℓ_i] (nh, G·br, d + 1) when every row from `first` on (the
     rows that see a key) kept ℓ_i ∈ [2^-30, 2^64] and acc stayed finite;
@@ -379,16 +403,21 @@ def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, local):
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
+    lim = _exp2_limit(Qx.dtype)
     # [acc | ℓ_i] in one array, so that one addition of P̃ [V_j | 1] updates both:
     # with two workers every NumPy call is a GIL hand-over (a context switch when
     # the other worker holds it), so calls per step count.
     accx = local.acc.get((nh, rows, d + 1))
     accx.fill(0)
     for step in kv:
-        c0, c1 = step[2:4]
-        # -- compute qk: S_ij − m_i = [scale·Q_i | −m_i] [K_j | 1]ᵀ, for the step's rows --
+        c0, c1, t = step[2:]
+        # -- compute qk: S₂_ij − m₂_i = [c·Q_i | −m₂_i] [K_j | 1]ᵀ, for the step's rows --
         S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
-        np.exp(S, out=S)                                 # P̃_ij = exp(S_ij − m_i)
+        if not in_range:
+            np.clip(S, -lim, lim, out=S)
+        np.exp2(S, out=S)                                # P̃_ij = exp(S_ij − m_i)
+        if t is not None:  # only the blocks the diagonal crosses
+            _mask_block(S, G, a1 - a0, t, fill=0)
         V = Vx[h0:h1, c0:c1]
         PV = np.matmul(S, V if S.ndim == 3 else V[:, None],
                        out=local.PV.get(S.shape[:-1] + (d + 1,)))
@@ -429,7 +458,7 @@ def _fwd_fa2(q, k, v, causal, scale):
     # every worker gets some.
     per_chunk = -(-_n_workers() // len(chunks))
     Br = min(Br, -(-Nq // per_chunk))
-    Qx, Kx, Vx, m = _prepare_fwd(q4, k3, v3, scale, causal, acc_t)
+    Qx, Kx, Vx, m, in_range = _prepare_fwd(q4, k3, v3, scale, causal, acc_t)
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal,
                                 diag=max(1, min(Br, DIAG_ROWS // G))))
     # Biggest tiles first (causal: the bottom rows see the most keys) balances workers.
@@ -453,12 +482,13 @@ def _fwd_fa2(q, k, v, causal, scale):
         # -- prologue: Q_i of all G heads as one (G·br, d + 1) matrix (a copy only when G > 1) --
         Qx_i = Qx[h0:h1, :, r0:r1].reshape(nh, G * br, d + 1)
         accx = _fwd_tile_frozen(Qx_i, Kx, Vx, h0, h1, r0, r1, kv, G, d, first,
-                                local) if FAST_PATH else None
+                                in_range[h0:h1].all(), local) if FAST_PATH else None
         if accx is not None:
             # -- epilogue (finalize): the one rescale O_i = acc / ℓ_i, lse = m_i + log ℓ_i --
             acc = accx.reshape(nh, G, br, d + 1)[:, :, first:]
             l_i = acc[..., d]
-            np.divide(acc[..., :d], l_i[..., None], out=o_t[:, :, first:], casting="unsafe")
+            inv_l = np.reciprocal(l_i)  # then one multiply: a tile of divisions cost 3× more
+            np.multiply(acc[..., :d], inv_l[..., None], out=o_t[:, :, first:], casting="unsafe")
             np.log(l_i, out=lse_t[:, :, first:], casting="unsafe")
             lse_t[:, :, first:] += m[h0:h1, :, r0 + first:r1]
             return
@@ -468,7 +498,7 @@ def _fwd_fa2(q, k, v, causal, scale):
         with np.errstate(divide="ignore", invalid="ignore"):
             l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
             acc /= l_div[:, :, None]
-            L = np.where(seen, m_i + np.log(l_div), NEG_INF)
+            L = np.where(seen, m_i * LN2 + np.log(l_div), NEG_INF)
             L[np.isnan(l_i)] = np.nan  # a NaN score: NaN lse, in that row only
         o_t[...] = acc.reshape(nh, G, br, d)
         lse_t[...] = L.reshape(nh, G, br)
