@@ -259,10 +259,23 @@ _L_MIN, _L_MAX = 2.0 ** -30, 2.0 ** 64
 
 
 def _exp2_limit(dtype):
-    """NumPy's exp2 runs its SIMD loop for |x| ≤ this (125 in float32, 1021 in
-    float64); past it (an underflow to a subnormal or 0, an overflow, ±inf) a
-    scalar path costs ~100× more per element — as np.exp does past x < −87."""
-    return np.finfo(dtype).maxexp - 3
+    """The range |x| ≤ this (100 in float32, 996 in float64) where exp2 is fast.
+
+    Past 125 (float32), NumPy's exp2 leaves its SIMD loop for a scalar path,
+    ~100× slower per element (np.exp does the same below −87); and a weight
+    2^x < 2^-100 makes P̃·V products subnormal, which slow the BLAS kernels
+    down as much (measured: q scaled 30×, forward 30× and backward 22× slower).
+    """
+    return np.finfo(dtype).maxexp - 28
+
+
+def _in_exp2_range(Q, K, shift):
+    """Whether every Q_i·K_j − shift_i lies in exp2's fast range, from norms alone:
+    |Q_i·K_j − shift_i| ≤ |Q_i| max_j |K_j| + |shift_i| (Cauchy–Schwarz). Q (n, d),
+    K (m, d), shift (n,); NaN or inf anywhere gives False."""
+    q_norm = np.sqrt(np.einsum("ij,ij->i", Q, Q))
+    k_norm = np.sqrt(np.einsum("ij,ij->i", K, K).max())
+    return bool((q_norm * k_norm + np.abs(shift)).max() <= _exp2_limit(Q.dtype))
 
 
 def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
@@ -289,7 +302,7 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
     m = np.zeros((BH, G, Nq), acc_t)
     in_range = np.zeros(BH, bool)
     ns = min(MAX_SAMPLE, Nk)
-    c, lim = acc_t.type(scale * LOG2E), _exp2_limit(acc_t)
+    c = acc_t.type(scale * LOG2E)
 
     def prepare(h):
         Q = Qx[h, ..., :d].reshape(G * Nq, d)
@@ -308,21 +321,12 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
             # A row that sees no sampled key sees no key at all (key 0 is sampled): it
             # subtracts 0, so that exp2(−inf − 0) = 0 rather than exp2(−inf + inf) = NaN.
             np.copyto(m2, mh, where=mh != NEG_INF)
-            K = Kx[h, :, :d]
-            q_norm = np.sqrt(np.einsum("ij,ij->i", Q, Q))
-            k_norm = np.sqrt(np.einsum("ij,ij->i", K, K).max())
-            in_range[h] = (q_norm * k_norm + np.abs(m2)).max() <= lim  # NaN: False
+            in_range[h] = _in_exp2_range(Q, Kx[h, :, :d], m2)
         np.negative(m2, out=Qx[h, ..., d].reshape(G * Nq))
         np.multiply(m2, LN2, out=m[h].reshape(G * Nq))
 
     _map(prepare, range(BH))
     return Qx, Kx, Vx, m, in_range
-
-
-def _transpose_ones(x, out):
-    """out = [xᵀ; 1] for one head x (N, d), out (d + 1, N) contiguous (see _bwd_fa2)."""
-    np.copyto(out[:-1], x.T, casting="unsafe")
-    out[-1] = 1
 
 
 def _strip(X, G, br, a0, a1):
@@ -351,6 +355,7 @@ def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
+    lim = _exp2_limit(acc_t)
     Qx[:, :, d] = 0
     # -- init -- (acc and ℓ_i share one array [acc | ℓ_i], updated as one: see _fwd_tile_frozen)
     m_i = np.full((nh, rows), NEG_INF, acc_t)
@@ -368,7 +373,12 @@ def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
         # −inf − (−inf) would be NaN; subtracting 0 gives exp2(−inf) = 0.
         m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
         np.subtract(S, m_safe[..., None], out=S)
+        # Weights below 2^-lim count as 2^-lim (see _fwd_tile_frozen); hidden
+        # entries, lifted from −inf with them, are zeroed after the exp2.
+        np.maximum(S, -lim, out=S)
         np.exp2(S, out=S)                                # P̃_ij = exp(S_ij − m_i)
+        if t is not None:
+            _mask_block(S, G, a1 - a0, t, fill=0)
         alpha = np.exp2(m_s - m_safe)                    # e^{m_old − m_new}
         V = Vx[h0:h1, c0:c1]
         PV = np.matmul(S, V if S.ndim == 3 else V[:, None],
@@ -392,8 +402,8 @@ def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, in_range, loca
 
     exp2 is NumPy's fastest exponential (30% faster than exp in float32) as long
     as its argument stays in range (_exp2_limit). Where `in_range` cannot promise
-    that, S₂ − m₂ is clipped to it first: an entry below 2^-125 then weighs
-    2^-125 instead, below rounding next to ℓ_i ≥ 1. Hidden (causal) entries are
+    that, S₂ − m₂ is clipped to it first: an entry below 2^-100 then weighs
+    2^-100 instead, below rounding next to ℓ_i ≥ 1. Hidden (causal) entries are
     zeroed after the exp2, so −inf never reaches it.
 
     Returns [acc | ℓ_i] (nh, G·br, d + 1) when every row from `first` on (the
@@ -566,34 +576,43 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
         dS_ij = P_ij ∘ (dP_ij − D_i),   D_i = rowsum(dO_i ∘ O_i)
         dQ_i += dS_ij K_j · scale
         dK_j += dS_ijᵀ Q_i · scale
+
+    P is computed in base 2 with exp2, as in the forward (_fwd_tile_frozen):
+    S₂ − L₂ = (scale·log₂e) Q Kᵀ − L·log₂e, clipped into exp2's fast range only
+    where norms cannot rule out leaving it (P < 2^-100 then counts as 2^-100).
     """
     B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = _grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
     sc = acc_t.type(scale)
-    # Prepared once per call, O(N·d) like dq: Qx = [scale·Q | −L], dOx = [dO | −D],
-    # KTx = [Kᵀ; 1], VTx = [Vᵀ; 1], so that the matmuls give S − L and dP − D
+    c = acc_t.type(scale * LOG2E)
+    lim = _exp2_limit(acc_t)
+    # Prepared once per call, O(N·d) like dq: Qx = [c·Q | −L₂], dOx = [dO | −D],
+    # Kx = [K | 1], Vx = [V | 1], so that the matmuls give S₂ − L₂ and dP − D
     # directly: two passes over every score tile saved, and no per-tile casts.
     do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
     L = lse.reshape(BH, G, Nq)
     Qx = np.empty((BH, G, Nq, d + 1), acc_t)
     dOx = np.empty((BH, G, Nq, d + 1), acc_t)
-    KTx = np.empty((BH, d + 1, Nk), acc_t)
-    VTx = np.empty((BH, d + 1, Nk), acc_t)
-    K = k3 if k3.dtype == acc_t else np.empty((BH, Nk, d), acc_t)
+    Kx = np.empty((BH, Nk, d + 1), acc_t)
+    Vx = np.empty((BH, Nk, d + 1), acc_t)
+    in_range = np.zeros(BH, bool)
 
     def prepare(h):  # one K/V head (and its G query heads), on the pool
-        np.multiply(q4[h], sc, out=Qx[h, ..., :d], casting="unsafe")
-        # lse = −inf (row saw no key): subtract +inf instead, so P = exp(−inf) = 0,
+        Q = Qx[h, ..., :d].reshape(G * Nq, d)
+        np.multiply(q4[h].reshape(G * Nq, d), c, out=Q, casting="unsafe")
+        # lse = −inf (row saw no key): subtract +inf instead, so P = exp2(−inf) = 0,
         # not NaN. (The schedule never visits such rows: this guards a user's lse.)
-        np.negative(np.where(L[h] == NEG_INF, np.inf, L[h]), out=Qx[h, ..., d], casting="unsafe")
+        L2 = Qx[h, ..., d].reshape(G * Nq)
+        np.multiply(np.where(L[h] == NEG_INF, np.inf, L[h]).reshape(G * Nq), -LOG2E,
+                    out=L2, casting="unsafe")
         np.copyto(dOx[h, ..., :d], do4[h], casting="unsafe")
         # −D = −rowsum(dO ∘ O)
         np.negative(np.einsum("...i,...i->...", dOx[h, ..., :d], _as(o4[h], acc_t)),
                     out=dOx[h, ..., d])
-        _transpose_ones(k3[h], KTx[h])
-        _transpose_ones(v3[h], VTx[h])
-        if K is not k3:
-            np.copyto(K[h], k3[h], casting="unsafe")
+        for x, xx in ((k3, Kx), (v3, Vx)):
+            xx[h, :, :d] = x[h]
+            xx[h, :, d] = 1
+        in_range[h] = _in_exp2_range(Q, Kx[h, :, :d], L2)
 
     _map(prepare, range(BH))
 
@@ -630,25 +649,26 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
             # Keys [b0, b1) of the tile: all of it, or a strip of the diagonal triangle.
             br, w = r1 - r0, b1 - b0
             rows = G * br
-            K_j = K[h0:h1, b0:b1]
-            KTx_j, VTx_j = KTx[h0:h1, :, b0:b1], VTx[h0:h1, :, b0:b1]
+            Kx_j, Vx_j = Kx[h0:h1, b0:b1], Vx[h0:h1, b0:b1]
             dK_s, dV_s = dK_j[:, b0 - c0:b1 - c0], dV_j[:, b0 - c0:b1 - c0]
             # The G query heads' rows stacked into one matrix (a copy only when G > 1).
             Qx_i = Qx[h0:h1, :, r0:r1].reshape(nh, rows, d + 1)
             dOx_i = dOx[h0:h1, :, r0:r1].reshape(nh, rows, d + 1)
-            # P_ij = exp(S_ij − L_i) = exp([scale·Q_i | −L_i] [K_jᵀ; 1])
-            P = np.matmul(Qx_i, KTx_j, out=local.S.get((nh, rows, w)))
+            # P_ij = exp(S_ij − L_i) = exp2([c·Q_i | −L₂_i] [K_j | 1]ᵀ)
+            P = np.matmul(Qx_i, Kx_j.transpose(0, 2, 1), out=local.S.get((nh, rows, w)))
+            if not in_range[h0:h1].all():
+                np.clip(P, -lim, lim, out=P)
+            np.exp2(P, out=P)
             if t is not None:  # only the block the diagonal crosses
-                _mask_block(P, G, br, t)
-            np.exp(P, out=P)
+                _mask_block(P, G, br, t, fill=0)
             dV_s += P.transpose(0, 2, 1) @ dOx_i[..., :d]        # dV_j += P_ijᵀ dO_i
-            # dS_ij = P_ij ∘ (dP_ij − D_i),  dP_ij − D_i = [dO_i | −D_i] [V_jᵀ; 1]
-            dS = np.matmul(dOx_i, VTx_j, out=local.dP.get((nh, rows, w)))
+            # dS_ij = P_ij ∘ (dP_ij − D_i),  dP_ij − D_i = [dO_i | −D_i] [V_j | 1]ᵀ
+            dS = np.matmul(dOx_i, Vx_j.transpose(0, 2, 1), out=local.dP.get((nh, rows, w)))
             np.multiply(dS, P, out=dS)
-            dK_s += dS.transpose(0, 2, 1) @ Qx_i[..., :d]        # dK_j += dS_ijᵀ (scale·Q_i)
-            dQ_i = np.matmul(dS, K_j, out=local.dQ.get((nh, rows, d)))  # dQ_i += dS_ij K_j
-            local.dq[h0:h1, :, r0:r1] += dQ_i.reshape(nh, G, br, d)
-        dk3[h0:h1, c0:c1] = dK_j
+            dK_s += dS.transpose(0, 2, 1) @ Qx_i[..., :d]        # dK_j += dS_ijᵀ (c·Q_i)
+            dQ_i = np.matmul(dS, Kx_j[..., :d], out=local.dQ.get((nh, rows, d)))
+            local.dq[h0:h1, :, r0:r1] += dQ_i.reshape(nh, G, br, d)  # dQ_i += dS_ij K_j
+        np.multiply(dK_j, LN2, out=dk3[h0:h1, c0:c1], casting="unsafe")  # c·ln 2 = scale
         dv3[h0:h1, c0:c1] = dV_j
 
     _map(run, tasks)
