@@ -34,6 +34,7 @@ except ImportError:  # the benchmark runs without PyTorch, minus its columns
 
 BK = nb.BACKEND
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SETTLE_S = 0.05   # idle pause before every timed call (see time_interleaved)
 
 
 # ------------------------------------------------------------------ contenders
@@ -77,14 +78,20 @@ def flops_fwd(B, H, Nq, Nk, d, causal):
     return f / 2 if causal else f
 
 
-def time_interleaved(fns, repeats, warmup=1):
-    """(median, best) seconds of each fn, the fns run in turn inside every repetition."""
+def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
+    """(median, best) seconds of each fn, the fns run in turn inside every repetition.
+
+    Each timed call starts after a `settle` pause: PyTorch's OpenMP threads keep
+    spinning on the cores for a while after a call returns, which slowed the
+    contender timed right after it by ~10% (measured on 2 cores).
+    """
     for f in fns.values():
         for _ in range(warmup):
             f()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, f in fns.items():
+            time.sleep(settle)
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)

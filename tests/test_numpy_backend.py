@@ -20,6 +20,7 @@ if BFLOAT16 is not None:
 def small_tiles(monkeypatch):
     """Tiny tiles so that modest sizes walk through many Q and K/V tiles."""
     monkeypatch.setattr(nb, "ROWS", 16)
+    monkeypatch.setattr(nb, "CAUSAL_ROWS", 16)
     monkeypatch.setattr(nb, "BLOCK_N", 24)
     monkeypatch.setattr(nb, "BWD_ROWS", 16)
     monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)

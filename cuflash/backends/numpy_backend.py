@@ -39,9 +39,10 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 # tile is 1 MB and stays in L2 from Q Kᵀ through exp to P̃ V. Forward CPU time
 # per call, two workers, medians of 31 interleaved runs: 1024×256 198 ms,
 # 2048×256 203 ms, 512×512 210 ms; earlier, one worker: 256×512 +12%,
-# 128×512 +40% over 512×512. Causal: 512 or 1024 rows, 128 or 256 keys, all
-# within 3%.
+# 128×512 +40% over 512×512. Causal: 512-row tiles (two heads per task) 3%
+# faster than 1024 and 256 rows (medians of 41 runs); 128 or 256 keys equal.
 ROWS = 1024       # rows of one score tile (G query heads × Br rows)
+CAUSAL_ROWS = 512
 BLOCK_N = 256     # Bc: keys per K/V tile
 BWD_ROWS = 256    # backward keeps two tiles (P, dP) alive: half the rows
 BWD_BLOCK_N = 512
@@ -461,7 +462,8 @@ def _fwd_fa2(q, k, v, causal, scale):
     o4 = o.reshape(BH, G, Nq, d)
     lse3 = lse.reshape(BH, G, Nq)
 
-    Br = max(1, min(Nq, ROWS // G)) if G <= ROWS else 1
+    rows = CAUSAL_ROWS if causal else ROWS
+    Br = max(1, min(Nq, rows // G)) if G <= rows else 1
     Bc = min(BLOCK_N, Nk)
     chunks = _head_chunks(BH, G * Br * Bc, TILE_BUDGET)
     # Fewer head ranges than workers (one long sequence): shorter Q tiles, so that
