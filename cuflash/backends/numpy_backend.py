@@ -271,12 +271,21 @@ def _exp2_limit(dtype):
 
 
 def _in_exp2_range(Q, K, shift):
-    """Whether every Q_i·K_j − shift_i lies in exp2's fast range, from norms alone:
-    |Q_i·K_j − shift_i| ≤ |Q_i| max_j |K_j| + |shift_i| (Cauchy–Schwarz). Q (n, d),
-    K (m, d), shift (n,); NaN or inf anywhere gives False."""
-    q_norm = np.sqrt(np.einsum("ij,ij->i", Q, Q))
-    k_norm = np.sqrt(np.einsum("ij,ij->i", K, K).max())
-    return bool((q_norm * k_norm + np.abs(shift)).max() <= _exp2_limit(Q.dtype))
+    """Per head, whether every Q_i·K_j − shift_i lies in exp2's fast range, from norms
+    alone: |Q_i·K_j − shift_i| ≤ |Q_i| max_j |K_j| + |shift_i| (Cauchy–Schwarz).
+    Q (nh, n, d), K (nh, m, d), shift (nh, n); NaN or inf in a head gives False."""
+    q_norm = np.sqrt(np.einsum("hij,hij->hi", Q, Q))
+    k_norm = np.sqrt(np.einsum("hij,hij->hi", K, K).max(axis=1))
+    return (q_norm * k_norm[:, None] + np.abs(shift)).max(axis=1) <= _exp2_limit(Q.dtype)
+
+
+def _head_ranges(BH):
+    """B·Hkv heads cut into one contiguous range per worker, for the per-call
+    preparation: a few NumPy calls over many heads rather than many calls over one
+    (with two workers every call hands the GIL over; measured 2× faster at N = 512)."""
+    n = min(BH, _n_workers())
+    cuts = [BH * i // n for i in range(n + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
 
 def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
@@ -305,28 +314,30 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
     ns = min(MAX_SAMPLE, Nk)
     c = acc_t.type(scale * LOG2E)
 
-    def prepare(h):
-        Q = Qx[h, ..., :d].reshape(G * Nq, d)
-        np.multiply(q4[h].reshape(G * Nq, d), c, out=Q, casting="unsafe")
+    def prepare(heads):
+        h0, h1 = heads
+        nh = h1 - h0
+        Q = Qx[h0:h1, ..., :d].reshape(nh, G * Nq, d)
+        np.multiply(q4[h0:h1].reshape(nh, G * Nq, d), c, out=Q, casting="unsafe")
         for x, xx in ((k3, Kx), (v3, Vx)):
-            xx[h, :, :d] = x[h]
-            xx[h, :, d] = 1
-        m2 = np.zeros(G * Nq, acc_t)
+            xx[h0:h1, :, :d] = x[h0:h1]
+            xx[h0:h1, :, d] = 1
+        m2 = np.zeros((nh, G * Nq), acc_t)
         if FAST_PATH:
             # Keys × rows: the max over keys is then an elementwise maximum of rows
             # (a max along a short last axis measured 6× slower).
-            S0T = Kx[h, :ns, :d] @ Q.T
+            S0T = Kx[h0:h1, :ns, :d] @ Q.transpose(0, 2, 1)
             if causal:  # row r sees key j ≤ r + Nk − Nq
-                _mask_block(S0T.reshape(ns, G, Nq).transpose(1, 2, 0)[None], G, Nq, Nk - Nq)
-            mh = S0T.max(axis=0)
+                _mask_block(S0T.reshape(nh, ns, G, Nq).transpose(0, 2, 3, 1), G, Nq, Nk - Nq)
+            mh = S0T.max(axis=1)
             # A row that sees no sampled key sees no key at all (key 0 is sampled): it
             # subtracts 0, so that exp2(−inf − 0) = 0 rather than exp2(−inf + inf) = NaN.
             np.copyto(m2, mh, where=mh != NEG_INF)
-            in_range[h] = _in_exp2_range(Q, Kx[h, :, :d], m2)
-        np.negative(m2, out=Qx[h, ..., d].reshape(G * Nq))
-        np.multiply(m2, LN2, out=m[h].reshape(G * Nq))
+            in_range[h0:h1] = _in_exp2_range(Q, Kx[h0:h1, :, :d], m2)
+        np.negative(m2, out=Qx[h0:h1, ..., d].reshape(nh, G * Nq))
+        np.multiply(m2, LN2, out=m[h0:h1].reshape(nh, G * Nq))
 
-    _map(prepare, range(BH))
+    _map(prepare, _head_ranges(BH))
     return Qx, Kx, Vx, m, in_range
 
 
@@ -485,10 +496,11 @@ def _fwd_fa2(q, k, v, causal, scale):
         nh, br = h1 - h0, r1 - r0
         o_t, lse_t = o4[h0:h1, :, r0:r1], lse3[h0:h1, :, r0:r1]
         first = min(max(first_seen - r0, 0), br)  # the tile's first row that sees a key
-        o_t[:, :, :first] = 0
-        lse_t[:, :, :first] = NEG_INF
-        if first == br:
-            return
+        if first:
+            o_t[:, :, :first] = 0
+            lse_t[:, :, :first] = NEG_INF
+            if first == br:
+                return
         if not hasattr(local, "S"):
             local.S, local.PV, local.acc = _Buf(acc_t), _Buf(acc_t), _Buf(acc_t)
         # -- prologue: Q_i of all G heads as one (G·br, d + 1) matrix (a copy only when G > 1) --
@@ -599,24 +611,26 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
     Vx = np.empty((BH, Nk, d + 1), acc_t)
     in_range = np.zeros(BH, bool)
 
-    def prepare(h):  # one K/V head (and its G query heads), on the pool
-        Q = Qx[h, ..., :d].reshape(G * Nq, d)
-        np.multiply(q4[h].reshape(G * Nq, d), c, out=Q, casting="unsafe")
+    def prepare(heads):  # a range of K/V heads (and their G query heads), on the pool
+        h0, h1 = heads
+        nh = h1 - h0
+        Q = Qx[h0:h1, ..., :d].reshape(nh, G * Nq, d)
+        np.multiply(q4[h0:h1].reshape(nh, G * Nq, d), c, out=Q, casting="unsafe")
         # lse = −inf (row saw no key): subtract +inf instead, so P = exp2(−inf) = 0,
         # not NaN. (The schedule never visits such rows: this guards a user's lse.)
-        L2 = Qx[h, ..., d].reshape(G * Nq)
-        np.multiply(np.where(L[h] == NEG_INF, np.inf, L[h]).reshape(G * Nq), -LOG2E,
-                    out=L2, casting="unsafe")
-        np.copyto(dOx[h, ..., :d], do4[h], casting="unsafe")
+        L2 = Qx[h0:h1, ..., d].reshape(nh, G * Nq)
+        np.multiply(np.where(L[h0:h1] == NEG_INF, np.inf, L[h0:h1]).reshape(nh, G * Nq),
+                    -LOG2E, out=L2, casting="unsafe")
+        np.copyto(dOx[h0:h1, ..., :d], do4[h0:h1], casting="unsafe")
         # −D = −rowsum(dO ∘ O)
-        np.negative(np.einsum("...i,...i->...", dOx[h, ..., :d], _as(o4[h], acc_t)),
-                    out=dOx[h, ..., d])
+        np.negative(np.einsum("...i,...i->...", dOx[h0:h1, ..., :d], _as(o4[h0:h1], acc_t)),
+                    out=dOx[h0:h1, ..., d])
         for x, xx in ((k3, Kx), (v3, Vx)):
-            xx[h, :, :d] = x[h]
-            xx[h, :, d] = 1
-        in_range[h] = _in_exp2_range(Q, Kx[h, :, :d], L2)
+            xx[h0:h1, :, :d] = x[h0:h1]
+            xx[h0:h1, :, d] = 1
+        in_range[h0:h1] = _in_exp2_range(Q, Kx[h0:h1, :, :d], L2)
 
-    _map(prepare, range(BH))
+    _map(prepare, _head_ranges(BH))
 
     Br = max(1, min(Nq, BWD_ROWS // G)) if G <= BWD_ROWS else 1
     Bc = min(BWD_BLOCK_N, Nk)
