@@ -24,7 +24,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(nb, "BLOCK_N", 24)
     monkeypatch.setattr(nb, "BWD_ROWS", 16)
     monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)
-    monkeypatch.setattr(nb, "DIAG_ROWS", 5)   # diagonal strips: 16 = 5 + 5 + 5 + 1
+    monkeypatch.setattr(nb, "DIAG_KEYS", 5)   # diagonal strips: 16 = 5 + 5 + 5 + 1
     monkeypatch.setattr(nb, "BWD_DIAG", 7)    # 24 = 7 + 7 + 7 + 3
     monkeypatch.setattr(nb, "TILE_BUDGET", 16 * 24 * 2)
     monkeypatch.setattr(nb, "BWD_TILE_BUDGET", 16 * 24 * 2)
@@ -352,14 +352,14 @@ def test_schedule_covers_exactly_the_visible_keys(shape, outer, diag):
 def test_causal_schedule_skips_blocks():
     N = 2048
     # Forward, 512-row Q tiles: unmasked full-height blocks below the diagonal, and
-    # the 512 × 512 triangle on it cut into 128-row strips, each computing only
-    # keys its rows see: 1 + 2 + 3 + 4 of the triangle's 16 128² blocks. Computed:
-    # 53% of N² (the whole triangle, as before: 62.5%).
+    # the 512 × 512 triangle on it cut into 128-key strips, each computing only
+    # the rows that see its keys: 4 + 3 + 2 + 1 of the triangle's 16 128² blocks.
+    # Computed: 53% of N² (the whole triangle, as before: 62.5%).
     sched = list(nb.block_schedule(N, N, 512, 512, causal=True, diag=128))
     blocks = [b for r0, r1, kv in sched for b in kv]
     diag = [b for b in blocks if b[4] is not None]
-    assert len(diag) == 16 and all(a1 - a0 == 128 and c0 == a0 // 512 * 512 and c1 == a1
-                                   for a0, a1, c0, c1, t in diag)
+    assert len(diag) == 16 and all(c1 - c0 == 128 and a0 == c0 and a1 == c0 // 512 * 512 + 512
+                                   and t == 0 for a0, a1, c0, c1, t in diag)
     assert all(a1 - a0 == 512 and c1 - c0 == 512 for a0, a1, c0, c1, t in blocks if t is None)
     total = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, t in blocks)
     assert total == 128 * 128 * 136 and total / N**2 < 0.54   # (1 + 2 + … + 16) 128² blocks

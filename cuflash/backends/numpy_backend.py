@@ -48,14 +48,15 @@ BWD_ROWS = 256    # backward keeps two tiles (P, dP) alive: half the rows
 BWD_BLOCK_N = 512
 TILE_BUDGET = 1 << 18      # max elements of one forward score tile (heads × rows × cols)
 BWD_TILE_BUDGET = 1 << 17  # the same for each of the backward's two tiles
-# Causal (block_schedule): the triangle a Q tile's diagonal crosses is cut into
-# strips (forward: DIAG_ROWS rows; backward: BWD_DIAG keys), each computing only
-# the keys its rows see. At N = 2048 the forward computes 53% of the N² scores,
+# Causal (block_schedule): the triangle a tile's diagonal crosses is cut into
+# key strips (forward: DIAG_KEYS; backward: BWD_DIAG), each computing only the
+# rows that see its keys. At N = 2048 the forward computes 53% of the N² scores,
 # the backward 56% (whole 512-wide triangles: 62.5%). Measurements on a busy
-# 2-core machine, 2 workers: DIAG_ROWS 64 / 256 no better than 128; BWD_DIAG 128
-# slower than 256 (more, smaller steps of 5 matmuls each, each NumPy call a GIL
-# hand-over between the workers).
-DIAG_ROWS = 128
+# 2-core machine, 2 workers: forward strips of 64 / 256 no better than 128, key
+# strips 2–3% less CPU than row strips (medians of 31 runs, three times);
+# BWD_DIAG 128 slower than 256 (more, smaller steps of 5 matmuls each, each
+# NumPy call a GIL hand-over between the workers).
+DIAG_KEYS = 128
 BWD_DIAG = 256
 _N_THREADS = None      # None: one worker per usable core
 FAST_PATH = True       # frozen-max forward tiles (see _fwd_tile_frozen)
@@ -149,10 +150,10 @@ def block_schedule(Nq, Nk, Br, Bc, *, causal, outer="q", diag=None):
 
     With causal=True a Q tile's keys split into unmasked full-height blocks
     (Bc keys at a time) up to about the tile's first row, then the Br × Br
-    triangle the diagonal crosses. That triangle is cut into row strips of
-    `diag` rows (outer="k": key strips), each computing only the keys its own
-    rows can see: about (1 + 1/n)/2 of the triangle for n strips, instead of all
-    of it. Big tiles stay where there is no mask (they reuse K/V from cache and
+    triangle the diagonal crosses (outer="k": a K/V tile's rows, the other way
+    round). That triangle is cut into key strips of `diag` keys, each computing
+    only the rows that can see its keys: about (1 + 1/n)/2 of the triangle for
+    n strips, instead of all of it. Big tiles stay where there is no mask (they reuse K/V from cache and
     amortise the per-tile work; 128-row tiles throughout measured 30% slower).
     A tile no row sees has steps = [].
     """
@@ -167,11 +168,12 @@ def block_schedule(Nq, Nk, Br, Bc, *, causal, outer="q", diag=None):
             full = min(max(r0 + off + 1, 0), Nk)   # keys 0 .. full−1: seen by every row
             full -= full % _ALIGN
             steps = [(r0, r1, c0, min(c0 + Bc, full), None) for c0 in range(0, full, Bc)]
-            for a0 in range(r0, r1, diag):         # the triangle, in row strips
-                a1 = min(a0 + diag, r1)
-                end = min(max(a1 + off, 0), Nk)    # keys past end−1: seen by no row of the strip
-                if end > full:
-                    steps.append((a0, a1, full, end, a0 + off - full))
+            end = min(max(r1 + off, 0), Nk)        # keys past end−1: seen by no row of the tile
+            for b0 in range(full, end, diag):      # the triangle, in key strips
+                b1 = min(b0 + diag, end)
+                lo = min(max(b0 - off, r0), r1)    # rows before lo see no key of the strip
+                lo -= (lo - r0) % _ALIGN
+                steps.append((lo, r1, b0, b1, lo + off - b0))
             yield r0, r1, steps
     elif outer == "k":
         for c0 in range(0, Nk, Bc):
@@ -484,7 +486,7 @@ def _fwd_fa2(q, k, v, causal, scale):
     Br = min(Br, -(-Nq // per_chunk))
     Qx, Kx, Vx, m, in_range = _prepare_fwd(q4, k3, v3, scale, causal, acc_t)
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal,
-                                diag=max(1, min(Br, DIAG_ROWS // G))))
+                                diag=DIAG_KEYS))
     # Biggest tiles first (causal: the bottom rows see the most keys) balances workers.
     tasks = [(h0, h1, r0, r1, kv) for (r0, r1, kv) in sched for (h0, h1) in chunks]
     tasks.sort(key=lambda t: -sum((a1 - a0) * (c1 - c0) for a0, a1, c0, c1, _ in t[4]))
@@ -545,7 +547,7 @@ def _fwd_fa1(q, k, v, causal, scale):
     sc = acc_t.type(scale)
     # K/V tiles outer, each with the Q rows that see it (block_schedule, outer="k").
     for c0, c1, q_tiles in block_schedule(Nq, Nk, Br, Bc, causal=causal, outer="k",
-                                          diag=max(1, min(Bc, DIAG_ROWS))):  # 5: for j
+                                          diag=max(1, min(Bc, DIAG_KEYS))):  # 5: for j
         K_j = _as(k3[:, c0:c1], acc_t)                     # 6: load K_j, V_j
         V_j = _as(v3[:, c0:c1], acc_t)
         for r0, r1, b0, b1, t in q_tiles:                  # 7: for i in 1..Tr
