@@ -257,7 +257,7 @@ def test_exp2_range_bound():
         assert np.abs(S2).max() <= nb._exp2_limit(f32)
         np.testing.assert_allclose(-Qx[..., -1] * nb.LN2, m, rtol=1e-6)
     k3_big = k3.copy()
-    k3_big[1] *= 100                                     # |c·q||k| past 125 in head 1 only
+    k3_big[1] *= 100                                     # |c·q||k| past the limit, head 1 only
     *_, in_range = nb._prepare_fwd(q4, k3_big, v3, 0.25, False, f32)
     assert in_range.tolist() == [True, False]
     q4_nan = q4.copy()
@@ -268,7 +268,7 @@ def test_exp2_range_bound():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_clipped_exp2_keeps_the_fast_path(causal, small_tiles, monkeypatch):
-    """Scores far below the row max (weights < 2^-125) are clipped, not sent to the
+    """Scores far below the row max (weights < 2^-100) are clipped, not sent to the
     slow path: the frozen max still serves and the result is the reference's."""
     calls = []
     online = nb._fwd_tile_online
