@@ -282,6 +282,12 @@ def _in_exp2_range(Q, K, shift):
     return (q_norm * k_norm[:, None] + np.abs(shift)).max(axis=1) <= _exp2_limit(Q.dtype)
 
 
+def _with_ones(x, out):
+    """out = [x | 1]: x (..., n, d) widened into out (..., n, d + 1), last column ones."""
+    np.copyto(out[..., :-1], x, casting="unsafe")
+    out[..., -1] = 1
+
+
 def _head_ranges(BH):
     """B·Hkv heads cut into one contiguous range per worker, for the per-call
     preparation: a few NumPy calls over many heads rather than many calls over one
@@ -322,9 +328,8 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
         nh = h1 - h0
         Q = Qx[h0:h1, ..., :d].reshape(nh, G * Nq, d)
         np.multiply(q4[h0:h1].reshape(nh, G * Nq, d), c, out=Q, casting="unsafe")
-        for x, xx in ((k3, Kx), (v3, Vx)):
-            xx[h0:h1, :, :d] = x[h0:h1]
-            xx[h0:h1, :, d] = 1
+        _with_ones(k3[h0:h1], Kx[h0:h1])
+        _with_ones(v3[h0:h1], Vx[h0:h1])
         m2 = np.zeros((nh, G * Nq), acc_t)
         if FAST_PATH:
             # Keys × rows: the max over keys is then an elementwise maximum of rows
@@ -629,9 +634,8 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
         # −D = −rowsum(dO ∘ O)
         np.negative(np.einsum("...i,...i->...", dOx[h0:h1, ..., :d], _as(o4[h0:h1], acc_t)),
                     out=dOx[h0:h1, ..., d])
-        for x, xx in ((k3, Kx), (v3, Vx)):
-            xx[h0:h1, :, :d] = x[h0:h1]
-            xx[h0:h1, :, d] = 1
+        _with_ones(k3[h0:h1], Kx[h0:h1])
+        _with_ones(v3[h0:h1], Vx[h0:h1])
         in_range[h0:h1] = _in_exp2_range(Q, Kx[h0:h1, :, :d], L2)
 
     _map(prepare, _head_ranges(BH))
