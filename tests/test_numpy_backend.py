@@ -31,6 +31,13 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(nb, "MAX_SAMPLE", 5)  # the frozen max from part of a tile
 
 
+@pytest.fixture(params=[nb.BASE_2, nb.BASE_E], ids=lambda b: f"base{b.name}")
+def exp_base(request, monkeypatch):
+    """Both exponential bases, whichever this CPU's NumPy makes the default."""
+    monkeypatch.setattr(nb, "BASE", request.param)
+    return request.param
+
+
 def _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype=np.float64):
     q = rng.standard_normal((B, hq, Nq, d)).astype(dtype)
     k = rng.standard_normal((B, hkv, Nk, d)).astype(dtype)
@@ -106,7 +113,8 @@ CASES = [  # B, Hq, Hkv, Nq, Nk, d
 @pytest.mark.parametrize("fast", [True, False], ids=["frozen", "online"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, monkeypatch):
+def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, exp_base,
+                                       monkeypatch):
     monkeypatch.setattr(nb, "FAST_PATH", fast)
     rng = np.random.default_rng(0)
     for B, hq, hkv, Nq, Nk, d in CASES:
@@ -178,7 +186,7 @@ def test_strided_inputs(small_tiles):
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_fully_masked_rows(fast, small_tiles, monkeypatch):
+def test_fully_masked_rows(fast, small_tiles, exp_base, monkeypatch):
     monkeypatch.setattr(nb, "FAST_PATH", fast)
     rng = np.random.default_rng(4)
     q, k, v = _qkv(rng, 1, 2, 1, 50, 7, 4, np.float32)     # Nq > Nk: 43 rows see nothing
@@ -191,7 +199,7 @@ def test_fully_masked_rows(fast, small_tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_nan_and_inf_stay_in_their_row(fast, small_tiles, monkeypatch):
+def test_nan_and_inf_stay_in_their_row(fast, small_tiles, exp_base, monkeypatch):
     monkeypatch.setattr(nb, "FAST_PATH", fast)
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, 1, 1, 1, 40, 60, 4, np.float32)
@@ -207,7 +215,7 @@ def test_nan_and_inf_stay_in_their_row(fast, small_tiles, monkeypatch):
     assert np.isnan(lse[0, 0, [3, 30]]).all() and np.isfinite(np.delete(lse, [3, 30])).all()
 
 
-def test_large_scores_fall_back_to_running_max(small_tiles):
+def test_large_scores_fall_back_to_running_max(small_tiles, exp_base):
     """Scores far outside exp's range: the frozen-max path must hand over, exactly."""
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, 1, 2, 2, 40, 70, 8, np.float32)
@@ -244,8 +252,8 @@ def test_frozen_max_hands_over(small_tiles, monkeypatch):
     np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
-def test_exp2_range_bound():
-    """in_range promises |S₂ − m₂| within exp2's fast range, from norms alone."""
+def test_exp_range_bound(exp_base):
+    """in_range promises |S_b − m_b| within BASE.exp's fast range, from norms alone."""
     rng = np.random.default_rng(10)
     q, k, v = _qkv(rng, 1, 4, 2, 300, 200, 16, np.float32)
     f32 = np.dtype(np.float32)
@@ -253,9 +261,9 @@ def test_exp2_range_bound():
     for scale, causal in ((0.25, False), (0.25, True)):
         Qx, Kx, Vx, m, in_range = nb._prepare_fwd(q4, k3, v3, scale, causal, f32)
         assert in_range.all()
-        S2 = Qx @ Kx.transpose(0, 2, 1)[:, None]        # S₂ − m₂ for every (row, key)
-        assert np.abs(S2).max() <= nb._exp2_limit(f32)
-        np.testing.assert_allclose(-Qx[..., -1] * nb.LN2, m, rtol=1e-6)
+        S_b = Qx @ Kx.transpose(0, 2, 1)[:, None]       # S_b − m_b for every (row, key)
+        assert np.abs(S_b).max() <= nb._exp_limit(f32)
+        np.testing.assert_allclose(-Qx[..., -1] * exp_base.ln, m, rtol=1e-6)
     k3_big = k3.copy()
     k3_big[1] *= 100                                     # |c·q||k| past the limit, head 1 only
     *_, in_range = nb._prepare_fwd(q4, k3_big, v3, 0.25, False, f32)
@@ -267,7 +275,7 @@ def test_exp2_range_bound():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_clipped_exp2_keeps_the_fast_path(causal, small_tiles, monkeypatch):
+def test_clipped_exp_keeps_the_fast_path(causal, small_tiles, exp_base, monkeypatch):
     """Scores far below the row max (weights < 2^-100) are clipped, not sent to the
     slow path: the frozen max still serves and the result is the reference's."""
     calls = []
@@ -290,7 +298,7 @@ def test_clipped_exp2_keeps_the_fast_path(causal, small_tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_peaked_scores(causal, small_tiles):
+def test_peaked_scores(causal, small_tiles, exp_base):
     """Scores spread over thousands (q × 30): most weights underflow. Forward (frozen
     max declined, running max clipped) and backward (clipped) match the reference."""
     rng = np.random.default_rng(12)
@@ -298,7 +306,7 @@ def test_peaked_scores(causal, small_tiles):
     q *= 30
     *_, in_range = nb._prepare_fwd(q.reshape(2, 2, 70, 16), k.reshape(2, 90, 16),
                                    v.reshape(2, 90, 16), 0.25, causal, np.dtype(np.float32))
-    assert not in_range.any()   # the clipped exp2 path
+    assert not in_range.any()   # the clipped exponential path
     do = rng.standard_normal(q.shape).astype(np.float32)
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
     o_ref, lse_ref = R.naive_attention(q64, k64, v64, causal=causal, return_lse=True)
@@ -420,3 +428,20 @@ def test_softmax_nan_inf_like_scipy(block, monkeypatch):
     p = BK.softmax(x)
     np.testing.assert_array_equal(np.isnan(p), np.isnan(expected))
     np.testing.assert_allclose(p, expected, rtol=1e-14)
+
+
+def test_fastest_base_follows_numpy_dispatch():
+    """exp2 (base 2) only where NumPy vectorises its float32 loop, else exp (base e)."""
+    def targets(current):
+        return {"exp2": {"ff": {"current": current, "available": "X86_V4 baseline(X86_V2)"}}}
+    assert nb.fastest_base(targets("X86_V4"), {}) is nb.BASE_2
+    assert nb.fastest_base(targets("AVX512_SKX"), {}) is nb.BASE_2
+    assert nb.fastest_base(targets("baseline(X86_V2)"), {"AVX512F": True}) is nb.BASE_E
+    assert nb.fastest_base({}, {}) is nb.BASE_E                # no exp2 entry: not vectorised
+    assert nb.fastest_base(None, {"AVX512F": True}) is nb.BASE_2   # older NumPy: CPU flags
+    assert nb.fastest_base(None, {"AVX512F": False, "AVX2": True}) is nb.BASE_E
+    assert nb.BASE in (nb.BASE_2, nb.BASE_E)
+    for base in (nb.BASE_2, nb.BASE_E):  # b^(x·log_b e) = e^x and log_b(e)·ln(b) = 1
+        x = np.linspace(-30, 30, 61)
+        np.testing.assert_allclose(base.exp(x * base.log_e), np.exp(x), rtol=1e-13)
+        assert base.log_e * base.ln == pytest.approx(1.0, rel=1e-15)

@@ -25,13 +25,55 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
 from .._dtypes import accum_dtype, lse_dtype
 
 NEG_INF = -np.inf
-LOG2E, LN2 = math.log2(math.e), math.log(2)   # scores in base 2: exp(x) = exp2(x·log₂e)
+LN2 = math.log(2)
+
+
+# ---------------------------------------------------------------------------- exponential
+class ExpBase(NamedTuple):
+    """The base b the scores are carried in: S_b = S·log_b(e), so exp(S − m) = b^(S_b − m_b)
+    costs one call of `exp` and no extra multiply (log_b(e) is folded into Q's scale)."""
+
+    name: str
+    exp: np.ufunc      # x ↦ b^x
+    log_e: float       # log_b(e): natural units → base-b units
+    ln: float          # ln(b): base-b units → natural units
+
+
+BASE_2 = ExpBase("2", np.exp2, math.log2(math.e), LN2)
+BASE_E = ExpBase("e", np.exp, 1.0, 1.0)
+
+
+def fastest_base(targets, features):
+    """BASE_2 where NumPy's float32 `exp2` loop is vectorised, else BASE_E.
+
+    The exponential is the one elementwise pass over every score tile, and NumPy
+    vectorises `exp2` only for AVX-512 (there 30% faster than `exp`), `exp` also
+    for AVX2: on an AVX2 Zen 3, `exp2` runs a scalar loop 1.9× slower than `exp`
+    (2.6 against 1.35 ns per float32), and the forward took 1.3× as long with it.
+    `targets` is NumPy's dispatch table (`__cpu_targets_info__`, newer NumPy, or
+    None), `features` its CPU feature flags (`__cpu_features__`, the fallback).
+    """
+    if targets is not None:
+        current = targets.get("exp2", {}).get("ff", {}).get("current", "baseline")
+        return BASE_E if current.startswith("baseline") else BASE_2
+    return BASE_2 if features.get("AVX512F") else BASE_E
+
+
+def _numpy_dispatch():
+    """(targets, features) of this NumPy build on this CPU, for fastest_base."""
+    umath = getattr(getattr(np, "_core", getattr(np, "core", None)), "_multiarray_umath", None)
+    return (getattr(umath, "__cpu_targets_info__", None),
+            getattr(umath, "__cpu_features__", {}))
+
+
+BASE = fastest_base(*_numpy_dispatch())
 
 # ---------------------------------------------------------------------------- tuning
 # Tile sizes, measured on a 2-core Xeon (AVX-512, 2 MB L2 per core), float32,
@@ -261,8 +303,9 @@ class _Buf:
 _L_MIN, _L_MAX = 2.0 ** -30, 2.0 ** 64
 
 
-def _exp2_limit(dtype):
-    """The range |x| ≤ this (100 in float32, 996 in float64) where exp2 is fast.
+def _exp_limit(dtype):
+    """The range |x| ≤ this, in BASE's units, where BASE.exp is fast: weights down to
+    2^-100 in float32 (x ≥ −100 in base 2, −69.3 in base e), 2^-996 in float64.
 
     Past 125 (float32), NumPy's exp2 leaves its SIMD loop for a scalar path,
     ~200× slower per element (np.exp, below −87, one ~10× slower); and a weight
@@ -270,16 +313,16 @@ def _exp2_limit(dtype):
     down as much. Measured with q scaled 30× (most weights underflow): with
     np.exp and no range, forward 35× and backward 22× their ordinary time.
     """
-    return np.finfo(dtype).maxexp - 28
+    return (np.finfo(dtype).maxexp - 28) * LN2 / BASE.ln
 
 
-def _in_exp2_range(Q, K, shift):
-    """Per head, whether every Q_i·K_j − shift_i lies in exp2's fast range, from norms
-    alone: |Q_i·K_j − shift_i| ≤ |Q_i| max_j |K_j| + |shift_i| (Cauchy–Schwarz).
+def _in_exp_range(Q, K, shift):
+    """Per head, whether every Q_i·K_j − shift_i lies in BASE.exp's fast range, from
+    norms alone: |Q_i·K_j − shift_i| ≤ |Q_i| max_j |K_j| + |shift_i| (Cauchy–Schwarz).
     Q (nh, n, d), K (nh, m, d), shift (nh, n); NaN or inf in a head gives False."""
     q_norm = np.sqrt(np.einsum("hij,hij->hi", Q, Q))
     k_norm = np.sqrt(np.einsum("hij,hij->hi", K, K).max(axis=1))
-    return (q_norm * k_norm[:, None] + np.abs(shift)).max(axis=1) <= _exp2_limit(Q.dtype)
+    return (q_norm * k_norm[:, None] + np.abs(shift)).max(axis=1) <= _exp_limit(Q.dtype)
 
 
 def _with_ones(x, out):
@@ -298,20 +341,20 @@ def _head_ranges(BH):
 
 
 def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
-    """Qx = [c·Q | −m₂], Kx = [K | 1], Vx = [V | 1] in the accumulation dtype, made
-    once per call on the pool (O(N·d), like o), with c = scale·log₂e: scores come
-    out in base 2, S₂ = c·Q Kᵀ, and exp2(S₂ − m₂) = exp(S − m).
+    """Qx = [c·Q | −m_b], Kx = [K | 1], Vx = [V | 1] in the accumulation dtype, made
+    once per call on the pool (O(N·d), like o), with c = scale·log_b(e): scores come
+    out in BASE b, S_b = c·Q Kᵀ, and b^(S_b − m_b) = exp(S − m).
 
-    [Q_i | −m₂_i] [K_j | 1]ᵀ = S₂_ij − m₂_i: the column of ones lets the matmul
+    [Q_i | −m_b_i] [K_j | 1]ᵀ = S_b_ij − m_b_i: the column of ones lets the matmul
     subtract the frozen reference (see _fwd_tile_frozen) for free. [V | 1] lets
     one matmul P̃ [V_j | 1] give both P̃ V_j and ℓ̃ = rowsum(P̃), saving a pass
     over every score tile. 16-bit inputs are widened here.
 
-    m₂ is each row's max over the first MAX_SAMPLE keys, for all rows of a head
+    m_b is each row's max over the first MAX_SAMPLE keys, for all rows of a head
     in one matmul (done per tile, it was ~10 NumPy calls per tile, and with two
-    workers every call is a GIL hand-over). Returns also m = m₂·ln 2 (natural
-    units, for lse) and, per K/V head, whether every S₂ − m₂ is known to lie in
-    exp2's fast range: |S₂_ij − m₂_i| ≤ |c·q_i| |k_j| + |m₂_i| (Cauchy–Schwarz).
+    workers every call is a GIL hand-over). Returns also m = m_b·ln b (natural
+    units, for lse) and, per K/V head, whether every S_b − m_b is known to lie in
+    BASE.exp's fast range: |S_b_ij − m_b_i| ≤ |c·q_i| |k_j| + |m_b_i| (Cauchy–Schwarz).
     """
     BH, G, Nq, d = q4.shape
     Nk = k3.shape[1]
@@ -321,7 +364,7 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
     m = np.zeros((BH, G, Nq), acc_t)
     in_range = np.zeros(BH, bool)
     ns = min(MAX_SAMPLE, Nk)
-    c = acc_t.type(scale * LOG2E)
+    c = acc_t.type(scale * BASE.log_e)
 
     def prepare(heads):
         h0, h1 = heads
@@ -330,7 +373,7 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
         np.multiply(q4[h0:h1].reshape(nh, G * Nq, d), c, out=Q, casting="unsafe")
         _with_ones(k3[h0:h1], Kx[h0:h1])
         _with_ones(v3[h0:h1], Vx[h0:h1])
-        m2 = np.zeros((nh, G * Nq), acc_t)
+        m_b = np.zeros((nh, G * Nq), acc_t)
         if FAST_PATH:
             # Keys × rows: the max over keys is then an elementwise maximum of rows
             # (a max along a short last axis measured 6× slower).
@@ -339,11 +382,11 @@ def _prepare_fwd(q4, k3, v3, scale, causal, acc_t):
                 _mask_block(S0T.reshape(nh, ns, G, Nq).transpose(0, 2, 3, 1), G, Nq, Nk - Nq)
             mh = S0T.max(axis=1)
             # A row that sees no sampled key sees no key at all (key 0 is sampled): it
-            # subtracts 0, so that exp2(−inf − 0) = 0 rather than exp2(−inf + inf) = NaN.
-            np.copyto(m2, mh, where=mh != NEG_INF)
-            in_range[h0:h1] = _in_exp2_range(Q, Kx[h0:h1, :, :d], m2)
-        np.negative(m2, out=Qx[h0:h1, ..., d].reshape(nh, G * Nq))
-        np.multiply(m2, LN2, out=m[h0:h1].reshape(nh, G * Nq))
+            # subtracts 0, so that b^(−inf − 0) = 0 rather than b^(−inf + inf) = NaN.
+            np.copyto(m_b, mh, where=mh != NEG_INF)
+            in_range[h0:h1] = _in_exp_range(Q, Kx[h0:h1, :, :d], m_b)
+        np.negative(m_b, out=Qx[h0:h1, ..., d].reshape(nh, G * Nq))
+        np.multiply(m_b, BASE.ln, out=m[h0:h1].reshape(nh, G * Nq))
 
     _map(prepare, _head_ranges(BH))
     return Qx, Kx, Vx, m, in_range
@@ -368,21 +411,21 @@ def _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, buf):
 
 
 def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
-    """One Q tile, FlashAttention-2's inner loop with the running max m_i, in base 2.
+    """One Q tile, FlashAttention-2's inner loop with the running max m_i, in BASE.
 
     Qx is the tile's [c·Q_i | ·]; its last column is overwritten with 0 (no other
-    tile reads these rows). Returns the unnormalised state (acc, ℓ_i, m₂_i).
+    tile reads these rows). Returns the unnormalised state (acc, ℓ_i, m_b_i).
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
-    lim = _exp2_limit(acc_t)
+    lim = _exp_limit(acc_t)
     Qx[:, :, d] = 0
     # -- init -- (acc and ℓ_i share one array [acc | ℓ_i], updated as one: see _fwd_tile_frozen)
     m_i = np.full((nh, rows), NEG_INF, acc_t)
     accx = np.zeros((nh, rows, d + 1), acc_t)
     for step in kv:
         c0, c1, t = step[2:]
-        # -- compute qk: S₂_ij = (c·Q_i) K_jᵀ, for the step's rows --
+        # -- compute qk: S_b_ij = (c·Q_i) K_jᵀ, for the step's rows --
         S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
         if t is not None:  # only the blocks the diagonal crosses
             _mask_block(S, G, a1 - a0, t)
@@ -390,16 +433,16 @@ def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
         # -- update m_i and l_i --
         m_new = np.maximum(m_s, S.max(axis=-1))
         # Guard: a row that has seen only −inf keeps m = −inf and
-        # −inf − (−inf) would be NaN; subtracting 0 gives exp2(−inf) = 0.
+        # −inf − (−inf) would be NaN; subtracting 0 gives b^(−inf) = 0.
         m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
         np.subtract(S, m_safe[..., None], out=S)
-        # Weights below 2^-lim count as 2^-lim (see _fwd_tile_frozen); hidden
-        # entries, lifted from −inf with them, are zeroed after the exp2.
+        # Weights below b^-lim count as b^-lim (see _fwd_tile_frozen); hidden
+        # entries, lifted from −inf with them, are zeroed after the exponential.
         np.maximum(S, -lim, out=S)
-        np.exp2(S, out=S)                                # P̃_ij = exp(S_ij − m_i)
+        BASE.exp(S, out=S)                               # P̃_ij = exp(S_ij − m_i)
         if t is not None:
             _mask_block(S, G, a1 - a0, t, fill=0)
-        alpha = np.exp2(m_s - m_safe)                    # e^{m_old − m_new}
+        alpha = BASE.exp(m_s - m_safe)                   # e^{m_old − m_new}
         V = Vx[h0:h1, c0:c1]
         PV = np.matmul(S, V if S.ndim == 3 else V[:, None],
                        out=local.PV.get(S.shape[:-1] + (d + 1,)))
@@ -411,20 +454,20 @@ def _fwd_tile_online(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, acc_t, local):
 
 
 def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, in_range, local):
-    """One Q tile with the running max frozen at the reference m₂_i in Qx's last column.
+    """One Q tile with the running max frozen at the reference m_b_i in Qx's last column.
 
     The max in exp(S − m) only guards against overflow; any fixed reference m
     near the row's largest score gives the same result to rounding. So m_i is
     the row max over the first MAX_SAMPLE keys (key 0 is visible to every row
     that sees any key, so ℓ_i ≥ 1), folded into the matmul as
-    [Q_i | −m₂_i] [K_j | 1]ᵀ = S₂_ij − m₂_i: no tile needs a rowmax pass, a
-    subtraction or an α rescale — Q Kᵀ, exp2, P̃ [V | 1], 3 passes instead of 5.
+    [Q_i | −m_b_i] [K_j | 1]ᵀ = S_b_ij − m_b_i: no tile needs a rowmax pass, a
+    subtraction or an α rescale — Q Kᵀ, b^x, P̃ [V | 1], 3 passes instead of 5.
 
-    exp2 is NumPy's fastest exponential (30% faster than exp in float32) as long
-    as its argument stays in range (_exp2_limit). Where `in_range` cannot promise
-    that, S₂ − m₂ is clipped to it first: an entry below 2^-100 then weighs
+    BASE.exp is NumPy's fastest exponential on this CPU (fastest_base) as long
+    as its argument stays in range (_exp_limit). Where `in_range` cannot promise
+    that, S_b − m_b is clipped to it first: a weight below 2^-100 then counts as
     2^-100 instead, below rounding next to ℓ_i ≥ 1. Hidden (causal) entries are
-    zeroed after the exp2, so −inf never reaches it.
+    zeroed after the exponential, so −inf never reaches it.
 
     Returns [acc | ℓ_i] (nh, G·br, d + 1) when every row from `first` on (the
     rows that see a key) kept ℓ_i ∈ [2^-30, 2^64] and acc stayed finite;
@@ -433,7 +476,7 @@ def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, in_range, loca
     """
     nh, rows = Qx.shape[:2]
     br = r1 - r0
-    lim = _exp2_limit(Qx.dtype)
+    lim = _exp_limit(Qx.dtype)
     # [acc | ℓ_i] in one array, so that one addition of P̃ [V_j | 1] updates both:
     # with two workers every NumPy call is a GIL hand-over (a context switch when
     # the other worker holds it), so calls per step count.
@@ -441,11 +484,11 @@ def _fwd_tile_frozen(Qx, Kx, Vx, h0, h1, r0, r1, kv, G, d, first, in_range, loca
     accx.fill(0)
     for step in kv:
         c0, c1, t = step[2:]
-        # -- compute qk: S₂_ij − m₂_i = [c·Q_i | −m₂_i] [K_j | 1]ᵀ, for the step's rows --
+        # -- compute qk: S_b_ij − m_b_i = [c·Q_i | −m_b_i] [K_j | 1]ᵀ, for the step's rows --
         S, (a0, a1) = _fwd_scores(Qx, Kx, h0, h1, r0, br, step, G, local.S)
         if not in_range:
             np.clip(S, -lim, lim, out=S)
-        np.exp2(S, out=S)                                # P̃_ij = exp(S_ij − m_i)
+        BASE.exp(S, out=S)                               # P̃_ij = exp(S_ij − m_i)
         if t is not None:  # only the blocks the diagonal crosses
             _mask_block(S, G, a1 - a0, t, fill=0)
         V = Vx[h0:h1, c0:c1]
@@ -530,7 +573,7 @@ def _fwd_fa2(q, k, v, causal, scale):
         with np.errstate(divide="ignore", invalid="ignore"):
             l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
             acc /= l_div[:, :, None]
-            L = np.where(seen, m_i * LN2 + np.log(l_div), NEG_INF)
+            L = np.where(seen, m_i * BASE.ln + np.log(l_div), NEG_INF)
             L[np.isnan(l_i)] = np.nan  # a NaN score: NaN lse, in that row only
         o_t[...] = acc.reshape(nh, G, br, d)
         lse_t[...] = L.reshape(nh, G, br)
@@ -599,17 +642,17 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
         dQ_i += dS_ij K_j · scale
         dK_j += dS_ijᵀ Q_i · scale
 
-    P is computed in base 2 with exp2, as in the forward (_fwd_tile_frozen):
-    S₂ − L₂ = (scale·log₂e) Q Kᵀ − L·log₂e, clipped into exp2's fast range only
-    where norms cannot rule out leaving it (P < 2^-100 then counts as 2^-100).
+    P is computed in BASE b with BASE.exp, as in the forward (_fwd_tile_frozen):
+    S_b − L_b = (scale·log_b e) Q Kᵀ − L·log_b e, clipped into BASE.exp's fast range
+    only where norms cannot rule out leaving it (P < 2^-100 then counts as 2^-100).
     """
     B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = _grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
     sc = acc_t.type(scale)
-    c = acc_t.type(scale * LOG2E)
-    lim = _exp2_limit(acc_t)
-    # Prepared once per call, O(N·d) like dq: Qx = [c·Q | −L₂], dOx = [dO | −D],
-    # Kx = [K | 1], Vx = [V | 1], so that the matmuls give S₂ − L₂ and dP − D
+    c = acc_t.type(scale * BASE.log_e)
+    lim = _exp_limit(acc_t)
+    # Prepared once per call, O(N·d) like dq: Qx = [c·Q | −L_b], dOx = [dO | −D],
+    # Kx = [K | 1], Vx = [V | 1], so that the matmuls give S_b − L_b and dP − D
     # directly: two passes over every score tile saved, and no per-tile casts.
     do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
     L = lse.reshape(BH, G, Nq)
@@ -627,16 +670,16 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
         # lse = −inf (row saw no key): subtract +inf instead, so P = 0 (2^-100 once
         # clipped), not NaN. (The schedule never visits such rows: this guards a
         # user's lse.)
-        L2 = Qx[h0:h1, ..., d].reshape(nh, G * Nq)
+        L_b = Qx[h0:h1, ..., d].reshape(nh, G * Nq)
         np.multiply(np.where(L[h0:h1] == NEG_INF, np.inf, L[h0:h1]).reshape(nh, G * Nq),
-                    -LOG2E, out=L2, casting="unsafe")
+                    -BASE.log_e, out=L_b, casting="unsafe")
         np.copyto(dOx[h0:h1, ..., :d], do4[h0:h1], casting="unsafe")
         # −D = −rowsum(dO ∘ O)
         np.negative(np.einsum("...i,...i->...", dOx[h0:h1, ..., :d], _as(o4[h0:h1], acc_t)),
                     out=dOx[h0:h1, ..., d])
         _with_ones(k3[h0:h1], Kx[h0:h1])
         _with_ones(v3[h0:h1], Vx[h0:h1])
-        in_range[h0:h1] = _in_exp2_range(Q, Kx[h0:h1, :, :d], L2)
+        in_range[h0:h1] = _in_exp_range(Q, Kx[h0:h1, :, :d], L_b)
 
     _map(prepare, _head_ranges(BH))
 
@@ -678,11 +721,11 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
             # The G query heads' rows stacked into one matrix (a copy only when G > 1).
             Qx_i = Qx[h0:h1, :, r0:r1].reshape(nh, rows, d + 1)
             dOx_i = dOx[h0:h1, :, r0:r1].reshape(nh, rows, d + 1)
-            # P_ij = exp(S_ij − L_i) = exp2([c·Q_i | −L₂_i] [K_j | 1]ᵀ)
+            # P_ij = exp(S_ij − L_i) = b^([c·Q_i | −L_b_i] [K_j | 1]ᵀ)
             P = np.matmul(Qx_i, Kx_j.transpose(0, 2, 1), out=local.S.get((nh, rows, w)))
             if not in_range[h0:h1].all():
                 np.clip(P, -lim, lim, out=P)
-            np.exp2(P, out=P)
+            BASE.exp(P, out=P)
             if t is not None:  # only the block the diagonal crosses
                 _mask_block(P, G, br, t, fill=0)
             dV_s += P.transpose(0, 2, 1) @ dOx_i[..., :d]        # dV_j += P_ijᵀ dO_i
@@ -692,7 +735,7 @@ def _bwd_fa2(do, q, k, v, o, lse, causal, scale):
             dK_s += dS.transpose(0, 2, 1) @ Qx_i[..., :d]        # dK_j += dS_ijᵀ (c·Q_i)
             dQ_i = np.matmul(dS, Kx_j[..., :d], out=local.dQ.get((nh, rows, d)))
             local.dq[h0:h1, :, r0:r1] += dQ_i.reshape(nh, G, br, d)  # dQ_i += dS_ij K_j
-        np.multiply(dK_j, LN2, out=dk3[h0:h1, c0:c1], casting="unsafe")  # c·ln 2 = scale
+        np.multiply(dK_j, BASE.ln, out=dk3[h0:h1, c0:c1], casting="unsafe")  # c·ln b = scale
         dv3[h0:h1, c0:c1] = dV_j
 
     _map(run, tasks)
