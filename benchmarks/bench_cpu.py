@@ -5,7 +5,9 @@ real case), then times. FLOPs follow FlashAttention's convention: forward
 4·B·H·Nq·Nk·d (halved when causal), backward 2.5× forward. The contenders are
 timed in turn within each repetition, so that a busy machine slows them alike;
 each gets the median and the best (minimum) of its runs — the best is timeit's
-convention on a shared machine, where slower runs are mostly interference.
+convention on a shared machine, where slower runs are mostly interference — and,
+against PyTorch, the median of the per-repetition ratios ("paired"), which a machine
+whose speed drifts between repetitions disturbs least.
 Writes a CSV and a PNG to benchmarks/results/.
 
     python benchmarks/bench_cpu.py            # B=1, H=8, N=2048, d=64 + sweep N
@@ -79,7 +81,8 @@ def flops_fwd(B, H, Nq, Nk, d, causal):
 
 
 def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
-    """(median, best) seconds of each fn, the fns run in turn inside every repetition.
+    """The seconds of each fn's runs (an array), the fns run in turn inside every
+    repetition, so that run i of two fns saw the machine in about the same state.
 
     Each timed call starts after a `settle` pause: PyTorch's OpenMP threads keep
     spinning on the cores for a while after a call returns, which slowed the
@@ -95,7 +98,18 @@ def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)
-    return {name: (float(np.median(t)), float(np.min(t))) for name, t in times.items()}
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def summary(runs, yardstick=None):
+    """(median, best) seconds of `runs`, and against the yardstick's runs from the same
+    repetitions: (ratio of medians, ratio of bests, median of per-repetition ratios).
+    The paired ratio holds up best when the machine's speed drifts between repetitions."""
+    sec, best = float(np.median(runs)), float(np.min(runs))
+    if yardstick is None:
+        return sec, best, (float("nan"),) * 3
+    return sec, best, (sec / float(np.median(yardstick)), best / float(np.min(yardstick)),
+                       float(np.median(runs / yardstick)))
 
 
 def max_err(a, b):
@@ -184,24 +198,22 @@ def main(argv=None):
             t = time_interleaved(fns, repeats)
             if full:
                 for impl in ("cuflash", "naive"):
-                    t[f"{impl} fwd+bwd"] = tuple(a + b for a, b in zip(t[f"{impl} fwd"],
-                                                                       t[f"{impl} bwd"]))
+                    t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
             f_fwd = flops_fwd(B, H, N, N, d, causal)
-            nan2 = (float("nan"), float("nan"))
-            for name, (sec, best) in t.items():
+            for name, runs in t.items():
                 kind = name.split()[-1]
                 flops = {"fwd": f_fwd, "bwd": 2.5 * f_fwd, "fwd+bwd": 3.5 * f_fwd}[kind]
-                torch_t, torch_best = t.get(f"torch {kind}", nan2)
+                sec, best, (vs, best_vs, paired) = summary(runs, t.get(f"torch {kind}"))
                 rows.append(dict(impl=name.split()[0], pass_=kind, B=B, H=H, N=N, d=d,
                                  causal=causal, ms=sec * 1e3, best_ms=best * 1e3,
-                                 gflops=flops / sec / 1e9, vs_torch=sec / torch_t,
-                                 best_vs_torch=best / torch_best))
+                                 gflops=flops / sec / 1e9, vs_torch=vs,
+                                 best_vs_torch=best_vs, paired_vs_torch=paired))
             if full and use_torch:  # the speed target: bwd alone vs torch fwd+bwd
-                (sec, best), (tt, tb) = t["cuflash bwd"], t["torch fwd+bwd"]
+                sec, best, (vs, best_vs, paired) = summary(t["cuflash bwd"], t["torch fwd+bwd"])
                 rows.append(dict(impl="cuflash", pass_="bwd/torch fwd+bwd", B=B, H=H, N=N, d=d,
                                  causal=causal, ms=sec * 1e3, best_ms=best * 1e3,
-                                 gflops=float("nan"), vs_torch=sec / tt,
-                                 best_vs_torch=best / tb))
+                                 gflops=float("nan"), vs_torch=vs,
+                                 best_vs_torch=best_vs, paired_vs_torch=paired))
 
     # -- widely spread scores: q × 30, most weights underflow (a sharp, trained head) --
     spread = {}
@@ -218,7 +230,8 @@ def main(argv=None):
             tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
             fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, False)
             fns["torch fwd+bwd"] = lambda: torch_forward_backward(tq, tk, tv, tdo, False)
-        spread = time_interleaved(fns, max(3, repeats // 2))
+        spread = {name: summary(runs)[:2]
+                  for name, runs in time_interleaved(fns, max(3, repeats // 2)).items()}
 
     # -- memory: one head, N = 16384, d = 64, float32 --
     Nm = 16384
@@ -238,7 +251,7 @@ def main(argv=None):
 
     # -- report --
     hdr = (f"{'impl':8} {'pass':18} {'N':>5} {'causal':>6} {'median ms':>9} {'GFLOP/s':>8} "
-           f"{'vs torch':>8} {'best ms':>9} {'vs torch':>8}")
+           f"{'vs torch':>8} {'best ms':>9} {'vs torch':>8} {'paired':>8}")
     print("\n" + hdr + "\n" + "-" * len(hdr))
 
     def ratio(x):
@@ -248,7 +261,7 @@ def main(argv=None):
         g = "" if math.isnan(r["gflops"]) else f"{r['gflops']:8.1f}"
         print(f"{r['impl']:8} {r['pass_']:18} {r['N']:5d} {str(r['causal']):>6} "
               f"{r['ms']:9.1f} {g:>8} {ratio(r['vs_torch']):>8} {r['best_ms']:9.1f} "
-              f"{ratio(r['best_vs_torch']):>8}")
+              f"{ratio(r['best_vs_torch']):>8} {ratio(r['paired_vs_torch']):>8}")
     if spread:
         print(f"\nscores spread wide (q × 30), N={main_N}, causal=False — median (best) ms:")
         for name, (sec, best) in spread.items():
@@ -262,23 +275,24 @@ def main(argv=None):
     with open(csv_path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["impl", "pass", "B", "H", "N", "d", "causal", "median_ms", "gflops",
-                    "vs_torch", "best_ms", "best_vs_torch"])
+                    "vs_torch", "best_ms", "best_vs_torch", "paired_vs_torch"])
         for r in rows:
             w.writerow([r["impl"], r["pass_"], r["B"], r["H"], r["N"], r["d"], r["causal"],
                         f"{r['ms']:.3f}", f"{r['gflops']:.2f}", f"{r['vs_torch']:.3f}",
-                        f"{r['best_ms']:.3f}", f"{r['best_vs_torch']:.3f}"])
+                        f"{r['best_ms']:.3f}", f"{r['best_vs_torch']:.3f}",
+                        f"{r['paired_vs_torch']:.3f}"])
         for name, (sec, best) in spread.items():
             impl, kind = name.split()
             w.writerow([impl, f"{kind} q×30", B, H, main_N, d, False, f"{sec * 1e3:.3f}",
-                        "", "", f"{best * 1e3:.3f}", ""])
+                        "", "", f"{best * 1e3:.3f}", "", ""])
         for name, b in mem.items():
             w.writerow(["cuflash", f"peak memory {name}", 1, 1, Nm, 64, "", "", "",
-                        f"{b / 2**20:.2f} MiB", "", ""])
+                        f"{b / 2**20:.2f} MiB", "", "", ""])
         w.writerow(["naive", "scores memory", 1, 1, Nm, 64, "", "", "",
-                    f"{naive_bytes / 2**20:.2f} MiB", "", ""])
+                    f"{naive_bytes / 2**20:.2f} MiB", "", "", ""])
         if hasattr(os, "getloadavg"):  # timings on a busy machine are not comparable
             w.writerow(["machine", f"load average {os.getloadavg()[0]:.1f} on "
-                        f"{os.cpu_count()} CPUs", "", "", "", "", "", "", "", "", "", ""])
+                        f"{os.cpu_count()} CPUs", "", "", "", "", "", "", "", "", "", "", ""])
     if hasattr(os, "getloadavg"):
         print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (timings above ~1 on "
               f"{os.cpu_count()} CPUs are inflated, ratios less so)")
