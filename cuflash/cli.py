@@ -55,7 +55,10 @@ def cmd_info(args):
           + ("" if _dtypes.BFLOAT16 is not None else " (bfloat16 needs ml_dtypes)"))
     cupy, dev = _gpu()
     print("backends:")
-    print("  numpy     available (blocked FlashAttention-2 on the CPU)")
+    from .backends import numpy_backend
+    print(f"  numpy     available (blocked FlashAttention-2 on the CPU, "
+          f"{numpy_backend._n_workers()} workers, exponentials in base "
+          f"{numpy_backend.BASE.name}: NumPy's fastest on this CPU)")
     gxx = shutil.which("g++")
     print(f"  emulator  {'available, g++ at ' + gxx if gxx else 'needs g++ (apt-get install g++)'}")
     if cupy is None:
