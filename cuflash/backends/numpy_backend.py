@@ -56,7 +56,7 @@ def fastest_base(targets, features):
     The exponential is the one elementwise pass over every score tile, and NumPy
     vectorises `exp2` only for AVX-512 (there 30% faster than `exp`), `exp` also
     for AVX2: on an AVX2 Zen 3, `exp2` runs a scalar loop 1.9× slower than `exp`
-    (2.6 against 1.35 ns per float32), and the forward took 1.3× as long with it.
+    (2.6 against 1.35 ns per float32), and the forward took up to 1.3× as long with it.
     `targets` is NumPy's dispatch table (`__cpu_targets_info__`, newer NumPy, or
     None), `features` its CPU feature flags (`__cpu_features__`, the fallback).
     """
