@@ -23,6 +23,9 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from cuflash.flops import attention_flops  # noqa: E402
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -40,14 +43,6 @@ def _gpu_or_exit():
         sys.exit(2)
     import cupy
     return cupy
-
-
-def flops(B, H, Nq, Nk, d, causal, mode):
-    """FlashAttention's FLOP count: fwd 4·B·H·Nq·Nk·d (halved if causal), bwd 2.5× fwd."""
-    f = 4.0 * B * H * Nq * Nk * d
-    if causal:
-        f /= 2
-    return f * (2.5 if mode == "bwd" else 1.0)
 
 
 # ── implementations: each returns fwd(q,k,v) -> o and bwd(do) -> grads callables ─────
@@ -246,7 +241,7 @@ def time_one(cp, name, make, B, H, N, d, dtype, causal, n_repeat):
             res = benchmark(fn, n_repeat=n_repeat, n_warmup=3)
             t = float(np.median(res.gpu_times[0]))  # seconds
             mem = ((_torch_peak() - tbase) if uses_torch else (pool.total_bytes() - base)) / 2**20
-            out[mode] = (t, flops(B, H, N, N, d, causal, mode) / t / 1e12, mem)
+            out[mode] = (t, attention_flops(B, H, N, N, d, causal=causal, pass_=mode) / t / 1e12, mem)
         except Exception as e:  # OOM (naive at long N) and the like: record, go on
             out[mode] = (float("nan"), float("nan"), float("nan"))
             print(f"    {mode}: {type(e).__name__}: {str(e)[:120]}")

@@ -1,9 +1,7 @@
 """`python -m cuflash`: info, demo, bench, check-kernels."""
 import argparse
-import math
 import platform
 import shutil
-import sys
 import time
 import tracemalloc
 
@@ -11,6 +9,7 @@ import numpy as np
 
 import cuflash
 from . import _dtypes, reference
+from .flops import attention_flops
 
 
 def _progress(iterable, **kwargs):
@@ -38,12 +37,6 @@ def _gpu():
 def best_backend():
     cupy, _ = _gpu()
     return "cuda" if cupy is not None else "numpy"
-
-
-def attention_flops(b, h, nq, nk, d, *, causal, backward=False):
-    """FlashAttention's convention: 4·B·H·Nq·Nk·d forward, halved if causal, ×2.5 backward."""
-    flops = 4 * b * h * nq * nk * d / (2 if causal else 1)
-    return flops * 2.5 if backward else flops
 
 
 # -- info -------------------------------------------------------------------------------
@@ -164,8 +157,8 @@ def cmd_demo(args):
     t_fwd, t_bwd = float(np.median(t_fwd)), float(np.median(t_bwd))
     in_bytes = sum(a.nbytes for a in host)
     naive = b * h * n * n * np.dtype(np.float32).itemsize
-    for what, t, bwd in (("forward", t_fwd, False), ("backward", t_bwd, True)):
-        gflops = attention_flops(b, h, n, n, d, causal=True, backward=bwd) / t / 1e9
+    for what, t, pass_ in (("forward", t_fwd, "fwd"), ("backward", t_bwd, "bwd")):
+        gflops = attention_flops(b, h, n, n, d, causal=True, pass_=pass_) / t / 1e9
         print(f"  {what:9s} {t * 1e3:9.1f} ms  {gflops:8.1f} GFLOP/s  (median of {args.repeat})")
     print(f"  peak memory beyond inputs: {peak / 2**20:.1f} MiB for fwd+bwd outputs and "
           f"work space (inputs {in_bytes / 2**20:.1f} MiB; a naive score matrix alone "
@@ -228,9 +221,10 @@ def cmd_bench(args):
                     _sync(backend)
                     ts.append(time.perf_counter() - t0)
                 times.append(float(np.median(ts)))
-            fl = attention_flops(args.batch, args.heads, n, n, args.d, causal=causal)
-            print(f"{n:>6} {str(causal):>6} {times[0] * 1e3:9.2f} {fl / times[0] / 1e9:12.1f} "
-                  f"{times[1] * 1e3:9.2f} {2.5 * fl / times[1] / 1e9:12.1f}")
+            fl = [attention_flops(args.batch, args.heads, n, n, args.d, causal=causal, pass_=p)
+                  for p in ("fwd", "bwd")]
+            print(f"{n:>6} {str(causal):>6} {times[0] * 1e3:9.2f} {fl[0] / times[0] / 1e9:12.1f} "
+                  f"{times[1] * 1e3:9.2f} {fl[1] / times[1] / 1e9:12.1f}")
     return 0
 
 
