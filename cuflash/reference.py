@@ -7,7 +7,7 @@ input dtype: the tests compare every other implementation against these.
 - `fa1_attention`     FlashAttention   (Dao et al. 2022) Algorithm 1, line by line.
 - `fa2_attention`     FlashAttention-2 (Dao 2023)       Algorithm 1, line by line.
 - `attention_backward` the FlashAttention backward equations, from the stored lse.
-- `softmax`, `online_softmax` the softmax, directly and in the one-pass
+- `online_softmax`    the softmax in the one-pass
   (running max, running sum) form that FlashAttention is built on.
 
 Shapes are (..., N, d). Leading axes broadcast; on axis -3 (heads) query head
@@ -24,9 +24,11 @@ import math
 import numpy as np
 import scipy.special
 
+from .tiling import paper_block_sizes
+
 __all__ = [
     "naive_attention", "fa1_attention", "fa2_attention", "attention_backward",
-    "softmax", "online_softmax", "causal_mask", "block_sizes",
+    "online_softmax", "causal_mask",
 ]
 
 NEG_INF = -np.inf
@@ -44,13 +46,6 @@ def causal_mask(Nq, Nk, *, row0=0, col0=0, rows=None, cols=None):
     i = np.arange(row0, row0 + rows)[:, None]
     j = np.arange(col0, col0 + cols)[None, :]
     return j > i + (Nk - Nq)
-
-
-def block_sizes(M, d):
-    """The papers' rule: for M elements of on-chip memory, Bc = ceil(M/4d), Br = min(Bc, d)."""
-    Bc = math.ceil(M / (4 * d))
-    Br = min(Bc, d)
-    return Br, Bc
 
 
 def _default_scale(d, scale):
@@ -90,11 +85,6 @@ def _f64(*arrays):
 
 
 # --------------------------------------------------------------------------- softmax
-def softmax(x, axis=-1):
-    """scipy.special.softmax, the ground truth for every softmax in cuflash."""
-    return scipy.special.softmax(x, axis=axis)
-
-
 def online_softmax(x, axis=-1):
     """Softmax in the one-pass (running max, running sum) form, then one normalising pass.
 
@@ -176,7 +166,7 @@ def _fa1_head(Q, K, V, causal, scale, M):
     Nq, d = Q.shape
     Nk = K.shape[0]
     # 1: set block sizes Bc = ceil(M / 4d), Br = min(ceil(M / 4d), d).
-    Br, Bc = block_sizes(M, d)
+    Br, Bc = paper_block_sizes(M, d)
     # 2: initialise O = (0)_{N×d}, ℓ = (0)_N, m = (−inf)_N in HBM.
     O = np.zeros((Nq, d))
     l = np.zeros(Nq)
@@ -229,7 +219,7 @@ def _fa2_head(Q, K, V, causal, scale, M):
     """FlashAttention-2 Algorithm 1 for one head. Q: (Nq, d), K, V: (Nk, d)."""
     Nq, d = Q.shape
     Nk = K.shape[0]
-    Br, Bc = block_sizes(M, d)
+    Br, Bc = paper_block_sizes(M, d)
     # 1: divide Q into Tr blocks of Br rows, K and V into Tc blocks of Bc rows.
     Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
     # 2: divide O into Tr blocks, L into Tr blocks.

@@ -7,6 +7,7 @@ import pytest
 import scipy.special
 
 from cuflash import reference as R
+from cuflash.tiling import paper_block_sizes
 
 SIZES = (1, 17, 113, 203)
 HEAD_DIMS = (1, 32, 59, 64)
@@ -109,10 +110,12 @@ def test_fa_block_rule_any_memory(M):
 
 
 def test_block_sizes_rule():
-    assert R.block_sizes(4096, 64) == (16, 16)
-    assert R.block_sizes(4096, 1) == (1, 1024)
-    assert R.block_sizes(100, 8) == (4, 4)
-    assert R.block_sizes(2, 1) == (1, 1)  # the seed notebook's N=2, d=1, M=2
+    """The papers' rule (tiling.paper_block_sizes), worked by hand: (Br, Bc)."""
+    assert paper_block_sizes(4096, 64) == (16, 16)
+    assert paper_block_sizes(4096, 1) == (1, 1024)
+    assert paper_block_sizes(100, 8) == (4, 4)
+    assert paper_block_sizes(2, 1) == (1, 1)  # the seed notebook's N=2, d=1, M=2
+    assert paper_block_sizes(100 * 1024 // 4, 64) == (64, 100)
 
 
 def test_fully_masked_rows():
@@ -198,7 +201,6 @@ def test_online_softmax_every_axis(axis):
     x = rng.standard_normal((5, 7, 3)) * 20
     np.testing.assert_allclose(R.online_softmax(x, axis), scipy.special.softmax(x, axis=axis),
                                rtol=1e-13, atol=1e-300)
-    np.testing.assert_allclose(R.softmax(x, axis), scipy.special.softmax(x, axis=axis), rtol=0)
 
 
 def test_online_softmax_nan_inf_like_scipy():
