@@ -13,7 +13,7 @@ import pytest
 from cuflash import _dtypes, reference, tiling
 from cuflash.backends import kernel_backward
 
-from conftest import HAS_GPU, HAS_GXX, assert_close_to_reference, round_to, to_host
+from conftest import HAS_GPU, HAS_GXX, assert_close_to_reference, plain_backward, to_host
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -50,31 +50,6 @@ def make_problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, seed=0, scale=None):
     return dict(do=do, q=q, k=k, v=v, o=o, lse=lse, scale=scale)
 
 
-def plain_lowprec_backward(do, q, k, v, o, lse, *, causal, scale, dtype):
-    """The seed equations with every intermediate rounded to `dtype` (a plain 16-bit
-    implementation, for FlashAttention's tolerance rule)."""
-    r = lambda x: round_to(x, dtype)  # noqa: E731
-    do, q, k, v, o = (r(x) for x in (do, q, k, v, o))
-    group = q.shape[1] // k.shape[1]
-    ke, ve = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    S = r(scale * (q @ np.swapaxes(ke, -1, -2)))
-    Nq, Nk = q.shape[2], k.shape[2]
-    if causal:
-        S = np.where(reference.causal_mask(Nq, Nk), -np.inf, S)
-    lse_safe = np.where(lse == -np.inf, np.inf, lse.astype(np.float64))
-    P = r(np.exp(S - lse_safe[..., None]))
-    dv = r(np.swapaxes(P, -1, -2) @ do)
-    dP = r(do @ np.swapaxes(ve, -1, -2))
-    D = r(np.sum(do * o, axis=-1, keepdims=True))
-    dS = r(P * (dP - D))
-    dq = r((dS @ ke) * scale)
-    dk = r((np.swapaxes(dS, -1, -2) @ q) * scale)
-    B, Hkv = k.shape[:2]
-    dk = dk.reshape(B, Hkv, group, Nk, -1).sum(axis=2)
-    dv = dv.reshape(B, Hkv, group, Nk, -1).sum(axis=2)
-    return dq, dk, dv
-
-
 def run_and_check(backend, prob, causal, *, views=None):
     dtype = prob["q"].dtype
     args = [prob[n] for n in ("do", "q", "k", "v", "o", "lse")]
@@ -85,8 +60,8 @@ def run_and_check(backend, prob, causal, *, views=None):
                                        causal=causal, scale=prob["scale"])
     plain = (None, None, None)
     if dtype.itemsize == 2:
-        plain = plain_lowprec_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
-                                       causal=causal, scale=prob["scale"], dtype=dtype)
+        plain = plain_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
+                               causal=causal, scale=prob["scale"], dtype=dtype)
     for name, out, r, p, like in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain,
                                      (prob["q"], prob["k"], prob["v"])):
         assert out.dtype == like.dtype and out.shape == like.shape, name
@@ -253,8 +228,8 @@ def test_cuda(dtype, causal):
                                        causal=causal, scale=prob["scale"])
     plain = (None,) * 3
     if dtype.itemsize == 2:
-        plain = plain_lowprec_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
-                                       causal=causal, scale=prob["scale"], dtype=dtype)
+        plain = plain_backward(*[prob[n] for n in ("do", "q", "k", "v", "o", "lse")],
+                               causal=causal, scale=prob["scale"], dtype=dtype)
     for name, o, r, p in zip(("dq", "dk", "dv"), out, ref, plain):
         assert_close_to_reference(to_host(o), r, p, dtype, factor=3.0, what=name)
 

@@ -13,7 +13,7 @@ import scipy.special
 from cuflash import _dtypes, reference, tiling
 from cuflash.backends import kernels
 
-from conftest import DTYPES, HAS_GXX, assert_close_to_reference
+from conftest import DTYPES, HAS_GXX, assert_close_to_reference, plain_attention
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -33,23 +33,6 @@ def _inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=0):
     return q, k, v
 
 
-def _plain_lowprec(q, k, v, causal, scale):
-    """Standard attention with every intermediate (S, P, O) rounded to the input dtype."""
-    dt = q.dtype
-    rnd = lambda x: np.asarray(x).astype(dt).astype(np.float64)  # noqa: E731
-    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    k64, v64 = np.repeat(k64, g, axis=1), np.repeat(v64, g, axis=1)
-    S = rnd(scale * (q64 @ np.swapaxes(k64, -1, -2)))
-    Nq, Nk = q.shape[-2], k.shape[-2]
-    if causal:
-        S = np.where(reference.causal_mask(Nq, Nk), -np.inf, S)
-    empty = np.all(S == -np.inf, axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore"):
-        P = rnd(np.where(empty, 0.0, scipy.special.softmax(S, axis=-1)))
-    return rnd(P @ v64)
-
-
 def _check_forward(q, k, v, *, causal, algorithm="fa2", checked=False, scale=None):
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
@@ -58,7 +41,7 @@ def _check_forward(q, k, v, *, causal, algorithm="fa2", checked=False, scale=Non
     assert lse.shape == q.shape[:-1] and lse.dtype == _dtypes.lse_dtype(q.dtype)
     ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
                                                return_lse=True)
-    plain = _plain_lowprec(q, k, v, causal, scale) if q.dtype.itemsize == 2 else None
+    plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
     assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"O ({algorithm})")
     # lse is kept in the accumulation precision: tight for every dtype.
     tol = 1e-10 if q.dtype == F64 else 2e-5
@@ -136,7 +119,7 @@ def test_nan_and_inf_rows(algorithm, dtype):
     keep[[3, 7]] = False
     ref = reference.naive_attention(q, k, v, scale=0.25)
     assert_close_to_reference(o[0, 0, keep], ref[0, 0, keep],
-                              _plain_lowprec(q, k, v, False, 0.25)[0, 0, keep], dtype)
+                              plain_attention(q, k, v, causal=False, scale=0.25, dtype=dtype)[0][0, 0, keep], dtype)
     assert np.isfinite(lse[0, 0, keep]).all()
 
 
@@ -244,16 +227,11 @@ def test_every_plan(plan):
     scale = 1.0 / np.sqrt(d)
     o, lse = be.forward(q, k, v, causal=True, scale=scale, algorithm=alg)
     ref_o, ref_lse = reference.naive_attention(q, k, v, causal=True, scale=scale, return_lse=True)
-    plain = _plain_lowprec(q, k, v, True, scale) if q.dtype.itemsize == 2 else None
+    plain, _ = plain_attention(q, k, v, causal=True, scale=scale, dtype=q.dtype)
     assert_close_to_reference(o, ref_o, plain, q.dtype, what=_plan_id(plan))
 
 
 # -- tile plans and the specialization list --------------------------------------------
-
-def test_paper_block_sizes():
-    assert reference.block_sizes(4096, 64) == tiling.paper_block_sizes(4096, 64)
-    assert tiling.paper_block_sizes(100 * 1024 // 4, 64) == (64, 100)  # (Br, Bc)
-
 
 def test_plans_fit_and_are_listed():
     specs = kernels.specializations()
