@@ -122,14 +122,15 @@ def validate_small():
     k = rng.standard_normal((1, 2, 113, 59)).astype(np.float32)
     v = rng.standard_normal((1, 2, 113, 59)).astype(np.float32)
     do = rng.standard_normal(q.shape).astype(np.float32)
+    scale = 1 / math.sqrt(q.shape[-1])
     worst = 0.0
     for causal in (False, True):
         o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
         g_ref = R.attention_backward(do, q, k, v, o_ref, lse_ref, causal=causal)
         for algorithm in ("fa2", "fa1"):
-            o, lse = BK.forward(q, k, v, causal=causal, scale=None, algorithm=algorithm)
+            o, lse = BK.forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm)
             worst = max(worst, max_err(o, o_ref))
-        g = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+        g = BK.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
         worst = max(worst, *(max_err(a, b) for a, b in zip(g, g_ref)))
     assert worst < 1e-4, f"validation against the reference failed: max error {worst}"
     return worst
@@ -174,23 +175,23 @@ def main(argv=None):
         if use_torch:
             tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
         for causal in (False, True):
-            o, lse = BK.forward(q, k, v, causal=causal, scale=None)
+            o, lse = BK.forward(q, k, v, causal=causal, scale=scale)
             if use_torch and full:
                 to, tdq, tdk, tdv = torch_forward_backward(tq, tk, tv, tdo, causal)
-                dq, dk, dv = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+                dq, dk, dv = BK.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
                 e_o = max_err(o, to.numpy())
                 e_g = max(max_err(a, b.numpy()) for a, b in zip((dq, dk, dv), (tdq, tdk, tdv)))
                 assert e_o < 1e-4 and e_g < 1e-3, f"cuflash vs torch: o {e_o}, grads {e_g}"
                 print(f"validation vs torch SDPA (N={N}, causal={causal}): "
                       f"o {e_o:.1e}, grads {e_g:.1e}  OK")
-            fns = {"cuflash fwd": lambda: BK.forward(q, k, v, causal=causal, scale=None)}
+            fns = {"cuflash fwd": lambda: BK.forward(q, k, v, causal=causal, scale=scale)}
             if N <= 4096:
                 fns["naive fwd"] = lambda: naive_forward(q, k, v, causal, scale)
             if use_torch:
                 fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, causal)
             if full:
                 fns["cuflash bwd"] = lambda: BK.backward(do, q, k, v, o, lse, causal=causal,
-                                                         scale=None)
+                                                         scale=scale)
                 o_n, P_n = naive_forward(q, k, v, causal, scale)
                 fns["naive bwd"] = lambda: naive_backward(do, q, k, v, o_n, P_n, scale)
                 if use_torch:
@@ -222,10 +223,11 @@ def main(argv=None):
         q, k, v, do = (rng.standard_normal((B, H, main_N, d)).astype(np.float32)
                        for _ in range(4))
         q *= 30
-        o, lse = BK.forward(q, k, v, causal=False, scale=None)
-        fns = {"cuflash fwd": lambda: BK.forward(q, k, v, causal=False, scale=None),
+        scale = 1 / math.sqrt(d)
+        o, lse = BK.forward(q, k, v, causal=False, scale=scale)
+        fns = {"cuflash fwd": lambda: BK.forward(q, k, v, causal=False, scale=scale),
                "cuflash bwd": lambda: BK.backward(do, q, k, v, o, lse, causal=False,
-                                                  scale=None)}
+                                                  scale=scale)}
         if use_torch:
             tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
             fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, False)
@@ -240,11 +242,11 @@ def main(argv=None):
     mem = {}
     for causal in (False, True):
         tracemalloc.start()
-        o, lse = BK.forward(q, k, v, causal=causal, scale=None)
+        o, lse = BK.forward(q, k, v, causal=causal, scale=1 / 8)  # d = 64
         mem[f"fwd causal={causal}"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     tracemalloc.start()
-    BK.backward(np.ones_like(q), q, k, v, o, lse, causal=True, scale=None)
+    BK.backward(np.ones_like(q), q, k, v, o, lse, causal=True, scale=1 / 8)
     mem["bwd causal=True"] = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     naive_bytes = Nm * Nm * 4

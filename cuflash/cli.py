@@ -50,8 +50,8 @@ def cmd_info(args):
     print("backends:")
     from .backends import numpy_backend
     print(f"  numpy     available (blocked FlashAttention-2 on the CPU, "
-          f"{numpy_backend._n_workers()} workers, exponentials in base "
-          f"{numpy_backend.BASE.name}: NumPy's fastest on this CPU)")
+          f"{numpy_backend.BACKEND.config.workers} workers, exponentials in base "
+          f"{numpy_backend.BACKEND.config.base.name}: NumPy's fastest on this CPU)")
     gxx = shutil.which("g++")
     print(f"  emulator  {'available, g++ at ' + gxx if gxx else 'needs g++ (apt-get install g++)'}")
     if cupy is None:

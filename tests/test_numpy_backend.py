@@ -1,4 +1,5 @@
 """The NumPy backend, called directly with 4-D inputs, against the float64 references."""
+import dataclasses
 import math
 import tracemalloc
 
@@ -9,6 +10,10 @@ import scipy.special
 from cuflash import reference as R
 from cuflash._dtypes import BFLOAT16, accum_dtype
 from cuflash.backends import numpy_backend as nb
+from cuflash.backends.numpy_backend import forward as fwd
+from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG, CpuConfig
+from cuflash.backends.numpy_backend.expbase import BASE_2, BASE_E, exp_limit, fastest_base
+from cuflash.backends.numpy_backend.schedule import block_schedule, mask_block
 
 BK = nb.BACKEND
 DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
@@ -16,26 +21,26 @@ if BFLOAT16 is not None:
     DTYPES.insert(1, BFLOAT16)
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiny tiles so that modest sizes walk through many Q and K/V tiles."""
-    monkeypatch.setattr(nb, "ROWS", 16)
-    monkeypatch.setattr(nb, "CAUSAL_ROWS", 16)
-    monkeypatch.setattr(nb, "BLOCK_N", 24)
-    monkeypatch.setattr(nb, "BWD_ROWS", 16)
-    monkeypatch.setattr(nb, "BWD_BLOCK_N", 24)
-    monkeypatch.setattr(nb, "DIAG_KEYS", 5)   # diagonal strips: 16 = 5 + 5 + 5 + 1
-    monkeypatch.setattr(nb, "BWD_DIAG", 7)    # 24 = 7 + 7 + 7 + 3
-    monkeypatch.setattr(nb, "TILE_BUDGET", 16 * 24 * 2)
-    monkeypatch.setattr(nb, "BWD_TILE_BUDGET", 16 * 24 * 2)
-    monkeypatch.setattr(nb, "MAX_SAMPLE", 5)  # the frozen max from part of a tile
+SMALL_TILES = dataclasses.replace(  # modest sizes walk through many Q and K/V tiles
+    DEFAULT_CONFIG, rows=16, causal_rows=16, block_n=24, bwd_rows=16, bwd_block_n=24,
+    diag_keys=5,    # diagonal strips: 16 = 5 + 5 + 5 + 1
+    bwd_diag=7,     # 24 = 7 + 7 + 7 + 3
+    tile_budget=16 * 24 * 2, bwd_tile_budget=16 * 24 * 2,
+    max_sample=5)   # the frozen max from part of a tile
 
 
-@pytest.fixture(params=[nb.BASE_2, nb.BASE_E], ids=lambda b: f"base{b.name}")
-def exp_base(request, monkeypatch):
+def _backend(config=SMALL_TILES, **settings):
+    return nb.NumpyBackend(dataclasses.replace(config, **settings))
+
+
+@pytest.fixture(params=[BASE_2, BASE_E], ids=lambda b: f"base{b.name}")
+def exp_base(request):
     """Both exponential bases, whichever this CPU's NumPy makes the default."""
-    monkeypatch.setattr(nb, "BASE", request.param)
     return request.param
+
+
+def _scale(q):
+    return 1 / math.sqrt(q.shape[-1])
 
 
 def _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype=np.float64):
@@ -113,15 +118,14 @@ CASES = [  # B, Hq, Hkv, Nq, Nk, d
 @pytest.mark.parametrize("fast", [True, False], ids=["frozen", "online"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, exp_base,
-                                       monkeypatch):
-    monkeypatch.setattr(nb, "FAST_PATH", fast)
+def test_forward_backward_vs_reference(dtype, causal, fast, exp_base):
+    bk = _backend(base=exp_base, frozen_max=fast)
     rng = np.random.default_rng(0)
     for B, hq, hkv, Nq, Nk, d in CASES:
         q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
         scale = 1 / math.sqrt(d)
         o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
-        o, lse = BK.forward(q, k, v, causal=causal, scale=None, algorithm="fa2")
+        o, lse = bk.forward(q, k, v, causal=causal, scale=scale, algorithm="fa2")
         assert o.dtype == dtype and o.shape == q.shape
         assert lse.dtype == accum_dtype(dtype) and lse.shape == q.shape[:3]
         o_plain, P = _plain_forward(q, k, v, causal, scale)
@@ -133,7 +137,7 @@ def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, exp_bas
         assert not np.isnan(o.astype(np.float64)).any()
 
         do = rng.standard_normal(q.shape).astype(dtype)
-        grads = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+        grads = bk.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
         refs = R.attention_backward(do, q, k, v, o, lse, causal=causal)
         plains = _plain_backward(do, q, k, v, o, P, scale)
         for name, g, x, ref, plain in zip("qkv", grads, (q, k, v), refs, plains):
@@ -143,19 +147,20 @@ def test_forward_backward_vs_reference(dtype, causal, fast, small_tiles, exp_bas
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fa1_agrees_with_fa2(dtype, causal, small_tiles):
+def test_fa1_agrees_with_fa2(dtype, causal):
+    bk = _backend()
     rng = np.random.default_rng(1)
     for B, hq, hkv, Nq, Nk, d in CASES:
         q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
-        o1, lse1 = BK.forward(q, k, v, causal=causal, scale=0.5, algorithm="fa1")
-        o2, lse2 = BK.forward(q, k, v, causal=causal, scale=0.5, algorithm="fa2")
+        o1, lse1 = bk.forward(q, k, v, causal=causal, scale=0.5, algorithm="fa1")
+        o2, lse2 = bk.forward(q, k, v, causal=causal, scale=0.5, algorithm="fa2")
         tol = 1e-12 if dtype == np.float64 else 1e-5
         np.testing.assert_allclose(o1, o2, rtol=tol, atol=tol)
         np.testing.assert_allclose(lse1, lse2, rtol=tol, atol=tol)
         assert o1.dtype == o2.dtype and lse1.dtype == lse2.dtype
 
 
-def test_default_tiles_and_threads(monkeypatch):
+def test_default_tiles_and_threads():
     """Real tile sizes, several tiles each way, one and several workers."""
     rng = np.random.default_rng(2)
     q, k, v = _qkv(rng, 1, 4, 2, 700, 1100, 64, np.float64)
@@ -163,51 +168,52 @@ def test_default_tiles_and_threads(monkeypatch):
     o_ref, lse_ref = R.naive_attention(q, k, v, causal=True, return_lse=True)
     g_ref = R.attention_backward(do, q, k, v, o_ref, lse_ref, causal=True)
     for threads in (1, 2, 3):
-        monkeypatch.setattr(nb, "_N_THREADS", threads)
-        o, lse = BK.forward(q, k, v, causal=True, scale=None)
+        bk = _backend(DEFAULT_CONFIG, workers=threads)
+        o, lse = bk.forward(q, k, v, causal=True, scale=_scale(q))
         np.testing.assert_allclose(o, o_ref, atol=1e-12)
         np.testing.assert_allclose(lse, lse_ref, atol=1e-12)
-        for g, r in zip(BK.backward(do, q, k, v, o, lse, causal=True, scale=None), g_ref):
+        for g, r in zip(bk.backward(do, q, k, v, o, lse, causal=True, scale=_scale(q)), g_ref):
             np.testing.assert_allclose(g, r, atol=1e-11)
 
 
-def test_strided_inputs(small_tiles):
+def test_strided_inputs():
+    bk = _backend()
     rng = np.random.default_rng(3)
     base = rng.standard_normal((2, 40, 3, 9)).astype(np.float32)
     q = base.transpose(0, 2, 1, 3)[:, :, ::2, :8]        # (2, 3, 20, 8), odd strides
     k = rng.standard_normal((2, 8, 1, 30)).astype(np.float32).transpose(0, 2, 3, 1)
     v = np.asfortranarray(rng.standard_normal((2, 1, 30, 8)).astype(np.float32))
-    o, lse = BK.forward(q, k, v, causal=True, scale=None)
+    o, lse = bk.forward(q, k, v, causal=True, scale=_scale(q))
     np.testing.assert_allclose(o, R.naive_attention(q, k, v, causal=True), atol=2e-6)
     do = np.ones_like(q)
     ref = R.attention_backward(do, q, k, v, o, lse, causal=True)
-    for g, r in zip(BK.backward(do, q, k, v, o, lse, causal=True, scale=None), ref):
+    for g, r in zip(bk.backward(do, q, k, v, o, lse, causal=True, scale=_scale(q)), ref):
         np.testing.assert_allclose(g, r, atol=2e-5)
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_fully_masked_rows(fast, small_tiles, exp_base, monkeypatch):
-    monkeypatch.setattr(nb, "FAST_PATH", fast)
+def test_fully_masked_rows(fast, exp_base):
+    bk = _backend(base=exp_base, frozen_max=fast)
     rng = np.random.default_rng(4)
     q, k, v = _qkv(rng, 1, 2, 1, 50, 7, 4, np.float32)     # Nq > Nk: 43 rows see nothing
-    o, lse = BK.forward(q, k, v, causal=True, scale=None)
+    o, lse = bk.forward(q, k, v, causal=True, scale=_scale(q))
     assert np.all(o[:, :, :43] == 0) and np.all(lse[:, :, :43] == -np.inf)
     assert np.isfinite(o).all() and np.isfinite(lse[:, :, 43:]).all()
-    dq, dk, dv = BK.backward(np.ones_like(q), q, k, v, o, lse, causal=True, scale=None)
+    dq, dk, dv = bk.backward(np.ones_like(q), q, k, v, o, lse, causal=True, scale=_scale(q))
     assert np.all(dq[:, :, :43] == 0)
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_nan_and_inf_stay_in_their_row(fast, small_tiles, exp_base, monkeypatch):
-    monkeypatch.setattr(nb, "FAST_PATH", fast)
+def test_nan_and_inf_stay_in_their_row(fast, exp_base):
+    bk = _backend(base=exp_base, frozen_max=fast)
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, 1, 1, 1, 40, 60, 4, np.float32)
     q[0, 0, 3, 1] = np.nan          # NaN scores in row 3
     q[0, 0, 30] = [np.inf, 0, 0, 0]  # ±inf scores in row 30: exp(inf − inf) = NaN, as scipy
     with np.errstate(invalid="ignore"):
         o_ref = R.naive_attention(q, k, v)
-        o, lse = BK.forward(q, k, v, causal=False, scale=None)
+        o, lse = bk.forward(q, k, v, causal=False, scale=_scale(q))
     bad = np.isnan(o_ref)
     assert bad[0, 0, 3].all() and bad[0, 0, 30].all()
     np.testing.assert_array_equal(np.isnan(o), bad)
@@ -215,8 +221,9 @@ def test_nan_and_inf_stay_in_their_row(fast, small_tiles, exp_base, monkeypatch)
     assert np.isnan(lse[0, 0, [3, 30]]).all() and np.isfinite(np.delete(lse, [3, 30])).all()
 
 
-def test_large_scores_fall_back_to_running_max(small_tiles, exp_base):
+def test_large_scores_fall_back_to_running_max(exp_base):
     """Scores far outside exp's range: the frozen-max path must hand over, exactly."""
+    bk = _backend(base=exp_base)
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, 1, 2, 2, 40, 70, 8, np.float32)
     k_grow = k.copy()
@@ -225,29 +232,36 @@ def test_large_scores_fall_back_to_running_max(small_tiles, exp_base):
     for kk, vv, scale in ((k, v, 300.0), (k, v, -300.0), (k, v, 1e-30),
                           (k_grow, v, None), (k, v_huge, 10.0)):
         o_ref, lse_ref = R.naive_attention(q, kk, vv, causal=True, scale=scale, return_lse=True)
-        o, lse = BK.forward(q, kk, vv, causal=True, scale=scale)
+        o, lse = bk.forward(q, kk, vv, causal=True, scale=_scale(q) if scale is None else scale)
         assert np.isfinite(o).all()
         np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4 * np.abs(o_ref).max())
         np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-3)
     # scores of −200: exp underflows to 0 although the row has keys
     q2, k2 = np.full((1, 1, 3, 1), 1.0, np.float32), np.full((1, 1, 5, 1), -200.0, np.float32)
     v2 = rng.standard_normal((1, 1, 5, 1)).astype(np.float32)
-    o, lse = BK.forward(q2, k2, v2, causal=False, scale=1.0)
+    o, lse = bk.forward(q2, k2, v2, causal=False, scale=1.0)
     np.testing.assert_allclose(o, R.naive_attention(q2, k2, v2, scale=1.0), rtol=1e-6)
     np.testing.assert_allclose(lse, -200 + np.log(5), rtol=1e-6)
 
 
-def test_frozen_max_hands_over(small_tiles, monkeypatch):
-    """The fast path really declines a tile whose scores outgrow its first K tile."""
+def _count_online_tiles(monkeypatch):
+    """A list that gets one entry per online_tile call the forward makes."""
     calls = []
-    online = nb._fwd_tile_online
-    monkeypatch.setattr(nb, "_fwd_tile_online", lambda *a: calls.append(1) or online(*a))
+    online = fwd.online_tile
+    monkeypatch.setattr(fwd, "online_tile", lambda *a, **kw: calls.append(1) or online(*a, **kw))
+    return calls
+
+
+def test_frozen_max_hands_over(monkeypatch):
+    """The fast path really declines a tile whose scores outgrow its first K tile."""
+    bk = _backend()
+    calls = _count_online_tiles(monkeypatch)
     rng = np.random.default_rng(9)
     q, k, v = _qkv(rng, 1, 1, 1, 16, 48, 4, np.float32)
-    BK.forward(q, k, v, causal=False, scale=None)
+    bk.forward(q, k, v, causal=False, scale=_scale(q))
     assert not calls
     k[:, :, 30:] *= 100
-    o, _ = BK.forward(q, k, v, causal=False, scale=None)
+    o, _ = bk.forward(q, k, v, causal=False, scale=_scale(q))
     assert calls
     np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
@@ -258,64 +272,67 @@ def test_exp_range_bound(exp_base):
     q, k, v = _qkv(rng, 1, 4, 2, 300, 200, 16, np.float32)
     f32 = np.dtype(np.float32)
     q4, k3, v3 = q.reshape(2, 2, 300, 16), k.reshape(2, 200, 16), v.reshape(2, 200, 16)
+    config = dataclasses.replace(DEFAULT_CONFIG, base=exp_base)
     for scale, causal in ((0.25, False), (0.25, True)):
-        Qx, Kx, Vx, m, in_range = nb._prepare_fwd(q4, k3, v3, scale, causal, f32)
+        Qx, Kx, Vx, m, in_range = fwd.prepare(q4, k3, v3, scale, causal, f32, config)
         assert in_range.all()
         S_b = Qx @ Kx.transpose(0, 2, 1)[:, None]       # S_b − m_b for every (row, key)
-        assert np.abs(S_b).max() <= nb._exp_limit(f32)
+        assert np.abs(S_b).max() <= exp_limit(f32, exp_base)
         np.testing.assert_allclose(-Qx[..., -1] * exp_base.ln, m, rtol=1e-6)
     k3_big = k3.copy()
     k3_big[1] *= 100                                     # |c·q||k| past the limit, head 1 only
-    *_, in_range = nb._prepare_fwd(q4, k3_big, v3, 0.25, False, f32)
+    *_, in_range = fwd.prepare(q4, k3_big, v3, 0.25, False, f32, config)
     assert in_range.tolist() == [True, False]
     q4_nan = q4.copy()
     q4_nan[0, 1, 7, 3] = np.nan
-    *_, in_range = nb._prepare_fwd(q4_nan, k3, v3, 0.25, False, f32)
+    *_, in_range = fwd.prepare(q4_nan, k3, v3, 0.25, False, f32, config)
     assert in_range.tolist() == [False, True]
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_clipped_exp_keeps_the_fast_path(causal, small_tiles, exp_base, monkeypatch):
+def test_clipped_exp_keeps_the_fast_path(causal, exp_base, monkeypatch):
     """Scores far below the row max (weights < 2^-100) are clipped, not sent to the
     slow path: the frozen max still serves and the result is the reference's."""
-    calls = []
-    online = nb._fwd_tile_online
-    monkeypatch.setattr(nb, "_fwd_tile_online", lambda *a: calls.append(1) or online(*a))
+    bk = _backend(base=exp_base)
+    calls = _count_online_tiles(monkeypatch)
     rng = np.random.default_rng(11)
     q = np.abs(rng.standard_normal((1, 2, 40, 8))).astype(np.float32)
     k = rng.standard_normal((1, 2, 60, 8)).astype(np.float32) * 10
     k[:, :, 0] = 100          # key 0 (sampled, seen by every row) scores highest everywhere
     v = rng.standard_normal((1, 2, 60, 8)).astype(np.float32)
-    *_, in_range = nb._prepare_fwd(q.reshape(2, 1, 40, 8), k.reshape(2, 60, 8),
-                                   v.reshape(2, 60, 8), 1.0, causal, np.dtype(np.float32))
+    *_, in_range = fwd.prepare(q.reshape(2, 1, 40, 8), k.reshape(2, 60, 8),
+                               v.reshape(2, 60, 8), 1.0, causal, np.dtype(np.float32),
+                               bk.config)
     assert not in_range.any()
     o_ref, lse_ref = R.naive_attention(q.astype(np.float64), k, v, causal=causal, scale=1.0,
                                        return_lse=True)
-    o, lse = BK.forward(q, k, v, causal=causal, scale=1.0)
+    o, lse = bk.forward(q, k, v, causal=causal, scale=1.0)
     assert not calls
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_peaked_scores(causal, small_tiles, exp_base):
+def test_peaked_scores(causal, exp_base):
     """Scores spread over thousands (q × 30): most weights underflow. Forward (frozen
     max declined, running max clipped) and backward (clipped) match the reference."""
+    bk = _backend(base=exp_base)
     rng = np.random.default_rng(12)
     q, k, v = _qkv(rng, 1, 4, 2, 70, 90, 16, np.float32)
     q *= 30
-    *_, in_range = nb._prepare_fwd(q.reshape(2, 2, 70, 16), k.reshape(2, 90, 16),
-                                   v.reshape(2, 90, 16), 0.25, causal, np.dtype(np.float32))
+    *_, in_range = fwd.prepare(q.reshape(2, 2, 70, 16), k.reshape(2, 90, 16),
+                               v.reshape(2, 90, 16), 0.25, causal, np.dtype(np.float32),
+                               bk.config)
     assert not in_range.any()   # the clipped exponential path
     do = rng.standard_normal(q.shape).astype(np.float32)
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
     o_ref, lse_ref = R.naive_attention(q64, k64, v64, causal=causal, return_lse=True)
-    o, lse = BK.forward(q, k, v, causal=causal, scale=None)
+    o, lse = bk.forward(q, k, v, causal=causal, scale=_scale(q))
     np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-5)
     fin = np.isfinite(lse_ref)
     np.testing.assert_array_equal(np.isfinite(lse), fin)
     np.testing.assert_allclose(lse[fin], lse_ref[fin], rtol=1e-5)
-    grads = BK.backward(do, q, k, v, o, lse, causal=causal, scale=None)
+    grads = bk.backward(do, q, k, v, o, lse, causal=causal, scale=_scale(q))
     for g, r in zip(grads, R.attention_backward(do64, q64, k64, v64, o_ref, lse_ref,
                                                 causal=causal)):
         np.testing.assert_allclose(g, r, rtol=1e-3, atol=2e-3 * np.abs(r).max())
@@ -325,14 +342,14 @@ def _coverage(Nq, Nk, Br, Bc, causal, outer, diag):
     """How often block_schedule computes each (query, key) pair unmasked / masked."""
     seen = np.zeros((Nq, Nk), int)
     masked = np.zeros((Nq, Nk), int)
-    for a0, a1, steps in nb.block_schedule(Nq, Nk, Br, Bc, causal=causal, outer=outer,
-                                           diag=diag):
+    for a0, a1, steps in block_schedule(Nq, Nk, Br, Bc, causal=causal, outer=outer,
+                                        diag=diag):
         for r0, r1, c0, c1, t in steps:
             assert r1 > r0 and c1 > c0
             assert (a0 <= r0 < r1 <= a1) if outer == "q" else (a0 <= c0 < c1 <= a1)
             S = np.zeros((1, r1 - r0, c1 - c0))
             if t is not None:
-                nb._mask_block(S, 1, r1 - r0, t)
+                mask_block(S, 1, r1 - r0, t)
             hidden = S[0] == -np.inf
             # No key (outer="q") / no row (outer="k") of a block is hidden throughout it.
             assert not hidden.all(axis=0 if outer == "q" else 1).any()
@@ -348,7 +365,7 @@ def _coverage(Nq, Nk, Br, Bc, causal, outer, diag):
 @pytest.mark.parametrize("diag", [None, 1, 5, 16])
 def test_schedule_covers_exactly_the_visible_keys(shape, outer, diag):
     """Every visible (query, key) pair is computed once and unmasked; no hidden pair
-    escapes the mask (checked with _mask_block itself, the code the loops run)."""
+    escapes the mask (checked with mask_block itself, the code the loops run)."""
     Nq, Nk, Br, Bc = shape
     for causal in (False, True):
         visible = ~R.causal_mask(Nq, Nk) if causal else np.ones((Nq, Nk), bool)
@@ -363,7 +380,7 @@ def test_causal_schedule_skips_blocks():
     # the 512 × 512 triangle on it cut into 128-key strips, each computing only
     # the rows that see its keys: 4 + 3 + 2 + 1 of the triangle's 16 128² blocks.
     # Computed: 53% of N² (the whole triangle, as before: 62.5%).
-    sched = list(nb.block_schedule(N, N, 512, 512, causal=True, diag=128))
+    sched = list(block_schedule(N, N, 512, 512, causal=True, diag=128))
     blocks = [b for r0, r1, kv in sched for b in kv]
     diag = [b for b in blocks if b[4] is not None]
     assert len(diag) == 16 and all(c1 - c0 == 128 and a0 == c0 and a1 == c0 // 512 * 512 + 512
@@ -372,14 +389,14 @@ def test_causal_schedule_skips_blocks():
     total = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, t in blocks)
     assert total == 128 * 128 * 136 and total / N**2 < 0.54   # (1 + 2 + … + 16) 128² blocks
     # Backward, 512-key tiles cut into 128-key strips on the diagonal: the mirror image.
-    sched = list(nb.block_schedule(N, N, 256, 512, causal=True, outer="k", diag=128))
+    sched = list(block_schedule(N, N, 256, 512, causal=True, outer="k", diag=128))
     blocks = [b for c0, c1, qt in sched for b in qt]
     assert sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, t in blocks) == total
     assert sum(t is not None for *_, t in blocks) == 16
     # Nq > Nk: the first Q tiles see no key at all and visit nothing.
-    sched = list(nb.block_schedule(100, 10, 16, 8, causal=True))
+    sched = list(block_schedule(100, 10, 16, 8, causal=True))
     assert [len(kv) for *_, kv in sched][:5] == [0, 0, 0, 0, 0]
-    assert all(t is None for *_, kv in nb.block_schedule(50, 70, 16, 8, causal=False)
+    assert all(t is None for *_, kv in block_schedule(50, 70, 16, 8, causal=False)
                for *_, t in kv)
 
 
@@ -390,7 +407,7 @@ def test_forward_memory_is_linear():
     q, k, v = _qkv(rng, 1, 1, 1, N, N, d, np.float32)
     tracemalloc.start()
     try:
-        o, lse = BK.forward(q, k, v, causal=True, scale=None)
+        o, lse = BK.forward(q, k, v, causal=True, scale=_scale(q))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -403,12 +420,12 @@ def test_forward_memory_is_linear():
 # ---------------------------------------------------------------- softmax
 @pytest.mark.parametrize("block", [1, 7, 1 << 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_softmax_vs_scipy(dtype, block, monkeypatch):
-    monkeypatch.setattr(nb, "SOFTMAX_BLOCK", block)
+def test_softmax_vs_scipy(dtype, block):
+    bk = _backend(DEFAULT_CONFIG, softmax_block=block)
     rng = np.random.default_rng(8)
     for shape in [(1, 1, 1), (3, 17, 5), (2, 113, 1), (1, 203, 4)]:
         x = (rng.standard_normal(shape) * 10).astype(dtype)
-        p = BK.softmax(x)
+        p = bk.softmax(x)
         assert p.dtype == dtype and p.shape == shape
         ref = scipy.special.softmax(x.astype(np.float64), axis=1)
         tol = {8: 1e-13, 4: 1e-6}.get(dtype.itemsize, 1e-2)
@@ -416,8 +433,8 @@ def test_softmax_vs_scipy(dtype, block, monkeypatch):
 
 
 @pytest.mark.parametrize("block", [1, 2, 1 << 16])
-def test_softmax_nan_inf_like_scipy(block, monkeypatch):
-    monkeypatch.setattr(nb, "SOFTMAX_BLOCK", block)
+def test_softmax_nan_inf_like_scipy(block):
+    bk = _backend(DEFAULT_CONFIG, softmax_block=block)
     x = np.array([[-np.inf, -np.inf, -np.inf, -np.inf],
                   [-np.inf, -np.inf, 1.0, 2.0],
                   [np.inf, 1.0, 2.0, 0.0],
@@ -425,7 +442,7 @@ def test_softmax_nan_inf_like_scipy(block, monkeypatch):
                   [1000.0, -1000.0, 999.0, 0.0]]).T[None]   # (1, n=4, Q=5)
     with np.errstate(invalid="ignore"):
         expected = scipy.special.softmax(x, axis=1)
-    p = BK.softmax(x)
+    p = bk.softmax(x)
     np.testing.assert_array_equal(np.isnan(p), np.isnan(expected))
     np.testing.assert_allclose(p, expected, rtol=1e-14)
 
@@ -434,14 +451,41 @@ def test_fastest_base_follows_numpy_dispatch():
     """exp2 (base 2) only where NumPy vectorises its float32 loop, else exp (base e)."""
     def targets(current):
         return {"exp2": {"ff": {"current": current, "available": "X86_V4 baseline(X86_V2)"}}}
-    assert nb.fastest_base(targets("X86_V4"), {}) is nb.BASE_2
-    assert nb.fastest_base(targets("AVX512_SKX"), {}) is nb.BASE_2
-    assert nb.fastest_base(targets("baseline(X86_V2)"), {"AVX512F": True}) is nb.BASE_E
-    assert nb.fastest_base({}, {}) is nb.BASE_E                # no exp2 entry: not vectorised
-    assert nb.fastest_base(None, {"AVX512F": True}) is nb.BASE_2   # older NumPy: CPU flags
-    assert nb.fastest_base(None, {"AVX512F": False, "AVX2": True}) is nb.BASE_E
-    assert nb.BASE in (nb.BASE_2, nb.BASE_E)
-    for base in (nb.BASE_2, nb.BASE_E):  # b^(x·log_b e) = e^x and log_b(e)·ln(b) = 1
+    assert fastest_base(targets("X86_V4"), {}) is BASE_2
+    assert fastest_base(targets("AVX512_SKX"), {}) is BASE_2
+    assert fastest_base(targets("baseline(X86_V2)"), {"AVX512F": True}) is BASE_E
+    assert fastest_base({}, {}) is BASE_E                # no exp2 entry: not vectorised
+    assert fastest_base(None, {"AVX512F": True}) is BASE_2   # older NumPy: CPU flags
+    assert fastest_base(None, {"AVX512F": False, "AVX2": True}) is BASE_E
+    assert DEFAULT_CONFIG.base in (BASE_2, BASE_E)
+    for base in (BASE_2, BASE_E):  # b^(x·log_b e) = e^x and log_b(e)·ln(b) = 1
         x = np.linspace(-30, 30, 61)
         np.testing.assert_allclose(base.exp(x * base.log_e), np.exp(x), rtol=1e-13)
         assert base.log_e * base.ln == pytest.approx(1.0, rel=1e-15)
+
+
+# ---------------------------------------------------------------- configuration
+def test_default_config_is_this_machines():
+    """Built once: workers from the usable cores, the base from NumPy's dispatch table."""
+    from cuflash.backends.numpy_backend.expbase import numpy_dispatch
+    from cuflash.backends.numpy_backend.pool import usable_cores
+    assert BK.config is DEFAULT_CONFIG
+    assert DEFAULT_CONFIG.workers == usable_cores()
+    assert DEFAULT_CONFIG.base is fastest_base(*numpy_dispatch())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_CONFIG.rows = 8
+
+
+@pytest.mark.parametrize("setting, value, error", [
+    ("rows", 0, ValueError), ("workers", -1, ValueError), ("block_n", 2.5, TypeError),
+    ("max_sample", True, TypeError), ("frozen_max", 1, TypeError), ("base", np.exp, TypeError),
+])
+def test_config_rejects_bad_settings(setting, value, error):
+    with pytest.raises(error, match=rf"CpuConfig\.{setting} .*got {value!r}"):
+        dataclasses.replace(DEFAULT_CONFIG, **{setting: value})
+
+
+def test_backend_needs_a_config():
+    with pytest.raises(TypeError, match="config must be a CpuConfig; got dict"):
+        nb.NumpyBackend({"rows": 16})
+    assert isinstance(nb.NumpyBackend().config, CpuConfig)

@@ -1,0 +1,72 @@
+"""The NumPy backend: blocked FlashAttention-2 on the CPU, the default without a GPU.
+
+The FA2 loop order — Q tiles outer, K/V tiles inner, O kept unscaled until one final
+rescale — with the online-softmax state named as in `cuflash.reference.fa2_attention`
+(`m_i`, `l_i`, `acc`; init / update / finalize), but each step works on a tile of
+several heads at once:
+
+    q (B, Hq, Nq, d) → view (B·Hkv, G, Nq, d),  k, v (B, Hkv, Nk, d) → (B·Hkv, Nk, d)
+
+with G = Hq / Hkv. A Q tile is the rows [r0, r1) of the G query heads sharing one
+K/V head, stacked into one (G·Br, d) matrix: GQA costs no copy of K/V and every
+matmul is a plain batched `@` over K/V heads. The tiles (head range × Q rows) are
+spread over a small thread pool, one worker per core.
+
+Unlike the CUDA kernels, the default forward tile does not keep a running max: the
+max in exp(S − m) only guards against overflow, so each row's reference m is frozen
+at its max over the first keys (the "frozen max"), computed once per call and folded
+into the Q Kᵀ matmul; a step is then Q Kᵀ, exp, P̃ [V | 1] — no rowmax, no rescale.
+A tile whose ℓ leaves [2^-30, 2^64] or whose acc is not finite (scores far above the
+sample's max, +inf, NaN, huge V) is redone with FA2's running max (the online tile),
+as is every tile with `CpuConfig(frozen_max=False)`. `algorithm="fa1"` runs FA1's
+loop order, and the backward FA2's, both with the seed equations' names.
+
+Modules: config (CpuConfig, every setting), expbase (exp or exp2, and its fast range),
+pool (the worker threads), schedule (which blocks a loop visits, the causal mask,
+tasks), arrays (views and scratch), forward and forward_tiles (FA2 forward), fa1,
+backward, softmax.
+
+Memory: one score tile (heads, G·Br, Bc) per worker, plus O(N·d) arrays (the
+outputs; [c·Q | ·], [K | 1] and [V | 1] prepared once per call in the accumulation
+dtype, whatever the inputs' strides; dQ accumulators) — never N×N.
+
+Numerics: 16-bit inputs are widened to float32 and accumulated in float32, float64
+in float64; −inf − (−inf) is guarded by subtracting 0 from rows whose max is still
+−inf; a fully masked row gets o = 0 and lse = −inf; a NaN or +inf score poisons its
+own row only, as scipy.special.softmax does.
+"""
+import numpy as np
+
+from . import backward, fa1, forward, softmax
+from .config import DEFAULT_CONFIG, CpuConfig
+
+_FORWARDS = {"fa2": forward.forward, "fa1": fa1.forward}
+
+
+class NumpyBackend:
+    """The backend object (see cuflash.backends): name, xp, forward, backward, softmax,
+    with the settings of `config` (a CpuConfig)."""
+
+    name = "numpy"
+    xp = np
+
+    def __init__(self, config=DEFAULT_CONFIG):
+        if not isinstance(config, CpuConfig):
+            raise TypeError(f"config must be a CpuConfig; got {type(config).__name__}")
+        self.config = config
+
+    def forward(self, q, k, v, *, causal, scale, algorithm="fa2"):
+        return _FORWARDS[algorithm](q, k, v, causal, scale, self.config)
+
+    def backward(self, do, q, k, v, o, lse, *, causal, scale):
+        return backward.backward(do, q, k, v, o, lse, causal, scale, self.config)
+
+    def softmax(self, x):
+        return softmax.softmax(x, self.config)
+
+    def __repr__(self):
+        return (f"<cuflash numpy backend: {self.config.workers} workers, "
+                f"base {self.config.base.name}>")
+
+
+BACKEND = NumpyBackend()
