@@ -10,8 +10,8 @@ against PyTorch, the median of the per-repetition ratios ("paired"), which a mac
 whose speed drifts between repetitions disturbs least.
 Writes a CSV and a PNG to benchmarks/results/.
 
-    python benchmarks/bench_cpu.py            # B=1, H=8, N=2048, d=64 + sweep N
-    python benchmarks/bench_cpu.py --quick    # a smaller, faster run
+    python benchmarks/bench_cpu.py            # B=1, H=8, N=2048, d=64 + sweep N, 15 repetitions
+    python benchmarks/bench_cpu.py --quick    # a smaller, faster run (3 repetitions)
 """
 import argparse
 import csv
@@ -37,6 +37,7 @@ except ImportError:  # the benchmark runs without PyTorch, minus its columns
 BK = nb.BACKEND
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETTLE_S = 0.05   # idle pause before every timed call (see time_interleaved)
+REPEATS = 15      # repetitions by default: the paired ratio is a median of this many
 
 
 # ------------------------------------------------------------------ contenders
@@ -144,14 +145,15 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--headdim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help=f"timed repetitions (default {REPEATS}, --quick 3)")
     ap.add_argument("--sweep", type=int, nargs="*", default=None, help="sequence lengths")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     use_torch = torch is not None and not args.no_torch
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats or (3 if args.quick else REPEATS)
     sweep = args.sweep if args.sweep is not None else ([512, 1024] if args.quick
                                                       else [512, 1024, 2048, 4096])
     os.makedirs(args.out, exist_ok=True)
@@ -160,6 +162,10 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, numpy {np.__version__}"
           + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if use_torch else "")
           + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""))
+    if not use_torch:
+        print("PyTorch " + ("left out (--no-torch)" if torch is not None else
+                            "is not installed (pip install torch)")
+              + ": no torch columns, no validation against it")
     err = validate_small()
     print(f"validation vs cuflash.reference (float32, GQA, causal/non-causal, fa1/fa2, bwd): "
           f"max error {err:.2e}  OK")
