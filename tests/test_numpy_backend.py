@@ -260,6 +260,9 @@ def test_frozen_max_hands_over(monkeypatch):
     q, k, v = _qkv(rng, 1, 1, 1, 16, 48, 4, np.float32)
     bk.forward(q, k, v, causal=False, scale=_scale(q))
     assert not calls
+    _backend(frozen_max=False, workers=1).forward(q, k, v, causal=False, scale=_scale(q))
+    assert len(calls) == 1  # the one tile, with the running max from the start
+    calls.clear()
     k[:, :, 30:] *= 100
     o, _ = bk.forward(q, k, v, causal=False, scale=_scale(q))
     assert calls
@@ -489,3 +492,30 @@ def test_backend_needs_a_config():
     with pytest.raises(TypeError, match="config must be a CpuConfig; got dict"):
         nb.NumpyBackend({"rows": 16})
     assert isinstance(nb.NumpyBackend().config, CpuConfig)
+
+
+def test_settings_reach_the_loops(monkeypatch):
+    """Tile sizes and workers come from the backend's config: the tasks handed to the
+    pool have the config's rows and keys."""
+    from cuflash.backends.numpy_backend import backward as bwd
+    handed = []
+    for module in (fwd, bwd):
+        real = module.run_tasks
+        monkeypatch.setattr(module, "run_tasks", lambda fn, tasks, workers, real=real:
+                            handed.append((tasks, workers)) or real(fn, tasks, workers))
+    rng = np.random.default_rng(13)
+    q, k, v = _qkv(rng, 1, 1, 1, 64, 96, 8, np.float32)
+    bk = _backend(workers=3)
+    o, lse = bk.forward(q, k, v, causal=False, scale=0.5)
+    bk.backward(np.ones_like(q), q, k, v, o, lse, causal=False, scale=0.5)
+    assert [workers for _, workers in handed] == [3] * 4   # prepare and tiles, twice
+    fwd_tiles, bwd_tiles = handed[1][0], handed[3][0]
+    # forward: 16-row Q tiles, each in 24-key steps; backward: 24-key tiles, 16-row steps
+    assert [(r1 - r0, [c1 - c0 for _, _, c0, c1, _ in kv])
+            for _, _, r0, r1, kv in fwd_tiles] == [(16, [24] * 4)] * 4
+    assert [(c1 - c0, [r1 - r0 for r0, r1, *_ in qt])
+            for _, _, c0, c1, qt in bwd_tiles] == [(24, [16] * 4)] * 4
+    handed.clear()
+    _backend(DEFAULT_CONFIG, workers=1).forward(q, k, v, causal=False, scale=0.5)
+    (_, _, r0, r1, kv), = handed[1][0]                      # one tile: all rows, all keys
+    assert (r1 - r0, [c1 - c0 for _, _, c0, c1, _ in kv]) == (64, [96])
