@@ -10,16 +10,18 @@ several heads at once:
 with G = Hq / Hkv. A Q tile is the rows [r0, r1) of the G query heads sharing one
 K/V head, stacked into one (G·Br, d) matrix: GQA costs no copy of K/V and every
 matmul is a plain batched `@` over K/V heads. The tiles (head range × Q rows) are
-spread over a small thread pool, one worker per core.
+spread over a small thread pool, by default one worker per usable core.
 
 Unlike the CUDA kernels, the default forward tile does not keep a running max: the
 max in exp(S − m) only guards against overflow, so each row's reference m is frozen
-at its max over the first keys (the "frozen max"), computed once per call and folded
-into the Q Kᵀ matmul; a step is then Q Kᵀ, exp, P̃ [V | 1] — no rowmax, no rescale.
+at its max over the first `CpuConfig.max_sample` keys (the "frozen max"), computed
+once per call and folded into the Q Kᵀ matmul; a step is then Q Kᵀ, exp, P̃ [V | 1]
+— no rowmax, no rescale.
 A tile whose ℓ leaves [2^-30, 2^64] or whose acc is not finite (scores far above the
 sample's max, +inf, NaN, huge V) is redone with FA2's running max (the online tile),
 as is every tile with `CpuConfig(frozen_max=False)`. `algorithm="fa1"` runs FA1's
-loop order, and the backward FA2's, both with the seed equations' names.
+loop order (K/V tiles outer, O, ℓ, m rescaled in memory every step); the backward is
+FA2's (K/V tiles outer, Q rows inner), with the seed equations' names.
 
 Modules: config (CpuConfig, every setting), expbase (exp or exp2, and its fast range),
 pool (the worker threads), schedule (which blocks a loop visits, the causal mask,
