@@ -69,7 +69,7 @@ def cmd_info(args):
         for d in (64, 128, 256):
             try:
                 fwd = tiling.plan_forward(d, dtype, **limits)
-                dkdv, dq = tiling.plan_backward(d, dtype, causal=False, **limits)
+                dkdv, dq = tiling.plan_backward(d, dtype, **limits)
                 print(f"  {str(dtype):9s} d={d:<4d} forward {fwd}\n{'':19s}backward {dkdv}; {dq}")
             except ValueError as exc:
                 print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
@@ -232,7 +232,7 @@ def cmd_bench(args):
 
 def cmd_check_kernels(args):
     from .compile_gate import check_kernels
-    return check_kernels(args.rest)
+    return check_kernels(args.gate_args)
 
 
 def main(argv=None):
@@ -255,10 +255,15 @@ def main(argv=None):
     bench.add_argument("--d", type=int, default=64)
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--repeat", type=int, default=5)
-    check = sub.add_parser("check-kernels", help="compile every kernel specialization with "
-                           "NVRTC + ptxas for sm_70..sm_90: registers, shared memory, spills")
-    check.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    # check-kernels has its own options (compile_gate.check_kernels parses them).
+    sub.add_parser("check-kernels", add_help=False,
+                   help="compile every kernel specialization with NVRTC + ptxas for "
+                        "sm_70..sm_90: registers, shared memory, spills")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "check-kernels":
+        args.gate_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
                 "check-kernels": cmd_check_kernels}
     return commands[args.command](args)

@@ -188,9 +188,7 @@ def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
 # ── the cache: results keyed by source hash (with every header) + options + names ──
 
 def _cache_dir():
-    root = os.environ.get("CUFLASH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cuflash")
-    return pathlib.Path(root) / "compile_gate"
+    return compiler.cache_dir("compile_gate")
 
 
 def _key(source_text, names, arch, options):
@@ -316,8 +314,33 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def nvrtc_archs() -> tuple[str, ...]:
+    """The real architectures (sm_XY) the installed NVRTC can compile for."""
+    from cupy.cuda import nvrtc
+    return tuple(f"sm_{a}" for a in nvrtc.getSupportedArchs())
+
+
+def split_archs(requested, supported, nvrtc_version):
+    """(the requested archs NVRTC can build, {skipped arch: why}).
+
+    Each CUDA release drops old architectures (CUDA 13's NVRTC no longer targets Volta,
+    sm_70): those are reported, not failed, so the gate proves what the installed
+    toolkit can build."""
+    version = ".".join(map(str, nvrtc_version))
+    build = tuple(a for a in requested if a in supported)
+    skipped = {a: f"NVRTC {version} cannot target {a} (CUDA 12.9 is the last toolkit "
+                  f"that targets sm_70)" if a == "sm_70" else
+                  f"NVRTC {version} cannot target {a}"
+               for a in requested if a not in supported}
+    return build, skipped
+
+
 def check_kernels(argv=None) -> int:
-    """Print the gate's table; return 0 when every specialization compiles spill-free."""
+    """Print the gate's table; return 0 when every specialization compiles spill-free on
+    every requested arch the installed NVRTC can target (the others are listed as
+    skipped, with the reason)."""
+    from cupy.cuda import nvrtc
+
     ap = argparse.ArgumentParser(prog="cuflash check-kernels",
                                  description="Compile every kernel specialization with "
                                              "NVRTC + ptxas for each gate architecture.")
@@ -327,17 +350,24 @@ def check_kernels(argv=None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compilations")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = run_gate(archs=args.arch, jobs=args.jobs, use_cache=not args.no_cache)
-    print(format_table(rows))
+    archs, skipped = split_archs(tuple(args.arch or compiler.GATE_ARCHS), nvrtc_archs(),
+                                 nvrtc.getVersion())
+    rows = run_gate(archs=archs, jobs=args.jobs, use_cache=not args.no_cache) if archs else []
+    if rows:
+        print(format_table(rows))
     bad = [r for r in rows if not r.ok]
     n_kernels = len({(r.source, r.kernel) for r in rows})
-    print(f"\n{len(rows)} builds ({n_kernels} specializations x "
-          f"{len({r.arch for r in rows})} archs) in {time.perf_counter() - t0:.1f} s: "
-          f"{len(bad)} failed or spilled")
+    print(f"\n{len(rows)} builds ({n_kernels} specializations x {len(archs)} archs) in "
+          f"{time.perf_counter() - t0:.1f} s: {len(bad)} failed or spilled")
+    for arch, why in skipped.items():
+        print(f"skipped {arch}: {why}")
     for r in bad:
         if r.error:
             print(f"\n{r.kernel} [{r.arch}]:\n{r.error}", file=sys.stderr)
             break  # one full log is enough; the table names the rest
+    if not archs:
+        print("no requested architecture can be built with this NVRTC", file=sys.stderr)
+        return 1
     return 1 if bad else 0
 
 

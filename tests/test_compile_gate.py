@@ -102,3 +102,59 @@ ptxas info    : Used 255 registers, used 1 barriers, 16384 bytes smem, 360 bytes
     info = compile_gate.parse_ptxas(log)
     assert info == {"_Z3fooPf": {"registers": 255, "smem": 16384,
                                  "spill_stores": 4, "spill_loads": 12}}
+
+
+# -- architectures the installed NVRTC cannot target --------------------------------------
+
+def test_split_archs_names_what_it_skips_and_why():
+    build, skipped = compile_gate.split_archs(("sm_70", "sm_75", "sm_80"),
+                                              ("sm_75", "sm_80", "sm_90"), (13, 0))
+    assert build == ("sm_75", "sm_80")
+    assert list(skipped) == ["sm_70"]
+    assert "NVRTC 13.0 cannot target sm_70" in skipped["sm_70"]
+
+
+def test_check_kernels_builds_what_it_can_and_lists_the_rest(capsys, monkeypatch):
+    """A toolkit without sm_70 (CUDA 13): the gate passes on the archs it can build."""
+    monkeypatch.setattr(compile_gate, "nvrtc_archs", lambda: ("sm_75", "sm_80"))
+    monkeypatch.setattr(compile_gate, "collect_specializations",
+                        lambda: {"planted.cu": ["light<2>"]})
+    monkeypatch.setattr(compiler, "read_source", lambda name: PLANTED)
+    assert compile_gate.check_kernels(["--arch", "sm_70", "--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "light<2>" in out and "1 builds" in out
+    assert "skipped sm_70: NVRTC" in out
+    # Nothing buildable is a failure, not a silent pass.
+    assert compile_gate.check_kernels(["--arch", "sm_70"]) == 1
+
+
+# -- the forward's shared-memory formula, through ptxas ------------------------------------
+
+SMEM_PROBE = r"""
+#include "attn_tile.cuh"
+// The forward's shared memory is dynamic, so ptxas cannot see it in the kernel itself:
+// this probe declares a quarter of AttnTileTraits::kSmemBytes statically (the whole would
+// exceed the 48 KB limit of static shared memory), which ptxas reports.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+__global__ void smem_probe(unsigned char* out) {
+    constexpr int kBytes = cuflash::AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                   NUM_WARPS>::kSmemBytes;
+    static_assert(kBytes % 4 == 0, "the accumulators are 4 or 8 bytes");
+    __shared__ unsigned char s[kBytes / 4];
+    s[threadIdx.x] = (unsigned char)threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
+}
+"""
+
+
+def test_forward_smem_formula_matches_ptxas():
+    """tiling.attention_smem_bytes is what the kernel's traits (kSmemBytes) declare."""
+    plans = {p.name_expression: p for p in tiling.all_plans()}
+    probes = {name.replace(name[:name.index("<")], "smem_probe", 1): p
+              for name, p in plans.items()}
+    rows = compile_gate.run_gate({"smem_probe.cu": list(probes)}, archs=["sm_80"],
+                                 sources={"smem_probe.cu": SMEM_PROBE})
+    for r in rows:
+        assert r.ok, r.error
+        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
