@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from cuflash import reference as R  # noqa: E402
 from cuflash.backends import numpy_backend as nb  # noqa: E402
+from cuflash.flops import attention_flops  # noqa: E402
 
 try:
     import torch
@@ -76,11 +77,6 @@ def torch_forward_backward(tq, tk, tv, tdo, causal):
 
 
 # ------------------------------------------------------------------ helpers
-def flops_fwd(B, H, Nq, Nk, d, causal):
-    f = 4 * B * H * Nq * Nk * d
-    return f / 2 if causal else f
-
-
 def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
     """The seconds of each fn's runs (an array), the fns run in turn inside every
     repetition, so that run i of two fns saw the machine in about the same state.
@@ -206,10 +202,9 @@ def main(argv=None):
             if full:
                 for impl in ("cuflash", "naive"):
                     t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
-            f_fwd = flops_fwd(B, H, N, N, d, causal)
             for name, runs in t.items():
                 kind = name.split()[-1]
-                flops = {"fwd": f_fwd, "bwd": 2.5 * f_fwd, "fwd+bwd": 3.5 * f_fwd}[kind]
+                flops = attention_flops(B, H, N, N, d, causal=causal, pass_=kind)
                 sec, best, (vs, best_vs, paired) = summary(runs, t.get(f"torch {kind}"))
                 rows.append(dict(impl=name.split()[0], pass_=kind, B=B, H=H, N=N, d=d,
                                  causal=causal, ms=sec * 1e3, best_ms=best * 1e3,
