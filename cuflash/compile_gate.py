@@ -70,18 +70,25 @@ class Row:
 
 
 def ptxas_path():
-    """ptxas of the `nvidia-cuda-nvcc-cu12` wheel, else the one on PATH."""
+    """ptxas of the CUDA wheel that matches NVRTC's major version (CUDA 12:
+    `nvidia-cuda-nvcc-cu12`, nvidia/cuda_nvcc; CUDA 13+: `nvidia-cuda-nvcc`, nvidia/cu13),
+    else the one on PATH. A PTX file from a newer NVRTC does not assemble with an older
+    ptxas, so the two must come from one release."""
+    from cupy.cuda import nvrtc
+    major = nvrtc.getVersion()[0]
+    wheel_dir = "cuda_nvcc" if major <= 12 else f"cu{major}"
     try:
-        import nvidia.cuda_nvcc
-        for base in nvidia.cuda_nvcc.__path__:
-            exe = pathlib.Path(base) / "bin" / "ptxas"
+        import nvidia
+        for base in nvidia.__path__:
+            exe = pathlib.Path(base) / wheel_dir / "bin" / "ptxas"
             if exe.exists():
                 return str(exe)
     except ImportError:
         pass
     exe = shutil.which("ptxas")
     if exe is None:
-        raise RuntimeError("ptxas not found: install the `nvidia-cuda-nvcc-cu12` wheel "
+        raise RuntimeError(f"ptxas not found: install the CUDA {major} nvcc wheel "
+                           f"({'nvidia-cuda-nvcc-cu12' if major <= 12 else 'nvidia-cuda-nvcc'}) "
                            "or put CUDA's bin directory on PATH")
     return exe
 
