@@ -5,8 +5,10 @@ gate (`python -m cuflash check-kernels`) build their option lists here, so the g
 compiles exactly what CuPy will.
 """
 import functools
+import importlib.util
 import os
 import pathlib
+import re
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 
@@ -29,6 +31,59 @@ def cuda_include_dir():
         if root and (pathlib.Path(root) / "include" / "cuda_fp16.h").exists():
             return str(pathlib.Path(root) / "include")
     return None
+
+
+@functools.cache
+def cuda_host_include_dirs():
+    """cuda_include_dir() and what a host C++ compiler needs besides to include cuda_fp16.h
+    and cuda_bf16.h, which NVRTC has built in: crt/host_defines.h (the toolkit's include
+    directory, else the nvidia-cuda-nvcc wheel's) and nv/target (the toolkit's CCCL, else
+    the copy inside CuPy). Only directories that exist; the emulator names what is missing."""
+    inc = cuda_include_dir()
+    if inc is None:
+        return ()
+    candidates = [pathlib.Path(inc), pathlib.Path(inc) / "cccl"]
+    try:
+        import nvidia.cuda_nvcc
+        candidates += [pathlib.Path(base) / "include" for base in nvidia.cuda_nvcc.__path__]
+    except ImportError:
+        pass
+    # find_spec locates CuPy without importing it (slow, and it may ask for a GPU)
+    cupy = importlib.util.find_spec("cupy")
+    if cupy is not None and cupy.origin:
+        candidates.append(pathlib.Path(cupy.origin).parent / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx")
+    dirs = [str(inc)]
+    for rel in ("crt/host_defines.h", "nv/target"):
+        found = next((d for d in candidates if (d / rel).exists()), None)
+        if found is not None and str(found) not in dirs:
+            dirs.append(str(found))
+    return tuple(dirs)
+
+
+@functools.cache
+def cuda_version(include_dir=None):
+    """CUDART_VERSION (12090 for CUDA 12.9) of the headers in `include_dir` (default:
+    cuda_include_dir()), None where there are none."""
+    include_dir = include_dir or cuda_include_dir()
+    try:
+        text = (pathlib.Path(include_dir) / "cuda_runtime_api.h").read_text(errors="replace")
+    except (OSError, TypeError):
+        return None
+    m = re.search(r"^\s*#\s*define\s+CUDART_VERSION\s+(\d+)", text, re.M)
+    return int(m.group(1)) if m else None
+
+
+def cache_dir(kind):
+    """Where cuflash keeps its compiled `kind` ("emulator", "compile_gate"):
+    $CUFLASH_CACHE_DIR/kind, else $XDG_CACHE_HOME/cuflash/kind, else ~/.cache/cuflash/kind.
+    Read at every call, so a changed environment takes effect at once."""
+    root = os.environ.get("CUFLASH_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        # the XDG spec: a relative path in XDG_CACHE_HOME is invalid and ignored
+        base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "cuflash")
+    return pathlib.Path(root) / kind
 
 
 def nvrtc_options(arch=None):
