@@ -6,17 +6,15 @@ run through cupy.RawModule and must agree (skipped otherwise).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cuflash import compiler
 from cuflash.emulator import (BoundsError, DeadlockError, EmulatorCompileError, EmulatorError, KernelTrap,
-                              RaceError, RawModule)
+                              RaceError, RawModule, _abi, _build)
 
 try:
     import ml_dtypes
@@ -200,6 +198,14 @@ def test_argument_type_errors():
         f((1,), (4,), (x, x), shared_mem=16)
     with pytest.raises(ValueError, match="1024"):
         f((1,), (2048,), (x, x, np.int32(4)))
+
+
+def test_misspelt_keyword_and_bad_schedule_are_errors():
+    code = 'extern "C" __global__ void k(float* y) { y[threadIdx.x] = 0.0f; }'
+    with pytest.raises(TypeError, match="check"):
+        RawModule(code=code, check=True)          # checked= misspelt: CuPy's RawModule raises too
+    with pytest.raises(ValueError, match="round-robin.*'sideways'"):
+        RawModule(code=code, schedule="sideways")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,8 +456,52 @@ def test_path_and_include_and_cache(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "emulator").glob("k-*.so"))
 
 
+def test_cache_location_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUFLASH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiler.cache_dir("emulator") == tmp_path / "xdg" / "cuflash" / "emulator"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")     # invalid in the XDG spec: ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compiler.cache_dir("emulator") == tmp_path / "home" / ".cache" / "cuflash" / "emulator"
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "mine"))
+    assert compiler.cache_dir("compile_gate") == tmp_path / "mine" / "compile_gate"
+
+
+def test_cache_key_reads_kernel_headers_not_toolkit_headers(tmp_path):
+    kernels, toolkit = tmp_path / "kernels", tmp_path / "cuda" / "include"
+    kernels.mkdir()
+    toolkit.mkdir(parents=True)
+    (kernels / "tile.cuh").write_text("#define TILE 64\n")
+    (toolkit / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 12090\n")
+    (toolkit / "cuda_fp16.h").write_text("// one\n")
+
+    def key():
+        return _build.cache_key("code", None, (f"-I{kernels}", f"-I{toolkit}"), ["k"], False, "g++", [])
+
+    k0 = key()
+    (kernels / "tile.cuh").write_text("#define TILE 128\n")
+    k1 = key()
+    assert k1 != k0                                   # a kernel header edit rebuilds
+    (toolkit / "cuda_fp16.h").write_text("// two\n")
+    assert key() == k1                                # toolkit headers count by version only
+    (toolkit / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 12100\n")
+    compiler.cuda_version.cache_clear()
+    assert key() != k1
+
+
+def test_abi_enums_mirror_abi_h():
+    text = (Path(_abi.__file__).parent / "runtime" / "abi.h").read_text()
+    for c_enum, py_enum, prefix in [("EmuErrorKind", _abi.ErrorKind, "EMU_ERROR_"),
+                                    ("EmuSpace", _abi.Space, "EMU_SPACE_"),
+                                    ("EmuSchedule", _abi.Schedule, "EMU_SCHEDULE_"),
+                                    ("EmuParamKind", _abi.ParamKind, "EMU_PARAM_")]:
+        body = re.search(r"enum %s \{(.*?)\};" % c_enum, text, re.S).group(1)
+        in_c = {name.removeprefix(prefix): int(v) for name, v in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
+        assert in_c == {m.name: m.value for m in py_enum}, c_enum
+
+
 # ---------------------------------------------------------------------------------------------
-# performance smoke test (generous bound; the docs report measured numbers)
+# a launch of FlashAttention's shape (timings: docs/emulator.md, not tests)
 FA_LIKE = r"""
 template <int BR>
 __global__ void fa_like(const float* __restrict__ q, float* __restrict__ o, int steps) {
@@ -476,15 +526,12 @@ __global__ void fa_like(const float* __restrict__ q, float* __restrict__ o, int 
 """
 
 
-def test_flash_attention_sized_launch_is_fast():
+def test_flash_attention_sized_launch():
     m = RawModule(code=FA_LIKE, name_expressions=["fa_like<128>"])
     f = m.get_function("fa_like<128>")
     q = np.random.default_rng(7).random(64 * 128).astype(np.float32)
     o = np.zeros_like(q)
-    f((64,), (128,), (q, o, np.int32(16)))  # warm-up
-    t0 = time.perf_counter()
     f((64,), (128,), (q, o, np.int32(16)))   # 64 blocks x 128 threads x 32 barriers
-    dt = time.perf_counter() - t0
     # NumPy model of the same computation
     acc = q.reshape(64, 128, 1).astype(np.float64) * np.arange(32)
     m_ = np.full((64, 128), -1e30)
@@ -499,7 +546,6 @@ def test_flash_attention_sized_launch_is_fast():
         acc = acc * sc[..., None] + p
         m_ = mx
     np.testing.assert_allclose(o, (acc[..., 0] / l_).ravel(), rtol=1e-3, atol=1e-5)
-    assert dt < 5.0, f"FA-sized launch took {dt:.2f} s"
 
 
 # ---------------------------------------------------------------------------------------------

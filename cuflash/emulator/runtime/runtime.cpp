@@ -20,6 +20,8 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+
+#include "abi.h"
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -46,29 +48,6 @@ __attribute__((visibility("default"))) thread_local char __emu_tls_anchor;
 }
 
 // ------------------------------------------------------------------------------------------
-// Error record shared with Python (ctypes mirror in _module.py)
-enum { E_NONE = 0, E_GENERIC = 1, E_RACE = 2, E_BOUNDS = 3, E_DEADLOCK = 4, E_TRAP = 5, E_SEGV = 6 };
-enum { SP_NONE = 0, SP_SHARED_STATIC = 1, SP_SHARED_DYN = 2, SP_GLOBAL = 3 };
-
-struct EmuError {
-    int32_t code;
-    int32_t space;
-    int32_t block[3];
-    int32_t thread[3];
-    int32_t other_block[3];
-    int32_t other_thread[3];
-    int32_t is_write;
-    int32_t other_is_write;
-    int32_t size;
-    int32_t arg_index;
-    uint64_t addr;
-    int64_t offset;     // offset inside the shared buffer / static TLS segment / argument array
-    uint64_t pc;        // module-relative return address of the access hook (for addr2line)
-    uint64_t other_pc;
-    char msg[8192];
-};
-
-// ------------------------------------------------------------------------------------------
 // Context switching
 #if defined(__x86_64__)
 extern "C" void __emu_ctx_switch(void** save_sp, void* new_sp);
@@ -92,13 +71,11 @@ __asm__(
 #endif
 
 enum { F_RUNNABLE = 0, F_WAIT_BAR = 1, F_WAIT_WARP = 2, F_EXITED = 3, F_ABORTED = 4 };
-enum { OP_IDX = 0, OP_UP = 1, OP_DOWN = 2, OP_XOR = 3, OP_BALLOT = 4, OP_ANY = 5, OP_ALL = 6,
-       OP_SYNCWARP = 7, OP_ALLGATHER = 8 };
 static const char* op_name(int op) {
     static const char* n[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
                               "__ballot_sync", "__any_sync", "__all_sync", "__syncwarp",
                               "__cuflash_emu_warp_allgather"};
-    return (op >= 0 && op <= 8) ? n[op] : "warp op";
+    return (op >= EMU_WARP_SHFL_IDX && op <= EMU_WARP_ALLGATHER) ? n[op] : "warp op";
 }
 
 struct Fiber {
@@ -122,7 +99,7 @@ struct Fiber {
     void* gdst;
     unsigned long gbytes;
     // barrier op
-    int bar_op, bar_pred;
+    int bar_op;  // EmuBarrierOp
 };
 
 struct KernelEntry {
@@ -162,7 +139,6 @@ struct Worker {
     uint3_ block;
     sigjmp_buf jb;
     volatile int in_fiber;
-    void* altstack;
 };
 
 static thread_local Worker* __emu_t_worker = nullptr;
@@ -228,6 +204,9 @@ EMU_EXPORT int __emu_init(int64_t anchor_off, int nstatic, const int64_t* stat /
     if (stack_kb > 0) g_stack_kb = (size_t)stack_kb;
     return __emu_kernel_count;
 }
+
+// Python checks its ctypes mirror of EmuError against this at load time.
+EMU_EXPORT int __emu_error_record_size(void) { return (int)sizeof(EmuError); }
 
 EMU_EXPORT int __emu_kernel_info(int k, const char** name, int* nparams, const int** params) {
     if (k < 0 || k >= __emu_kernel_count) return -1;
@@ -310,12 +289,11 @@ static void fiber_main() {
     __builtin_trap();
 }
 
-static bool ensure_stacks(Worker* w, int n) {
+// One stack per thread of the block, each above a guard page.
+static bool map_stacks(Worker* w, int n) {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     size_t ss = (g_stack_kb * 1024 + page - 1) / page * page;
     size_t need = (size_t)n * (ss + page);
-    if (w->stacks && w->stacks_size >= need && w->stack_size == ss) return true;
-    if (w->stacks) munmap(w->stacks, w->stacks_size);
     void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) { w->stacks = nullptr; return false; }
     w->stacks = (char*)p;
@@ -364,8 +342,9 @@ static void release_barrier(Worker* w) {
         Fiber& f = w->fibers[i];
         if (f.state != F_WAIT_BAR) continue;
         f.state = F_RUNNABLE;
-        f.result = f.bar_op == 1 ? (unsigned long long)sum : f.bar_op == 2 ? (unsigned long long)all
-                 : f.bar_op == 3 ? (unsigned long long)any : 0ull;
+        f.result = f.bar_op == EMU_BARRIER_COUNT ? (unsigned long long)sum
+                 : f.bar_op == EMU_BARRIER_AND ? (unsigned long long)all
+                 : f.bar_op == EMU_BARRIER_OR ? (unsigned long long)any : 0ull;
     }
     w->bar_count = 0;
     w->bar_sum = 0; w->bar_and = 1; w->bar_or = 0;
@@ -378,7 +357,7 @@ static void barrier_check_release(Worker* w) {
     if (w->L->checked && w->exited > 0) {
         // Some threads left the kernel while others wait at __syncthreads: undefined behaviour in
         // CUDA (the barrier must be reached by every thread of the block); report it.
-        EmuError* e = begin_error(w, E_DEADLOCK);
+        EmuError* e = begin_error(w, EMU_ERROR_DEADLOCK);
         if (e) {
             const Fiber* any = nullptr;
             for (auto& f : w->fibers) if (f.state == F_WAIT_BAR) { any = &f; break; }
@@ -410,7 +389,7 @@ EMU_EXPORT int __emu_syncthreads_op(int op, int pred, const char* file, int line
     return (int)f->result;
 }
 
-EMU_EXPORT void __emu_syncthreads(const char* file, int line) { __emu_syncthreads_op(0, 0, file, line); }
+EMU_EXPORT void __emu_syncthreads(const char* file, int line) { __emu_syncthreads_op(EMU_BARRIER_PLAIN, 0, file, line); }
 
 // ------------------------------------------------------------------------------------------
 // warp primitives
@@ -429,23 +408,23 @@ static void warp_compute(Worker* w, int warp, unsigned group) {
         int seg = l & ~(wd - 1);
         int src = l;
         switch (f.op) {
-            case OP_IDX: src = seg + (f.arg & (wd - 1)); break;
-            case OP_UP: src = l - f.arg; if (src < seg) src = l; break;
-            case OP_DOWN: src = l + f.arg; if (src >= seg + wd) src = l; break;
-            case OP_XOR: src = l ^ f.arg; if (src < seg || src >= seg + wd) src = l; break;
+            case EMU_WARP_SHFL_IDX: src = seg + (f.arg & (wd - 1)); break;
+            case EMU_WARP_SHFL_UP: src = l - f.arg; if (src < seg) src = l; break;
+            case EMU_WARP_SHFL_DOWN: src = l + f.arg; if (src >= seg + wd) src = l; break;
+            case EMU_WARP_SHFL_XOR: src = l ^ f.arg; if (src < seg || src >= seg + wd) src = l; break;
             default: break;
         }
         switch (f.op) {
-            case OP_IDX: case OP_UP: case OP_DOWN: case OP_XOR:
+            case EMU_WARP_SHFL_IDX: case EMU_WARP_SHFL_UP: case EMU_WARP_SHFL_DOWN: case EMU_WARP_SHFL_XOR:
                 f.result = (src >= 0 && src < 32 && (group >> src & 1)) ? base[src].val : f.val;
                 break;
-            case OP_BALLOT: f.result = ballot & f.mask; break;
-            case OP_ANY: f.result = (ballot & f.mask) != 0; break;
-            case OP_ALL: f.result = (ballot & f.mask) == (f.mask & group); break;
-            case OP_ALLGATHER:
+            case EMU_WARP_BALLOT: f.result = ballot & f.mask; break;
+            case EMU_WARP_ANY: f.result = (ballot & f.mask) != 0; break;
+            case EMU_WARP_ALL: f.result = (ballot & f.mask) == (f.mask & group); break;
+            case EMU_WARP_ALLGATHER:
                 for (unsigned m2 = group; m2; m2 &= m2 - 1) {
                     int s = __builtin_ctz(m2);
-                    if (base[s].op == OP_ALLGATHER && base[s].gbytes == f.gbytes)
+                    if (base[s].op == EMU_WARP_ALLGATHER && base[s].gbytes == f.gbytes)
                         memcpy((char*)f.gdst + (size_t)s * f.gbytes, base[s].gsrc, f.gbytes);
                 }
                 f.result = 0;
@@ -467,7 +446,7 @@ static unsigned long long warp_op_common(Worker* w, Fiber* f, int op, unsigned m
     mask &= w->warp_exist[warp];
     if (!(mask >> lane & 1)) {
         if (w->L->checked) {
-            EmuError* e = begin_error(w, E_GENERIC);
+            EmuError* e = begin_error(w, EMU_ERROR_GENERIC);
             if (e) emsg(e, "%s at %s:%d: the calling lane %d is not in the member mask 0x%08x",
                         op_name(op), file, line, lane, mask);
             abort_fiber(w);
@@ -503,7 +482,7 @@ EMU_EXPORT void __emu_warp_allgather(unsigned mask, const void* src, void* dst, 
     f->gsrc = src;
     f->gdst = dst;
     f->gbytes = bytes;
-    warp_op_common(w, f, OP_ALLGATHER, mask, file, line);
+    warp_op_common(w, f, EMU_WARP_ALLGATHER, mask, file, line);
 }
 
 EMU_EXPORT unsigned __emu_activemask(void) {
@@ -521,7 +500,7 @@ EMU_EXPORT unsigned long long __emu_clock(void) {
 EMU_EXPORT void __emu_trap(const char* what, const char* file, int line) {
     Worker* w = __emu_t_worker;
     if (!w || !w->cur) { fprintf(stderr, "%s at %s:%d outside a kernel launch\n", what, file, line); abort(); }
-    EmuError* e = begin_error(w, E_TRAP);
+    EmuError* e = begin_error(w, EMU_ERROR_TRAP);
     if (e) emsg(e, "%s at %s:%d", what, file, line);
     abort_fiber(w);
 }
@@ -532,7 +511,7 @@ extern "C" __attribute__((visibility("default"), noreturn)) void __assert_fail(
     const char* expr, const char* file, unsigned int line, const char* func) noexcept {
     Worker* w = __emu_t_worker;
     if (!w || !w->cur) { fprintf(stderr, "%s:%u: %s: Assertion `%s' failed.\n", file, line, func, expr); abort(); }
-    EmuError* e = begin_error(w, E_TRAP);
+    EmuError* e = begin_error(w, EMU_ERROR_TRAP);
     if (e) emsg(e, "device assertion `%s` failed at %s:%u in %s", expr, file, line, func);
     abort_fiber(w);
 }
@@ -551,30 +530,40 @@ struct SShadow {
 };  // all-zero bytes mean "no access recorded" (epoch 0 is never current)
 static thread_local SShadow* __emu_t_dyn_shadow = nullptr;
 static thread_local SShadow* __emu_t_stat_shadow = nullptr;
-static thread_local size_t __emu_t_stat_shadow_n = 0;
 
-static void report_race_shared(Worker* w, int space, int64_t off, uintptr_t addr, int size, bool is_write,
-                               bool other_write, int other, uint64_t other_pc, void* pc) {
-    EmuError* e = begin_error(w, E_RACE);
-    if (!e) abort_fiber(w);
-    e->space = space;
-    e->offset = off;
-    e->addr = addr;
-    e->size = size;
-    e->is_write = is_write;
-    e->other_is_write = other_write;
-    e->pc = rel_pc(pc);
-    e->other_pc = other_pc;
-    e->other_block[0] = w->block.x; e->other_block[1] = w->block.y; e->other_block[2] = w->block.z;
-    if (space == SP_GLOBAL) {
-        for (auto& r : w->L->args)
-            if (addr >= r.lo && addr < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(addr - r.lo); break; }
-    }
-    if (other >= 0) {
-        const Fiber& o = w->fibers[other];
-        e->other_thread[0] = o.tid.x; e->other_thread[1] = o.tid.y; e->other_thread[2] = o.tid.z;
-    } else {
+// The earlier access a race conflicts with: by thread `thread` (linear id; -1: several threads)
+// of block `block` (linear id; -1: several blocks).
+struct Conflict { long block; int thread; bool is_write; uint64_t pc; };
+
+static void block_coords(const Launch* L, long b, int32_t out[3]) {
+    if (b < 0) { out[0] = out[1] = out[2] = -1; return; }
+    out[0] = (int32_t)(b % L->grid[0]);
+    out[1] = (int32_t)((b / L->grid[0]) % L->grid[1]);
+    out[2] = (int32_t)(b / ((long)L->grid[0] * L->grid[1]));
+}
+
+[[noreturn]] static void report_race(Worker* w, int space, int64_t off, uintptr_t addr, int size, bool is_write,
+                                     Conflict other, void* pc) {
+    EmuError* e = begin_error(w, EMU_ERROR_RACE);
+    if (e) {
+        e->space = space;
+        e->offset = off;
+        e->addr = addr;
+        e->size = size;
+        e->is_write = is_write;
+        e->pc = rel_pc(pc);
+        e->other_is_write = other.is_write;
+        e->other_pc = other.pc;
+        block_coords(w->L, other.block, e->other_block);
         e->other_thread[0] = e->other_thread[1] = e->other_thread[2] = -1;
+        if (other.thread >= 0 && other.block == w->block_linear) {
+            const Fiber& o = w->fibers[other.thread];
+            e->other_thread[0] = o.tid.x; e->other_thread[1] = o.tid.y; e->other_thread[2] = o.tid.z;
+        }
+        if (space == EMU_SPACE_GLOBAL) {
+            for (auto& r : w->L->args)
+                if (addr >= r.lo && addr < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(addr - r.lo); break; }
+        }
     }
     abort_fiber(w);
 }
@@ -590,13 +579,13 @@ static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintpt
     for (int b = 0; b < size; ++b) {
         SShadow& s = sh[b];
         if (s.w_tid >= 0 && s.w_epoch == ep && s.w_tid != me && !ordered(w, me, s.w_tid, s.w_wsync))
-            report_race_shared(w, space, off + b, addr + b, size, wr, true, s.w_tid, s.w_pc, pc);
+            report_race(w, space, off + b, addr + b, size, wr, {w->block_linear, s.w_tid, true, s.w_pc}, pc);
         if (wr) {
             if (s.r_tid != -1 && s.r_epoch == ep) {
                 if (s.r_tid >= 0 && s.r_tid != me && !ordered(w, me, s.r_tid, s.r_wsync))
-                    report_race_shared(w, space, off + b, addr + b, size, wr, false, s.r_tid, s.r_pc, pc);
+                    report_race(w, space, off + b, addr + b, size, wr, {w->block_linear, s.r_tid, false, s.r_pc}, pc);
                 if (s.r_tid == -2 && !(s.r_warp == (me >> 5) && ws > s.r_wsync))
-                    report_race_shared(w, space, off + b, addr + b, size, wr, false, -1, s.r_pc, pc);
+                    report_race(w, space, off + b, addr + b, size, wr, {w->block_linear, -1, false, s.r_pc}, pc);
             }
             s.w_tid = me; s.w_epoch = ep; s.w_wsync = ws; s.w_pc = (uint32_t)rel_pc(pc);
             s.r_tid = -1;
@@ -612,7 +601,7 @@ static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintpt
 }
 
 static void report_bounds(Worker* w, int space, uintptr_t addr, int size, bool wr, int64_t off, void* pc) {
-    EmuError* e = begin_error(w, E_BOUNDS);
+    EmuError* e = begin_error(w, EMU_ERROR_BOUNDS);
     if (!e) abort_fiber(w);
     e->space = space;
     e->addr = addr;
@@ -620,7 +609,7 @@ static void report_bounds(Worker* w, int space, uintptr_t addr, int size, bool w
     e->is_write = wr;
     e->pc = rel_pc(pc);
     e->offset = off;
-    if (space == SP_GLOBAL) {
+    if (space == EMU_SPACE_GLOBAL) {
         // nearest argument array
         Launch* L = w->L;
         uint64_t best = UINT64_MAX;
@@ -642,33 +631,13 @@ static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, b
             for (int b = 0; b < size; ++b) {
                 int32_t& wb = g.wr[o + b];
                 int32_t& rb = g.rd[o + b];
-                if (wb != 0 && wb != me) {
-                    EmuError* e = begin_error(w, E_RACE);
-                    if (!e) abort_fiber(w);
-                    e->space = SP_GLOBAL; e->addr = a + b; e->size = size; e->is_write = wr; e->other_is_write = 1;
-                    e->pc = rel_pc(pc);
-                    long ob = wb - 1;
-                    e->other_block[0] = ob % L->grid[0]; e->other_block[1] = (ob / L->grid[0]) % L->grid[1];
-                    e->other_block[2] = ob / ((long)L->grid[0] * L->grid[1]);
-                    e->other_thread[0] = e->other_thread[1] = e->other_thread[2] = -1;
-                    for (auto& r : L->args) if (a + b >= r.lo && a + b < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(a + b - r.lo); break; }
-                    abort_fiber(w);
-                }
+                // another block wrote it, or (for a write) read it, earlier in this launch
+                if (wb != 0 && wb != me)
+                    report_race(w, EMU_SPACE_GLOBAL, (int64_t)(o + b), a + b, size, wr, {wb - 1, -1, true, 0}, pc);
                 if (wr) {
-                    if (rb != 0 && rb != me) {
-                        EmuError* e = begin_error(w, E_RACE);
-                        if (!e) abort_fiber(w);
-                        e->space = SP_GLOBAL; e->addr = a + b; e->size = size; e->is_write = 1; e->other_is_write = 0;
-                        e->pc = rel_pc(pc);
-                        long ob = rb > 0 ? rb - 1 : -1;
-                        if (ob >= 0) {
-                            e->other_block[0] = ob % L->grid[0]; e->other_block[1] = (ob / L->grid[0]) % L->grid[1];
-                            e->other_block[2] = ob / ((long)L->grid[0] * L->grid[1]);
-                        } else { e->other_block[0] = e->other_block[1] = e->other_block[2] = -1; }
-                        e->other_thread[0] = e->other_thread[1] = e->other_thread[2] = -1;
-                        for (auto& r : L->args) if (a + b >= r.lo && a + b < r.hi) { e->arg_index = r.arg; e->offset = (int64_t)(a + b - r.lo); break; }
-                        abort_fiber(w);
-                    }
+                    if (rb != 0 && rb != me)
+                        report_race(w, EMU_SPACE_GLOBAL, (int64_t)(o + b), a + b, size, wr,
+                                    {rb > 0 ? rb - 1 : -1, -1, false, 0}, pc);
                     wb = me;
                 } else {
                     if (rb == 0) rb = me;
@@ -676,7 +645,7 @@ static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, b
                 }
             }
             // races between threads of this block (no barrier between their accesses)
-            if (g.sh) shared_access(w, g.sh + o, SP_GLOBAL, (int64_t)o, a, size, wr, pc);
+            if (g.sh) shared_access(w, g.sh + o, EMU_SPACE_GLOBAL, (int64_t)o, a, size, wr, pc);
             return;
         }
     }
@@ -686,7 +655,7 @@ static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, b
     for (auto& r : g_module_ranges) if (a >= r.first && a < r.second) return;
     uintptr_t tb = tls_base();
     if (a >= tb && a < tb + g_tls_memsz) return;
-    report_bounds(w, SP_GLOBAL, a, size, wr, 0, pc);
+    report_bounds(w, EMU_SPACE_GLOBAL, a, size, wr, 0, pc);
 }
 
 static inline void check_access(uintptr_t a, int size, bool wr, void* pc, bool atomic = false) {
@@ -698,16 +667,16 @@ static inline void check_access(uintptr_t a, int size, bool wr, void* pc, bool a
     if (a - dyn < (uintptr_t)EMU_DYN_SMEM_MAX) {
         int64_t off = (int64_t)(a - dyn);
         if ((unsigned long long)off + size > w->L->shmem)
-            report_bounds(w, SP_SHARED_DYN, a, size, wr, off, pc);
-        if (!atomic) shared_access(w, __emu_t_dyn_shadow + off, SP_SHARED_DYN, off, a, size, wr, pc);
+            report_bounds(w, EMU_SPACE_SHARED_DYNAMIC, a, size, wr, off, pc);
+        if (!atomic) shared_access(w, __emu_t_dyn_shadow + off, EMU_SPACE_SHARED_DYNAMIC, off, a, size, wr, pc);
         return;
     }
     if (!g_static_shared.empty()) {
         uintptr_t tb = tls_base();
         if (a >= tb + g_static_lo_off && a < tb + g_static_hi_off) {
             int64_t off = (int64_t)(a - tb);
-            if (a + size > tb + g_static_hi_off) report_bounds(w, SP_SHARED_STATIC, a, size, wr, off, pc);
-            if (!atomic) shared_access(w, __emu_t_stat_shadow + (off - g_static_lo_off), SP_SHARED_STATIC, off, a, size, wr, pc);
+            if (a + size > tb + g_static_hi_off) report_bounds(w, EMU_SPACE_SHARED_STATIC, a, size, wr, off, pc);
+            if (!atomic) shared_access(w, __emu_t_stat_shadow + (off - g_static_lo_off), EMU_SPACE_SHARED_STATIC, off, a, size, wr, pc);
             return;
         }
     }
@@ -746,7 +715,7 @@ static uint64_t rng_next(uint64_t& s) {
 }
 
 static void describe_deadlock(Worker* w) {
-    EmuError* e = begin_error(w, E_DEADLOCK);
+    EmuError* e = begin_error(w, EMU_ERROR_DEADLOCK);
     if (!e) return;
     e->thread[0] = e->thread[1] = e->thread[2] = -1;
     emsg(e, "deadlock in block (%u,%u,%u): no thread can make progress.\n", w->block.x, w->block.y, w->block.z);
@@ -815,11 +784,11 @@ static void run_block(Worker* w, long b) {
         init_fiber(w, &f, i);
     }
     std::vector<int> order(n);
-    for (int i = 0; i < n; ++i) order[i] = L->schedule == 1 ? n - 1 - i : i;
+    for (int i = 0; i < n; ++i) order[i] = L->schedule == EMU_SCHEDULE_REVERSED ? n - 1 - i : i;
     uint64_t rs = (L->seed + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)b + 1) * 0xD1B54A32D192ED03ull;
     if (!rs) rs = 1;
     for (;;) {
-        if (L->schedule == 2)
+        if (L->schedule == EMU_SCHEDULE_RANDOM)
             for (int i = n - 1; i > 0; --i) std::swap(order[i], order[rng_next(rs) % (uint64_t)(i + 1)]);
         bool ran = false;
         for (int k = 0; k < n; ++k) {
@@ -861,7 +830,7 @@ static int g_sig_users = 0;
 static void segv_handler(int sig, siginfo_t* si, void* uc) {
     Worker* w = __emu_t_worker;
     if (w && w->in_fiber && w->cur) {
-        EmuError* e = begin_error(w, E_SEGV);
+        EmuError* e = begin_error(w, EMU_ERROR_FAULT);
         if (e) {
             uintptr_t a = (uintptr_t)si->si_addr;
             e->addr = a;
@@ -912,33 +881,33 @@ static void remove_signals() {
     sigaction(SIGBUS, &g_old_bus, nullptr);
 }
 
-static thread_local Worker* __emu_t_worker_cache = nullptr;
-
-static void worker_run(Launch* L, bool persistent) {
-    Worker* w = __emu_t_worker_cache;
-    if (!w) { w = new Worker(); __emu_t_worker_cache = w; }
+// One OS thread's share of a launch: it takes blocks from the launch until none is left.
+// Fiber stacks and shadows live for this call only: each guard page is a separate mapping,
+// and every loaded kernel library has its own runtime, so keeping them would exhaust
+// vm.max_map_count in a long test session (re-mapping costs well under a millisecond).
+static void worker_run(Launch* L) {
+    Worker worker{};
+    Worker* w = &worker;
     w->L = L;
     int n = (int)(L->block[0] * L->block[1] * L->block[2]);
     w->nthreads = n;
-    if ((int)w->fibers.size() < n) w->fibers.resize(n);
-    if (!ensure_stacks(w, n)) {
-        EmuError* e = begin_error(w, E_GENERIC);
+    w->fibers.resize(n);
+    if (!map_stacks(w, n)) {
+        EmuError* e = begin_error(w, EMU_ERROR_GENERIC);
         if (e) emsg(e, "cannot allocate fiber stacks for %d threads", n);
         return;
     }
     // alternate signal stack so that a fiber stack overflow can still be reported
+    std::vector<char> altstack(64 * 1024);
     stack_t ss, old_ss;
-    const size_t alt = 64 * 1024;
-    if (!w->altstack) w->altstack = malloc(alt);
-    ss.ss_sp = w->altstack; ss.ss_size = alt; ss.ss_flags = 0;
+    ss.ss_sp = altstack.data(); ss.ss_size = altstack.size(); ss.ss_flags = 0;
     sigaltstack(&ss, &old_ss);
     if (L->checked) {
         // zero-filled shadow means "no access recorded"; calloc'ed pages are only touched where
-        // the kernel accesses shared memory. Freed at the end of the launch.
+        // the kernel accesses shared memory
         __emu_t_dyn_shadow = (SShadow*)calloc(EMU_DYN_SMEM_MAX, sizeof(SShadow));
         size_t ns = (size_t)(g_static_hi_off - g_static_lo_off);
         __emu_t_stat_shadow = (SShadow*)calloc(ns ? ns : 1, sizeof(SShadow));
-        __emu_t_stat_shadow_n = ns;
     }
     __emu_t_worker = w;
     if (sigsetjmp(w->jb, 1) == 0) {
@@ -957,26 +926,16 @@ static void worker_run(Launch* L, bool persistent) {
     __emu_t_dyn_shadow = nullptr;
     free(__emu_t_stat_shadow);
     __emu_t_stat_shadow = nullptr;
-    __emu_t_stat_shadow_n = 0;
-    (void)persistent;
-    {
-        // give the fiber stacks back after every launch: each guard page is a separate mapping,
-        // and every loaded kernel library has its own runtime, so keeping them would exhaust
-        // vm.max_map_count in a long test session (re-mapping costs well under a millisecond)
-        if (w->stacks) munmap(w->stacks, w->stacks_size);
-        free(w->altstack);
-        delete w;
-        __emu_t_worker_cache = nullptr;
-    }
+    munmap(w->stacks, w->stacks_size);
 }
 
 EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, unsigned long long shmem,
                             void** argv, int nranges, const unsigned long long* ranges, int checked,
                             int schedule, unsigned long long seed, int nworkers, EmuError* err) {
     memset(err, 0, sizeof(*err));
-    if (k < 0 || k >= __emu_kernel_count) { err->code = E_GENERIC; snprintf(err->msg, sizeof(err->msg), "bad kernel index"); return err->code; }
+    if (k < 0 || k >= __emu_kernel_count) { err->code = EMU_ERROR_GENERIC; snprintf(err->msg, sizeof(err->msg), "bad kernel index"); return err->code; }
     if (shmem > EMU_DYN_SMEM_MAX) {
-        err->code = E_GENERIC;
+        err->code = EMU_ERROR_GENERIC;
         snprintf(err->msg, sizeof(err->msg), "dynamic shared memory of %llu bytes exceeds the emulator's (and every GPU's) limit of %d bytes", shmem, EMU_DYN_SMEM_MAX);
         return err->code;
     }
@@ -1019,8 +978,8 @@ EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, 
     if (nworkers > L.nblocks) nworkers = (int)std::max(1L, L.nblocks);
     install_signals();
     std::vector<std::thread> th;
-    for (int i = 1; i < nworkers; ++i) th.emplace_back(worker_run, &L, false);
-    worker_run(&L, true);
+    for (int i = 1; i < nworkers; ++i) th.emplace_back(worker_run, &L);
+    worker_run(&L);
     for (auto& t : th) t.join();
     remove_signals();
     for (auto& g : L.regions) { free(g.wr); free(g.rd); free(g.sh); }

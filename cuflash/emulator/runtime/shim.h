@@ -37,6 +37,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "abi.h"
+
 // ---- CUDA keywords -> C++ ----
 #undef __global__
 #undef __device__
@@ -99,12 +101,9 @@ unsigned long long __emu_clock(void);
 
 // ---- barriers, warp primitives ----
 #define __syncthreads() __emu_syncthreads(__FILE__, __LINE__)
-#define __syncthreads_count(p) __emu_syncthreads_op(1, (p) ? 1 : 0, __FILE__, __LINE__)
-#define __syncthreads_and(p) __emu_syncthreads_op(2, (p) ? 1 : 0, __FILE__, __LINE__)
-#define __syncthreads_or(p) __emu_syncthreads_op(3, (p) ? 1 : 0, __FILE__, __LINE__)
-
-enum { __EMU_SHFL_IDX = 0, __EMU_SHFL_UP = 1, __EMU_SHFL_DOWN = 2, __EMU_SHFL_XOR = 3,
-       __EMU_BALLOT = 4, __EMU_ANY = 5, __EMU_ALL = 6, __EMU_SYNCWARP = 7 };
+#define __syncthreads_count(p) __emu_syncthreads_op(EMU_BARRIER_COUNT, (p) ? 1 : 0, __FILE__, __LINE__)
+#define __syncthreads_and(p) __emu_syncthreads_op(EMU_BARRIER_AND, (p) ? 1 : 0, __FILE__, __LINE__)
+#define __syncthreads_or(p) __emu_syncthreads_op(EMU_BARRIER_OR, (p) ? 1 : 0, __FILE__, __LINE__)
 
 template <class T>
 static inline T __emu_shfl(const char* file, int line, int op, unsigned mask, T var, int arg,
@@ -117,18 +116,18 @@ static inline T __emu_shfl(const char* file, int line, int op, unsigned mask, T 
     memcpy(&r, &u, sizeof(T));
     return r;
 }
-#define __shfl_sync(...) __emu_shfl(__FILE__, __LINE__, __EMU_SHFL_IDX, __VA_ARGS__)
-#define __shfl_up_sync(...) __emu_shfl(__FILE__, __LINE__, __EMU_SHFL_UP, __VA_ARGS__)
-#define __shfl_down_sync(...) __emu_shfl(__FILE__, __LINE__, __EMU_SHFL_DOWN, __VA_ARGS__)
-#define __shfl_xor_sync(...) __emu_shfl(__FILE__, __LINE__, __EMU_SHFL_XOR, __VA_ARGS__)
+#define __shfl_sync(...) __emu_shfl(__FILE__, __LINE__, EMU_WARP_SHFL_IDX, __VA_ARGS__)
+#define __shfl_up_sync(...) __emu_shfl(__FILE__, __LINE__, EMU_WARP_SHFL_UP, __VA_ARGS__)
+#define __shfl_down_sync(...) __emu_shfl(__FILE__, __LINE__, EMU_WARP_SHFL_DOWN, __VA_ARGS__)
+#define __shfl_xor_sync(...) __emu_shfl(__FILE__, __LINE__, EMU_WARP_SHFL_XOR, __VA_ARGS__)
 #define __ballot_sync(mask, pred) \
-    ((unsigned)__emu_warp_op(__EMU_BALLOT, (mask), (pred) ? 1 : 0, 0, 32, __FILE__, __LINE__))
+    ((unsigned)__emu_warp_op(EMU_WARP_BALLOT, (mask), (pred) ? 1 : 0, 0, 32, __FILE__, __LINE__))
 #define __any_sync(mask, pred) \
-    ((int)__emu_warp_op(__EMU_ANY, (mask), (pred) ? 1 : 0, 0, 32, __FILE__, __LINE__))
+    ((int)__emu_warp_op(EMU_WARP_ANY, (mask), (pred) ? 1 : 0, 0, 32, __FILE__, __LINE__))
 #define __all_sync(mask, pred) \
-    ((int)__emu_warp_op(__EMU_ALL, (mask), (pred) ? 1 : 0, 0, 32, __FILE__, __LINE__))
+    ((int)__emu_warp_op(EMU_WARP_ALL, (mask), (pred) ? 1 : 0, 0, 32, __FILE__, __LINE__))
 static inline void __emu_syncwarp(const char* f, int l, unsigned mask = 0xffffffffu) {
-    __emu_warp_op(__EMU_SYNCWARP, mask, 0, 0, 32, f, l);
+    __emu_warp_op(EMU_WARP_SYNC, mask, 0, 0, 32, f, l);
 }
 #define __syncwarp(...) __emu_syncwarp(__FILE__, __LINE__, ##__VA_ARGS__)
 #define __activemask() __emu_activemask()
