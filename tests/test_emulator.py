@@ -42,6 +42,11 @@ def src(name: str) -> str:
     return (KDIR / name).read_text()
 
 
+def line_of(name: str, marker: str) -> int:
+    """1-based line of tests/emulator_kernels/<name> that contains `marker`."""
+    return next(i for i, line in enumerate(src(name).splitlines(), 1) if marker in line)
+
+
 def mod(name, schedule="round-robin", checked=False, options=(), names=(), seed=0):
     return RawModule(code=src(name), options=options, name_expressions=names, checked=checked,
                      schedule=schedule, seed=seed)
@@ -342,6 +347,39 @@ def test_shared_access_beyond_dynamic_size():
     with pytest.raises(BoundsError, match="dyn"):
         RawModule(code=code, checked=True).get_function("k")((1,), (32,), (np.zeros(32, np.float32),),
                                                                shared_mem=32 * 4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_wrong_fragment_layout_is_a_race(schedule):
+    c = np.arange(64, dtype=np.float32)
+    ct = np.zeros(64, np.float32)
+    path = KDIR / "fragment.cu"
+    RawModule(path=path, checked=True, schedule=schedule).get_function("fragment_transpose")((1,), (32,), (c, ct))
+    np.testing.assert_array_equal(ct.reshape(8, 8), c.reshape(8, 8).T)
+    # rows from lane >> 3 instead of g = lane >> 2: lanes 0 and 4 both store C[0][0]'s slot
+    wrong = RawModule(path=path, options=("-DFRAG_ROW(lane)=((lane) >> 3)",), checked=True, schedule=schedule)
+    with pytest.raises(RaceError) as ei:
+        wrong.get_function("fragment_transpose")((1,), (32,), (c, ct))
+    msg = str(ei.value)
+    store = line_of("fragment.cu", "the fragment's store")
+    assert "shared-memory race on __shared__ fragment_transpose::tile" in msg
+    assert f"fragment.cu:{store} " in msg and "writes" in msg and "wrote it" in msg
+
+
+def test_shared_write_past_dynamic_size():
+    n = 64
+    x = np.random.default_rng(9).standard_normal(n).astype(np.float32)
+    y = np.zeros(n, np.float32)
+    f = RawModule(path=KDIR / "halo.cu", checked=True).get_function("three_point_sum")
+    f((1,), (n,), (x, y), shared_mem=(n + 2) * 4)
+    xp = np.pad(x.astype(np.float64), 1)
+    np.testing.assert_allclose(y, xp[:-2] + xp[1:-1] + xp[2:], rtol=1e-6)
+    with pytest.raises(BoundsError) as ei:      # room for one halo element only
+        f((1,), (n,), (x, y), shared_mem=(n + 1) * 4)
+    msg = str(ei.value)
+    assert "out-of-bounds shared-memory write of 4 byte(s) on extern __shared__ row" in msg
+    assert f"byte offset {(n + 1) * 4}" in msg and f"thread ({n - 1},0,0)" in msg
+    assert f"halo.cu:{line_of('halo.cu', 'the right halo')} " in msg
 
 
 def test_inter_block_write_write_race():
