@@ -18,18 +18,19 @@ GATE_ARCHS = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
 @functools.cache
 def cuda_include_dir():
-    """The CUDA headers (cuda_fp16.h, cuda_bf16.h): the PyPI wheel's, else CUDA_PATH's."""
+    """The CUDA headers (cuda_fp16.h, cuda_bf16.h): the PyPI wheel's (CUDA 12:
+    nvidia/cuda_runtime/include; CUDA 13+: nvidia/cu13/include), else CUDA_PATH's."""
     try:
-        import nvidia.cuda_runtime
-        for base in nvidia.cuda_runtime.__path__:
-            inc = pathlib.Path(base) / "include"
-            if (inc / "cuda_fp16.h").exists():
-                return str(inc)
+        import nvidia
+        bases = [pathlib.Path(b) for b in nvidia.__path__]
     except ImportError:
-        pass
-    for root in (os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (pathlib.Path(root) / "include" / "cuda_fp16.h").exists():
-            return str(pathlib.Path(root) / "include")
+        bases = []
+    wheel_dirs = [b / "cuda_runtime" / "include" for b in bases]
+    wheel_dirs += sorted((inc for b in bases for inc in b.glob("cu[0-9]*/include")), reverse=True)
+    roots = [pathlib.Path(r) / "include" for r in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r]
+    for inc in wheel_dirs + roots:
+        if (inc / "cuda_fp16.h").exists():
+            return str(inc)
     return None
 
 
