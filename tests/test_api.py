@@ -128,6 +128,32 @@ def test_nan_and_inf_scores(backend):
     np.testing.assert_array_equal(np.isnan(o[2]), np.isnan(ref[2]))
 
 
+def test_backward_nan_stays_in_its_row(backend):
+    """A NaN query row: dq is NaN in that row only, dv in the rows of the keys it sees
+    only (keys hidden by the causal mask and other heads keep their gradients). dk turns
+    NaN in every key of the head: dK = dSᵀ Q multiplies the row's masked zeros by its NaN
+    query (0·NaN = NaN), as a plain matmul would."""
+    rng = np.random.default_rng(8)
+    q, k, v, do = (rand(rng, (2, 30, 16), np.float32) for _ in range(4))
+    i = 9
+    q[0, i, 3] = np.nan
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), causal=True,
+                                     return_lse=True, backend=backend)
+    dq, dk, dv = map(to_host, cuflash.flash_attention_backward(
+        *to_backend(backend, do, q, k, v), o, lse, causal=True, backend=backend))
+    assert np.isnan(dq[0, i]).all() and np.isnan(dv[0, :i + 1]).all()
+    # The rest is what it would be with a finite row there.
+    clean = q.copy()
+    clean[0, i] = 0
+    ref_o, ref_lse = reference.naive_attention(clean, k, v, causal=True, return_lse=True)
+    ref = reference.attention_backward(do, clean, k, v, ref_o, ref_lse, causal=True)
+    other_rows, hidden_keys = np.arange(30) != i, np.arange(30) > i
+    np.testing.assert_allclose(dq[0, other_rows], ref[0][0, other_rows], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dv[0, hidden_keys], ref[2][0, hidden_keys], rtol=1e-4, atol=1e-5)
+    for got, want in zip((dq, dk, dv), ref):
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("shapes", [
     ((0, 16), (5, 16)), ((5, 16), (0, 16)), ((0, 2, 7, 8), (0, 2, 9, 8)),
     ((2, 0, 7, 8), (2, 0, 9, 8)), ((0, 8), (0, 8)),
