@@ -30,7 +30,6 @@ SOFTMAX_THREADS = 128
 SOFTMAX_COLS_MIN_Q = 32
 SOFTMAX_SOURCE = "online_softmax.cu"
 _INT32_MAX = 2**31 - 1
-_LOG2E = 1.4426950408889634
 
 
 def _softmax_names():
@@ -150,14 +149,14 @@ class KernelBackend:
         strides = []
         for a in (q, k, v, o):
             strides += elem_strides(a)[:3]
-        scale_log2 = acc.type(float(scale) * _LOG2E)  # softmax scale folded with log2(e)
+        scale = acc.type(scale)  # the kernels fold in log2(e) themselves (common.cuh)
         sizes = [i32(Hq, "heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
                  i32(d, "d")]
         fn = self.get_function(plan.source, plan.name_expression, plan.smem_bytes)
         if plan.kernel == "flash_fwd":
             num_m_blocks = -(-Nq // plan.block_m)
             grid = num_m_blocks * n_chunks * Hq * B
-            args = (q, k, v, o, lse, *sizes, *strides, scale_log2, np.int32(bool(causal)),
+            args = (q, k, v, o, lse, *sizes, *strides, scale, np.int32(bool(causal)),
                     np.int32(num_m_blocks), np.int32(n_chunks))
         else:  # FA1: one block per (batch, head) [x head-dim chunk]; O, ℓ, m in global memory
             o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
@@ -165,7 +164,7 @@ class KernelBackend:
             m_buf = xp.empty((n_chunks, B, Hq, Nq), dtype=acc)
             grid = n_chunks * Hq * B
             args = (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(B, "batch"), *sizes, *strides,
-                    scale_log2, np.int32(bool(causal)), np.int32(n_chunks))
+                    scale, np.int32(bool(causal)), np.int32(n_chunks))
         i32(grid, "grid size (blocks = query blocks x heads x batch)")
         fn((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
         return o, lse

@@ -4,10 +4,13 @@
 //   * to_float / from_float conversions between storage and accumulation types
 //   * neg_inf<A>()          −inf without <cmath> (NVRTC has no host headers)
 //   * fast_exp2 / fast_log2 one spelling for float and double
+//   * softmax_scale_log2    scale · log2 e, the one multiply that puts scores in log2 units
+//   * lse_log2              lse · log2 e for the backward's recomputation of P
 //   * warp_reduce_max/sum   butterfly reductions with __shfl_xor_sync
-//   * OnlineSoftmax         the running state (m_i, l_i) of one query row, with the
+//   * OnlineSoftmax         the running state (m_i, ℓ_i) of one softmax row, with the
 //                           three phases of the papers' Algorithm 1: init, update,
-//                           finalize (→ 1/ℓ for O, and lse)
+//                           finalize (→ 1/ℓ for O, and lse); used by both forward
+//                           kernels and by online_softmax.cu
 //
 // Everything is plain SIMT C++ (no inline PTX) so the CPU emulator runs it unchanged.
 #pragma once
@@ -78,6 +81,20 @@ template <typename A> __device__ __forceinline__ A nan_max(A a, A b) {
     return (a != a || a > b) ? a : b;  // a NaN in `b` survives because `a > NaN` is false
 }
 
+// The softmax scale folded with log2(e): scores multiplied by it are in log2 units, so
+// exp(scale · s − m) = exp2(s · scale·log2 e − m') costs one exp2 (one MUFU op) and no
+// extra multiply per element. Every attention kernel takes `scale` and derives this here.
+template <typename A> __device__ __forceinline__ A softmax_scale_log2(A scale) {
+    return scale * MathConst<A>::log2e;
+}
+
+// lse_i · log2(e), for the backward's P = exp2(S · scale·log2 e − lse · log2 e). A row
+// with lse = −inf (it sees no key, or it is padding) gets +inf, so P = exp2(S − inf) = 0
+// rather than exp2(+inf) = inf and then inf · 0 = NaN.
+template <typename A> __device__ __forceinline__ A lse_log2(A lse) {
+    return lse == neg_inf<A>() ? -neg_inf<A>() : lse * MathConst<A>::log2e;
+}
+
 // exp2(x − m) where m may be −inf: if m = −inf every x of the row is −inf as well and
 // x − m would be −inf − (−inf) = NaN; subtracting 0 instead gives exp2(−inf) = 0.
 template <typename A> __device__ __forceinline__ A safe_max_shift(A m) {
@@ -105,14 +122,18 @@ template <int WIDTH, typename A> __device__ __forceinline__ A warp_reduce_sum(A 
 }
 
 // ---------------------------------------------------------------------------------
-// Online softmax state of one query row (papers' m_i, ℓ_i; acc lives with the caller)
+// Online softmax state of one row (papers' m_i, ℓ_i; acc lives with the caller)
 // ---------------------------------------------------------------------------------
 //
-// Scores arrive already multiplied by scale·log2(e), so m_i is in log2 units and
-// P̃ = exp2(S − m_i). acc (the unscaled O row) is rescaled by the factor `alpha` that
-// update() returns.
-template <typename A> struct OnlineSoftmax {
-    A m_i;  // running row max of the scaled scores (log2 units)
+// Values arrive in log2 units (scores already multiplied by scale·log2 e), so m_i is in
+// log2 units and P̃ = exp2(S − m_i). update() raises m_i, rescales ℓ_i and returns the
+// factor α that the caller applies to whatever else is relative to the old m_i (acc).
+//
+// PROPAGATE_NAN picks the max: false (attention) ignores NaN, like fmaxf — a NaN score
+// still turns its row NaN through P̃ = exp2(NaN − m), and only that row; true (softmax)
+// propagates it, as numpy.amax and so scipy.special.softmax do.
+template <typename A, bool PROPAGATE_NAN = false> struct OnlineSoftmax {
+    A m_i;  // running row max (log2 units)
     A l_i;  // running ℓ = rowsum(P̃) relative to m_i
 
     // -- init: m = −inf, ℓ = 0 (Algorithm 1, line 5)
@@ -121,13 +142,12 @@ template <typename A> struct OnlineSoftmax {
         l_i = A(0);
     }
 
-    // -- update m_i: m_new = max(m_i, rowmax(S_ij)); returns alpha = exp2(m_old − m_new),
-    // the factor that rescales ℓ and acc. The caller then computes P̃ with shift() and
-    // adds rowsum(P̃) to l_i.
-    __device__ __forceinline__ A update_max(A tile_max) {
-        const A m_new = max_(m_i, tile_max);
+    // -- update: m_new = max(m_i, m), ℓ_i ← α ℓ_i with α = exp2(m_old − m_new), returned.
+    // The caller then adds rowsum(P̃), P̃ = exp2(S − shift()), to l_i.
+    __device__ __forceinline__ A update(A m) {
+        const A m_new = PROPAGATE_NAN ? nan_max(m_i, m) : max_(m_i, m);
         // m_old = m_new = −inf (nothing seen yet, row fully masked so far) would give
-        // exp2(−inf − (−inf)) = NaN; the guarded shift makes alpha = exp2(−inf) = 0.
+        // exp2(−inf − (−inf)) = NaN; the guarded shift makes α = exp2(−inf) = 0.
         const A alpha = fast_exp2(m_i - safe_max_shift(m_new));
         m_i = m_new;
         l_i *= alpha;
@@ -136,6 +156,18 @@ template <typename A> struct OnlineSoftmax {
 
     // The value subtracted from every score before exp2 (guarded −inf, see above).
     __device__ __forceinline__ A shift() const { return safe_max_shift(m_i); }
+
+    // exp2(m − m_i): rescales a sum kept relative to an older or partial max m (≤ m_i)
+    // to the current one.
+    __device__ __forceinline__ A weight(A m) const { return fast_exp2(m - shift()); }
+
+    // Merge the state of disjoint values (another lane's, or one tile's):
+    // ℓ_i ← α ℓ_i + exp2(m_b − m_new) ℓ_b. Returns α.
+    __device__ __forceinline__ A merge(const OnlineSoftmax& b) {
+        const A alpha = update(b.m_i);
+        l_i += weight(b.m_i) * b.l_i;
+        return alpha;
+    }
 
     // -- finalize: O = acc / ℓ. A row that saw no key (ℓ = 0) gets O = 0, never 0/0 = NaN;
     // a NaN ℓ stays NaN so a NaN score poisons its own row only.

@@ -31,7 +31,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long k_sb, long long k_sh, long long k_sr,
                  long long v_sb, long long v_sh, long long v_sr,
                  long long o_sb, long long o_sh, long long o_sr,
-                 accum_t<T> scale_log2, int causal, int num_m_blocks, int num_d_chunks) {
+                 accum_t<T> scale, int causal, int num_m_blocks, int num_d_chunks) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     using A = typename Tr::A;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread, TD = Tr::kDimPerThread;
@@ -65,6 +65,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const int dv0 = d_chunk * HEAD_DIM;  // first V/O column this block owns
     // Causal block skipping: tiles entirely above the diagonal are never visited.
     const int n_end = mask.key_end(m1);
+    const A scale_log2 = softmax_scale_log2(scale);  // scores in log2 units: P̃ = exp2(S − m)
 
     // -- prologue: Q_i into shared memory (once, when d fits one chunk); state init
     if (num_d_chunks == 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
@@ -97,7 +98,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
             for (int j = 0; j < TC; ++j) tile_max = max_(tile_max, s[i][j]);
             tile_max = warp_reduce_max<Tr::kLaneCols>(tile_max);
-            const A alpha = row[i].update_max(tile_max);  // also rescales ℓ_i
+            const A alpha = row[i].update(tile_max);  // also rescales ℓ_i
             const A shift = row[i].shift();
             A rowsum = A(0);
 #pragma unroll

@@ -38,7 +38,7 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      long long k_sb, long long k_sh, long long k_sr,
                      long long v_sb, long long v_sh, long long v_sr,
                      long long o_sb, long long o_sh, long long o_sr,
-                     accum_t<T> scale_log2, int causal, int num_d_chunks) {
+                     accum_t<T> scale, int causal, int num_d_chunks) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     using A = typename Tr::A;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread, TD = Tr::kDimPerThread;
@@ -69,9 +69,11 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const CausalMask mask{Nq, Nk, causal != 0};
     const int dv0 = d_chunk * HEAD_DIM;
     const int dv1 = min(dv0 + HEAD_DIM, d);
+    const A scale_log2 = softmax_scale_log2(scale);  // scores in log2 units: P̃ = exp2(S − m)
 
     // -- line 2: O = 0, ℓ = 0, m = −inf in global memory, with the same thread→element
-    // map the updates use (each thread then only ever touches its own O elements).
+    // map the updates use: each thread only ever touches its own O elements, and lane 0
+    // of a row alone its ℓ, m, so no barrier orders these writes before the loop.
     for (int m0 = 0; m0 < Nq; m0 += BLOCK_M) {
 #pragma unroll
         for (int i = 0; i < TR; ++i) {
@@ -86,7 +88,6 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
             }
         }
     }
-    __syncthreads();  // ℓ, m written by lane 0 of each row are read by all 8 lanes below
 
     // -- line 5: outer loop over K_j, V_j
     for (int n0 = 0; n0 < Nk; n0 += BLOCK_N) {
@@ -108,49 +109,51 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
             compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh, k_sr, m0, n0, Nq, Nk, d,
                                num_d_chunks, scale_log2, mask, tc);
             A o_scale[TR];  // diag(ℓ_i) e^{m_i − m_new}: the weight of the old O_i
-            A l_new[TR];
+            A inv_l_new[TR];
 
 #pragma unroll
             for (int i = 0; i < TR; ++i) {
                 const int gi = m0 + tc.row(i);
-                const bool live = gi < Nq;
-                // -- line 8: load ℓ_i, m_i (before the shuffles below, which order these
-                // reads of the 8 lanes before lane 0's write further down)
-                const A l_old = live ? l_bh[gi] : A(0);
-                const A m_old = live ? m_bh[gi] : neg_inf<A>();
+                // -- line 8: load ℓ_i, m_i. Lane 0 of the row alone reads them and
+                // broadcasts: it is also the one that writes them back below, so no lane
+                // ever reads a value another lane is about to overwrite.
+                OnlineSoftmax<A> st;
+                st.init();  // rows ≥ Nq (padding): an empty state
+                if (tc.lane_col == 0 && gi < Nq) {
+                    st.l_i = l_bh[gi];
+                    st.m_i = m_bh[gi];
+                }
+                st.l_i = __shfl_sync(0xffffffffu, st.l_i, 0, Tr::kLaneCols);
+                st.m_i = __shfl_sync(0xffffffffu, st.m_i, 0, Tr::kLaneCols);
 
                 // -- line 10: m̃ = rowmax S, P̃ = exp2(S − m̃), ℓ̃ = rowsum P̃
                 A m_tile = neg_inf<A>();
 #pragma unroll
                 for (int j = 0; j < TC; ++j) m_tile = max_(m_tile, s[i][j]);
-                m_tile = warp_reduce_max<Tr::kLaneCols>(m_tile);
-                A l_tile = A(0);
-                // A row with every key of this tile masked has m̃ = −inf; shifting by 0
-                // instead avoids exp2(−inf − (−inf)) = NaN (P̃ = 0 then).
-                const A shift_tile = safe_max_shift(m_tile);
+                OnlineSoftmax<A> tile{warp_reduce_max<Tr::kLaneCols>(m_tile), A(0)};
 #pragma unroll
                 for (int j = 0; j < TC; ++j) {
-                    s[i][j] = fast_exp2(s[i][j] - shift_tile);
-                    l_tile += s[i][j];
+                    // shift() guards m̃ = −inf (every key of the tile masked): P̃ = 0, not NaN
+                    s[i][j] = fast_exp2(s[i][j] - tile.shift());
+                    tile.l_i += s[i][j];
                 }
-                l_tile = warp_reduce_sum<Tr::kLaneCols>(l_tile);
+                tile.l_i = warp_reduce_sum<Tr::kLaneCols>(tile.l_i);
 
-                // -- line 11: m_new, ℓ_new (same −inf guard for m_new)
-                const A m_new = max_(m_old, m_tile);
-                const A shift_new = safe_max_shift(m_new);
-                const A f_old = fast_exp2(m_old - shift_new);   // e^{m_i − m_new}
-                const A f_tile = fast_exp2(m_tile - shift_new); // e^{m̃_ij − m_new}
-                l_new[i] = f_old * l_old + f_tile * l_tile;
-                o_scale[i] = l_old * f_old;
+                // -- line 11: (m_new, ℓ_new) = (m_i, ℓ_i) ⊕ (m̃, ℓ̃)
+                const A l_old = st.l_i;
+                const A alpha = st.merge(tile);      // e^{m_i − m_new}
+                const A beta = st.weight(tile.m_i);  // e^{m̃_ij − m_new}
+                o_scale[i] = l_old * alpha;
+                inv_l_new[i] = st.inv_l();  // ℓ_new = 0 only if the row saw no key yet: O = 0
 
                 // P̃ enters line 12 multiplied by e^{m̃ − m_new}: fold it in here.
 #pragma unroll
                 for (int j = 0; j < TC; ++j)
-                    sP[tc.row(i) * Tr::kPStride + tc.col(j)] = s[i][j] * f_tile;
+                    sP[tc.row(i) * Tr::kPStride + tc.col(j)] = s[i][j] * beta;
 
-                if (tc.lane_col == 0 && live) {  // -- line 13 (ℓ, m); lanes 1-7 read above
-                    l_bh[gi] = l_new[i];
-                    m_bh[gi] = m_new;
+                if (tc.lane_col == 0 && gi < Nq) {  // -- line 13: write ℓ_new, m_new
+                    l_bh[gi] = st.l_i;
+                    m_bh[gi] = st.m_i;
                 }
             }
             __syncwarp();  // sP rows are written and read by the same warp only
@@ -171,12 +174,10 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
             for (int i = 0; i < TR; ++i) {
                 const int gi = m0 + tc.row(i);
-                // ℓ_new = 0 only when the row has seen no key yet: O stays 0, not 0/0.
-                const A inv_l = l_new[i] == A(0) ? A(0) : A(1) / l_new[i];
 #pragma unroll
                 for (int t = 0; t < TD; ++t) {
                     const int c = dv0 + tc.col(t);
-                    if (gi < Nq && c < dv1) oa_bh[(long long)gi * d + c] = acc[i][t] * inv_l;
+                    if (gi < Nq && c < dv1) oa_bh[(long long)gi * d + c] = acc[i][t] * inv_l_new[i];
                 }
             }
             __syncthreads();  // sQ/sK/sP are overwritten by the next Q_i (or K_j)

@@ -14,7 +14,8 @@
 // scipy semantics: the max propagates NaN (numpy.amax) so a NaN anywhere makes the whole
 // line NaN; a +inf gives e^{inf − inf} = NaN, so its line is NaN; an all −inf line gives
 // e^{−inf − (−inf)} = NaN in pass 2, as scipy does. During pass 1 the −inf − (−inf) case
-// must not poison ℓ for lines that do have finite entries later, hence the guards.
+// must not poison ℓ for lines that do have finite entries later, hence the guards
+// (those of common.cuh's OnlineSoftmax, the state the attention kernels keep too).
 #include "common.cuh"
 
 using namespace cuflash;
@@ -26,31 +27,16 @@ template <typename A> __device__ __forceinline__ A shifted(A x, A m) {
     return fma(x, MathConst<A>::log2e, -m);
 }
 
-// Running (m, ℓ) in log2 units: m is the max of x · log2 e.
-template <typename A> struct MaxSum {
-    A m, l;
-    __device__ __forceinline__ void init() {
-        m = neg_inf<A>();
-        l = A(0);
-    }
-    // ℓ = ℓ · 2^{m_old − m_new} + 2^{x − m_new}, x in natural units (x · log2 e is
-    // taken inside shifted(), exactly as pass 2 does).
-    __device__ __forceinline__ void push(A x) {
-        const A m_new = nan_max(m, x * MathConst<A>::log2e);
-        // Guarded shift: m_new = −inf means everything so far is −inf, and
-        // −inf − (−inf) would be NaN; both terms are 0 then.
-        const A shift = safe_max_shift(m_new);
-        l = l * fast_exp2(m - shift) + fast_exp2(shifted(x, shift));
-        m = m_new;
-    }
-    // Merge another partial pair (same formula with ℓ_b in place of one term).
-    __device__ __forceinline__ void merge(A m_b, A l_b) {
-        const A m_new = nan_max(m, m_b);
-        const A shift = safe_max_shift(m_new);
-        l = l * fast_exp2(m - shift) + l_b * fast_exp2(m_b - shift);
-        m = m_new;
-    }
-};
+// The running (m, ℓ) of a line, in log2 units (m is the max of x · log2 e), with the
+// NaN-propagating max scipy's softmax has.
+template <typename A> using LineState = OnlineSoftmax<A, /*PROPAGATE_NAN=*/true>;
+
+// Pass 1 for one element x (natural units): m_new = max(m, x · log2 e),
+// ℓ = α ℓ + 2^{x · log2 e − m_new}, the exponent taken by shifted() exactly as pass 2 does.
+template <typename A> __device__ __forceinline__ void push(LineState<A>& st, A x) {
+    st.update(x * MathConst<A>::log2e);
+    st.l_i += fast_exp2(shifted(x, st.shift()));
+}
 
 // Pass 2 for one element: e^{x − m} / ℓ. The exponent is the very expression pass 1
 // summed (one explicit fma, never left to the compiler's contraction choices), and the
@@ -77,32 +63,31 @@ softmax_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     T* yl = y + p * y_sp + q * y_sq;
 
     // -- pass 1: per-thread online (m, ℓ) over a strided slice of the line
-    MaxSum<A> st;
+    LineState<A> st;
     st.init();
-    for (int i = threadIdx.x; i < n; i += NUM_THREADS)
-        st.push(to_float(xl[i * x_sn]));
+    for (int i = threadIdx.x; i < n; i += NUM_THREADS) push(st, to_float(xl[i * x_sn]));
 
     // -- merge the pairs: butterfly inside each warp, then across warps via shared memory
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
-        const A m_b = __shfl_xor_sync(0xffffffffu, st.m, offset);
-        const A l_b = __shfl_xor_sync(0xffffffffu, st.l, offset);
-        st.merge(m_b, l_b);
+        const LineState<A> other{__shfl_xor_sync(0xffffffffu, st.m_i, offset),
+                                 __shfl_xor_sync(0xffffffffu, st.l_i, offset)};
+        st.merge(other);
     }
     __shared__ A s_m[kWarps], s_l[kWarps];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {
-        s_m[warp] = st.m;
-        s_l[warp] = st.l;
+        s_m[warp] = st.m_i;
+        s_l[warp] = st.l_i;
     }
     __syncthreads();
     st.init();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) st.merge(s_m[w], s_l[w]);
+    for (int w = 0; w < kWarps; ++w) st.merge(LineState<A>{s_m[w], s_l[w]});
 
     // -- pass 2: normalise
     for (int i = threadIdx.x; i < n; i += NUM_THREADS)
-        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, st.l));
+        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m_i, st.l_i));
 }
 
 template <typename T, int NUM_THREADS>
@@ -118,10 +103,10 @@ softmax_cols_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     T* yl = y + p * y_sp + q * y_sq;
 
     // -- pass 1: online (m, ℓ) down the line
-    MaxSum<A> st;
+    LineState<A> st;
     st.init();
-    for (int i = 0; i < n; ++i) st.push(to_float(xl[i * x_sn]));
+    for (int i = 0; i < n; ++i) push(st, to_float(xl[i * x_sn]));
     // -- pass 2: normalise
     for (int i = 0; i < n; ++i)
-        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m, st.l));
+        yl[i * y_sn] = from_float<T>(softmax_out(to_float(xl[i * x_sn]), st.m_i, st.l_i));
 }
