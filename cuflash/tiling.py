@@ -203,56 +203,52 @@ def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
 # a warp is cut into groups of G lanes, a group owns `rows_per_group` rows (keys in the
 # dK/dV kernel, queries in the dQ kernel) and lane g of the group holds the head-dim
 # columns g, g+G, … (DPL = D/G of them); the other operand streams through shared memory
-# in tiles of `tile_rows` rows. See the comments at the top of flash_bwd.cu.
+# in tiles of `tile_rows` rows. See `BwdTileTraits` in kernels/bwd_tile.cuh.
 #
-# Head dims above the largest bucket run the `*_chunked` kernels in 256-wide chunks: a
-# block owns one chunk of its output's columns and sums the scores over every chunk
-# (`bwd_head_dim_chunks`). Their causal flag is a run-time argument (they are the slow
-# path), the one-chunk kernels' a template flag.
+# Head dims above the largest bucket run the kernels with `chunked=True`, in 256-wide
+# chunks: a block owns one chunk of its output's columns and sums the scores over every
+# chunk (`bwd_head_dim_chunks`). Causal is a run-time argument of every backward kernel.
 BWD_HEAD_DIM_BUCKETS = (32, 64, 128, 256)   # the same for every dtype (double too)
 BWD_NUM_WARPS = 8                # 256 threads per block for the dK/dV and dQ kernels
-BWD_PREPROCESS_ROWS = 4          # rows (warps) per block of the preprocess kernel
+BWD_PREPROCESS_ROWS = 4          # rows (one warp each) per block of the preprocess kernel
 BWD_SMEM_TILE_BYTES = 32 * 1024  # the streamed operand pair (2 · tile_rows · D accumulators)
 BWD_SOURCE = "flash_bwd.cu"
-BWD_KERNELS = ("flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_chunked",
-               "flash_bwd_dq_chunked")
+BWD_KERNELS = ("flash_bwd_dkdv", "flash_bwd_dq")
 
 
 def bwd_smem_bytes(kernel: str, accum_bytes: int, head_dim: int, tile_rows: int,
-                   block_rows: int) -> int:
-    """Static shared memory of one backward block: mirrors the `__shared__` arrays of the
-    four kernels of flash_bwd.cu (and is checked against ptxas by the compile gate).
+                   block_rows: int, chunked: bool) -> int:
+    """Static shared memory of one backward block: mirrors `BwdTileTraits::kSmemBytes`
+    (kernels/bwd_tile.cuh) term for term, and is checked against ptxas by the gate.
 
-    dK/dV  sQ[BR][D], sdO[BR][D], sL[BR], sD[BR]        (BR = tile_rows)
-    dQ     sK[BC][D], sV[BC][D]                          (BC = tile_rows)
-    the chunked kernels add sS, sdP [tile_rows x block_rows] (partial scores).
+    tile pair  2 · tile_rows · D      (Q_i, dO_i for dK/dV; K_j, V_j for dQ)
+    row stats  2 · tile_rows          (lse_i, D_i; dK/dV only)
+    scores     2 · tile_rows · block_rows   (Σ S_ij, Σ dP_ij; chunked only)
     """
-    elems = 2 * tile_rows * head_dim
-    if kernel.startswith("flash_bwd_dkdv"):
-        elems += 2 * tile_rows
-    if kernel.endswith("_chunked"):
-        elems += 2 * tile_rows * block_rows
-    return elems * accum_bytes
+    tile = tile_rows * head_dim
+    row_stat = tile_rows if kernel == "flash_bwd_dkdv" else 0
+    scores = tile_rows * block_rows if chunked else 0
+    return (2 * tile + 2 * row_stat + 2 * scores) * accum_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdPlan(_Plan):
     """One launchable specialization of a backward kernel (dK/dV or dQ, maybe chunked).
 
-    A block owns `block_rows` = num_warps · (32/G) · rows_per_group rows (BC keys of the
-    dK/dV kernel, BRQ queries of the dQ kernel); the streamed operand comes in tiles of
-    `tile_rows` rows (BR / BC). `causal` is the template flag of the one-chunk kernels
-    (None for the chunked ones, whose causal flag is a run-time argument).
+    The fields are the kernel's template parameters, in order (their UPPER_CASE names in
+    flash_bwd.cu). A block owns `block_rows` = num_warps · (32/G) · rows_per_group rows
+    (Bc keys of the dK/dV kernel, Br queries of the dQ kernel); the streamed operand comes
+    in tiles of `tile_rows` rows.
     """
 
     kernel: str            # one of BWD_KERNELS
     dtype: str             # NumPy dtype name
-    head_dim_bucket: int   # compile-time D
+    head_dim_bucket: int   # HEAD_DIM
     lanes_per_row: int     # G
-    rows_per_group: int    # KPG (dK/dV) or QPG (dQ)
+    rows_per_group: int
     num_warps: int
     tile_rows: int
-    causal: bool | None = None
+    chunked: bool          # d above the bucket: D-wide chunks, num_d_chunks at run time
 
     @property
     def num_threads(self) -> int:
@@ -263,32 +259,56 @@ class BwdPlan(_Plan):
         return self.num_warps * (32 // self.lanes_per_row) * self.rows_per_group
 
     @property
-    def chunked(self) -> bool:
-        return self.kernel.endswith("_chunked")
-
-    @property
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.kernel, self.accum_bytes, self.head_dim_bucket,
-                              self.tile_rows, self.block_rows)
+                              self.tile_rows, self.block_rows, self.chunked)
 
     @property
     def source(self) -> str:
         return BWD_SOURCE
 
     def __str__(self) -> str:
-        flag = "" if self.causal is None else (" causal" if self.causal else " full")
         return (f"{self.kernel} {self.dtype} D={self.head_dim_bucket} G={self.lanes_per_row} "
                 f"rows={self.block_rows} tile={self.tile_rows} threads={self.num_threads}"
-                f"{flag} smem={self.smem_bytes} B")
+                f"{' chunked' if self.chunked else ''} smem={self.smem_bytes} B")
 
     @property
     def name_expression(self) -> str:
         ctype = _dtypes.c_type(np.dtype(self.dtype))
-        args = (f"{ctype}, {self.head_dim_bucket}, {self.lanes_per_row}, {self.rows_per_group}, "
-                f"{self.num_warps}, {self.tile_rows}")
-        if self.causal is not None:
-            args += f", {'true' if self.causal else 'false'}"
-        return f"{self.kernel}_kernel<{args}>"
+        return (f"{self.kernel}_kernel<{ctype}, {self.head_dim_bucket}, {self.lanes_per_row}, "
+                f"{self.rows_per_group}, {self.num_warps}, {self.tile_rows}, "
+                f"{'true' if self.chunked else 'false'}>")
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPreprocessPlan:
+    """The preprocess kernel D = rowsum(dO ∘ O): one warp per row, `rows_per_block` rows
+    (ROWS_PER_BLOCK) per block. No shared memory."""
+
+    dtype: str
+    rows_per_block: int
+    kernel = "flash_bwd_preprocess"
+    smem_bytes = 0
+
+    @property
+    def num_threads(self) -> int:
+        return self.rows_per_block * 32
+
+    @property
+    def source(self) -> str:
+        return BWD_SOURCE
+
+    def __str__(self) -> str:
+        return f"{self.kernel} {self.dtype} rows={self.rows_per_block} threads={self.num_threads}"
+
+    @property
+    def name_expression(self) -> str:
+        ctype = _dtypes.c_type(np.dtype(self.dtype))
+        return f"{self.kernel}_kernel<{ctype}, {self.rows_per_block}>"
+
+
+def bwd_preprocess_plan(dtype) -> BwdPreprocessPlan:
+    return BwdPreprocessPlan(np.dtype(dtype).name, BWD_PREPROCESS_ROWS)
 
 
 def bwd_head_dim_bucket(d: int) -> int:
@@ -320,22 +340,17 @@ def _bwd_shape(dtype, D):
     return G, rows_per_group, tile_rows
 
 
-def _bwd_plan(kernel, dtype, D, causal):
-    G, rpg, tile_rows = _bwd_shape(dtype, D)
-    return BwdPlan(kernel, np.dtype(dtype).name, D, G, rpg, BWD_NUM_WARPS, tile_rows,
-                   None if kernel.endswith("_chunked") else bool(causal))
-
-
-def plan_backward(d: int, dtype, *, causal: bool, max_smem: int = 48 * 1024, sm_count=None,
+def plan_backward(d: int, dtype, *, max_smem: int = 48 * 1024, sm_count=None,
                   cc=None) -> tuple[BwdPlan, BwdPlan]:
-    """The (dK/dV, dQ) plans for head dim d and dtype; the chunked kernels for d above
-    the largest bucket (`bwd_head_dim_chunks(d)` chunks, a run-time argument)."""
+    """The (dK/dV, dQ) plans for head dim d and dtype; chunked for d above the largest
+    bucket (`bwd_head_dim_chunks(d)` chunks, a run-time argument)."""
     if not _dtypes.is_supported(dtype):
         raise TypeError(f"dtype must be one of {_dtypes.SUPPORTED_NAMES}; got {dtype}")
     D = bwd_head_dim_bucket(d)
-    suffix = "_chunked" if d > D else ""
-    plans = (_bwd_plan("flash_bwd_dkdv" + suffix, dtype, D, causal),
-             _bwd_plan("flash_bwd_dq" + suffix, dtype, D, causal))
+    G, rpg, tile_rows = _bwd_shape(dtype, D)
+    plans = tuple(BwdPlan(kernel, np.dtype(dtype).name, D, G, rpg, BWD_NUM_WARPS, tile_rows,
+                          chunked=d > D)
+                  for kernel in BWD_KERNELS)
     need = max(p.smem_bytes for p in plans)
     if need > max_smem:
         raise ValueError(
@@ -345,20 +360,16 @@ def plan_backward(d: int, dtype, *, causal: bool, max_smem: int = 48 * 1024, sm_
     return plans
 
 
-def bwd_preprocess_name(dtype) -> str:
-    return f"flash_bwd_preprocess_kernel<{_dtypes.c_type(np.dtype(dtype))}>"
-
-
 @functools.cache
-def all_bwd_plans() -> tuple[BwdPlan, ...]:
-    """Every backward dK/dV and dQ specialization the library can launch (for the gate):
-    per dtype, both kernels for every bucket and causal flag, and the two chunked ones."""
+def all_bwd_plans() -> tuple[BwdPlan | BwdPreprocessPlan, ...]:
+    """Every backward specialization the library can launch (for the gate): per dtype,
+    the preprocess kernel, both kernels for every bucket, and both chunked."""
     plans = []
     for dt in _dtypes.SUPPORTED:
+        plans.append(bwd_preprocess_plan(dt))
         for D in BWD_HEAD_DIM_BUCKETS:
-            for causal in (False, True):
-                plans.extend(plan_backward(D, dt, causal=causal))
-        plans.extend(plan_backward(BWD_HEAD_DIM_BUCKETS[-1] + 1, dt, causal=False))
+            plans.extend(plan_backward(D, dt))
+        plans.extend(plan_backward(BWD_HEAD_DIM_BUCKETS[-1] + 1, dt))
     return tuple(plans)
 
 

@@ -192,11 +192,11 @@ def test_checked_mode(emu_checked, case):
 def test_plan_backward_routes_large_head_dims_to_chunks():
     for d, chunks in ((1, 1), (256, 1), (257, 2), (300, 2), (512, 2), (520, 3)):
         assert tiling.bwd_head_dim_chunks(d) == chunks
-        dkdv, dq = tiling.plan_backward(d, np.float32, causal=True)
+        dkdv, dq = tiling.plan_backward(d, np.float32)
         assert dkdv.chunked == dq.chunked == (chunks > 1)
         assert dkdv.kernel.startswith("flash_bwd_dkdv") and dq.kernel.startswith("flash_bwd_dq")
     with pytest.raises(ValueError, match="d=0"):
-        tiling.plan_backward(0, np.float32, causal=False)
+        tiling.plan_backward(0, np.float32)
 
 
 def test_specializations_are_finite_and_fit():
@@ -206,11 +206,10 @@ def test_specializations_are_finite_and_fit():
     plans = tiling.all_bwd_plans()
     assert {p.name_expression for p in plans} <= set(names)
     for dtype in _dtypes.SUPPORTED:
-        assert tiling.bwd_preprocess_name(dtype) in names
+        assert tiling.bwd_preprocess_plan(dtype) in plans
         for d in (*tiling.BWD_HEAD_DIM_BUCKETS, 300):
-            for causal in (False, True):
-                for p in tiling.plan_backward(d, dtype, causal=causal):
-                    assert p in plans and p.smem_bytes <= 48 * 1024
+            for p in tiling.plan_backward(d, dtype):
+                assert p in plans and p.smem_bytes <= 48 * 1024
 
 
 @pytest.mark.gpu

@@ -7,8 +7,8 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 2. `flash_bwd_dkdv_kernel`: one thread block per K/V block (Q tiles streamed), dK, dV;
 3. `flash_bwd_dq_kernel`: one thread block per Q block (K/V tiles streamed), dQ.
 
-Head dims above the largest bucket (d > 256) launch the `*_chunked` kernels instead, one
-block per (row block, 256-wide head-dim chunk); see flash_bwd.cu.
+Head dims above the largest bucket (d > 256) run the chunked specializations, one block
+per (row block, 256-wide head-dim chunk); see flash_bwd.cu.
 No launch uses atomics, so results are bitwise reproducible.
 
 This module is the launch sequence only: the tile plans (`BwdPlan`, `plan_backward`, the
@@ -51,7 +51,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale):
             dv[...] = 0
         return dq, dk, dv
 
-    p_dkdv, p_dq = tiling.plan_backward(d, dtype, causal=causal)
+    p_dkdv, p_dq = tiling.plan_backward(d, dtype)
     n_chunks = tiling.bwd_head_dim_chunks(d)
     # Range checks: 32-bit row indices and sizes; grid y/z carry heads and batch.
     i32(B * Hq * Nq, "batch x heads x Nq")
@@ -64,27 +64,27 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale):
     lse = xp.ascontiguousarray(lse, dtype=acc)
     Dvec = xp.empty((B, Hq, Nq), dtype=acc)
     scale = acc.type(scale)
-    sizes = (i32(Hq, "query heads"), i32(Hkv, "key/value heads"), i32(Nq, "Nq"),
-             i32(Nk, "Nk"), i32(d, "d"))
+    sizes = (i32(Hq, "query heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
+             i32(d, "d"))
     s3 = lambda a: elem_strides(a)[:3]  # noqa: E731  (batch, head, row) element strides
 
     # 1. D = rowsum(dO ∘ O)
     rows = B * Hq * Nq
-    f = backend.get_function(tiling.BWD_SOURCE, tiling.bwd_preprocess_name(dtype))
-    f((math.ceil(rows / tiling.BWD_PREPROCESS_ROWS),), (tiling.BWD_PREPROCESS_ROWS * 32,),
+    pre = tiling.bwd_preprocess_plan(dtype)
+    f = backend.get_function(pre.source, pre.name_expression)
+    f((math.ceil(rows / pre.rows_per_block),), (pre.num_threads,),
       (do, o, Dvec, sizes[0], sizes[2], sizes[4], np.int64(rows), *s3(do), *s3(o)))
 
     strides_in = (*s3(q), *s3(k), *s3(v), *s3(do))
-    # The chunked kernels take the causal flag and the chunk count at run time.
-    extra = (np.int32(bool(causal)), np.int32(n_chunks)) if p_dkdv.chunked else ()
+    tail = (scale, np.int32(bool(causal)), np.int32(n_chunks))
 
     # 2. dK, dV: one block per (K/V block [x head-dim chunk], kv head, batch)
     f = backend.get_function(p_dkdv.source, p_dkdv.name_expression)
     f((grid_kv, Hkv, B), (p_dkdv.num_threads,),
-      (q, k, v, do, lse, Dvec, dk, dv, *sizes, scale, *strides_in, *s3(dk), *s3(dv), *extra))
+      (q, k, v, do, lse, Dvec, dk, dv, *sizes, *strides_in, *s3(dk), *s3(dv), *tail))
 
     # 3. dQ: one block per (Q block [x head-dim chunk], query head, batch)
     f = backend.get_function(p_dq.source, p_dq.name_expression)
     f((grid_q, Hq, B), (p_dq.num_threads,),
-      (q, k, v, do, lse, Dvec, dq, *sizes, scale, *strides_in, *s3(dq), *extra))
+      (q, k, v, do, lse, Dvec, dq, *sizes, *strides_in, *s3(dq), *tail))
     return dq, dk, dv

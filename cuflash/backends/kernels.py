@@ -48,7 +48,6 @@ def specializations() -> dict[str, list[str]]:
         out.setdefault(plan.source, []).append(plan.name_expression)
     out[SOFTMAX_SOURCE] = _softmax_names()
     bwd = out.setdefault(tiling.BWD_SOURCE, [])
-    bwd.extend(tiling.bwd_preprocess_name(dt) for dt in _dtypes.SUPPORTED)
     bwd.extend(p.name_expression for p in tiling.all_bwd_plans())
     return out
 

@@ -19,6 +19,15 @@ struct CausalMask {
         return end < 0 ? 0 : (end < Nk ? end : Nk);
     }
 
+    // The first query row that can see key n0 (and so any key of a block starting there):
+    // row i sees key j once j <= i + (Nk - Nq). The backward's dK/dV kernel starts its
+    // query loop there, so tiles entirely above the diagonal are never loaded.
+    __device__ __forceinline__ int first_row(int n0) const {
+        if (!causal) return 0;
+        const int first = n0 - (Nk - Nq);
+        return first < 0 ? 0 : first;
+    }
+
     // The first key (exclusive) from which a tile may need masking for rows >= m0: keys
     // below it are visible to every row of the block (and in range), so those tiles skip
     // the per-element test.
