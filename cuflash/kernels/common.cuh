@@ -71,15 +71,12 @@ __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 __device__ __forceinline__ float fast_log2(float x) { return log2f(x); }
 __device__ __forceinline__ double fast_log2(double x) { return log2(x); }
 
-// max that ignores NaN (like fmaxf): a NaN score then still turns its row NaN through
-// P̃ = exp2(NaN − m) = NaN, and only that row.
+// max that ignores NaN (like fmaxf, one instruction): a NaN score still turns its row NaN
+// through P̃ = exp2(NaN − m) = NaN, which makes ℓ NaN for good (NaN · α and NaN + x stay
+// NaN), and only that row. So no NaN-propagating max is needed, softmax's scipy
+// semantics (a NaN anywhere → the whole line NaN) included.
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
-
-// max that propagates NaN, as numpy.amax (and so scipy.special.softmax) does.
-template <typename A> __device__ __forceinline__ A nan_max(A a, A b) {
-    return (a != a || a > b) ? a : b;  // a NaN in `b` survives because `a > NaN` is false
-}
 
 // The softmax scale folded with log2(e): scores multiplied by it are in log2 units, so
 // exp(scale · s − m) = exp2(s · scale·log2 e − m') costs one exp2 (one MUFU op) and no
@@ -128,11 +125,8 @@ template <int WIDTH, typename A> __device__ __forceinline__ A warp_reduce_sum(A 
 // Values arrive in log2 units (scores already multiplied by scale·log2 e), so m_i is in
 // log2 units and P̃ = exp2(S − m_i). update() raises m_i, rescales ℓ_i and returns the
 // factor α that the caller applies to whatever else is relative to the old m_i (acc).
-//
-// PROPAGATE_NAN picks the max: false (attention) ignores NaN, like fmaxf — a NaN score
-// still turns its row NaN through P̃ = exp2(NaN − m), and only that row; true (softmax)
-// propagates it, as numpy.amax and so scipy.special.softmax do.
-template <typename A, bool PROPAGATE_NAN = false> struct OnlineSoftmax {
+// NaN, ±inf: see max_ and safe_max_shift above.
+template <typename A> struct OnlineSoftmax {
     A m_i;  // running row max (log2 units)
     A l_i;  // running ℓ = rowsum(P̃) relative to m_i
 
@@ -145,7 +139,7 @@ template <typename A, bool PROPAGATE_NAN = false> struct OnlineSoftmax {
     // -- update: m_new = max(m_i, m), ℓ_i ← α ℓ_i with α = exp2(m_old − m_new), returned.
     // The caller then adds rowsum(P̃), P̃ = exp2(S − shift()), to l_i.
     __device__ __forceinline__ A update(A m) {
-        const A m_new = PROPAGATE_NAN ? nan_max(m_i, m) : max_(m_i, m);
+        const A m_new = max_(m_i, m);
         // m_old = m_new = −inf (nothing seen yet, row fully masked so far) would give
         // exp2(−inf − (−inf)) = NaN; the guarded shift makes α = exp2(−inf) = 0.
         const A alpha = fast_exp2(m_i - safe_max_shift(m_new));

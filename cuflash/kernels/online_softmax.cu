@@ -11,8 +11,8 @@
 //   softmax_cols_kernel  one thread per (p, q) line, walking n serially; neighbouring
 //                        threads take neighbouring q (coalesced when Q is contiguous).
 //
-// scipy semantics: the max propagates NaN (numpy.amax) so a NaN anywhere makes the whole
-// line NaN; a +inf gives e^{inf − inf} = NaN, so its line is NaN; an all −inf line gives
+// scipy semantics: a NaN anywhere makes the whole line NaN (e^{NaN − m} makes ℓ NaN, and
+// it stays NaN through every later rescale and merge); a +inf gives e^{inf − inf} = NaN, so its line is NaN; an all −inf line gives
 // e^{−inf − (−inf)} = NaN in pass 2, as scipy does. During pass 1 the −inf − (−inf) case
 // must not poison ℓ for lines that do have finite entries later, hence the guards
 // (those of common.cuh's OnlineSoftmax, the state the attention kernels keep too).
@@ -27,13 +27,10 @@ template <typename A> __device__ __forceinline__ A shifted(A x, A m) {
     return fma(x, MathConst<A>::log2e, -m);
 }
 
-// The running (m, ℓ) of a line, in log2 units (m is the max of x · log2 e), with the
-// NaN-propagating max scipy's softmax has.
-template <typename A> using LineState = OnlineSoftmax<A, /*PROPAGATE_NAN=*/true>;
-
 // Pass 1 for one element x (natural units): m_new = max(m, x · log2 e),
 // ℓ = α ℓ + 2^{x · log2 e − m_new}, the exponent taken by shifted() exactly as pass 2 does.
-template <typename A> __device__ __forceinline__ void push(LineState<A>& st, A x) {
+// The state is common.cuh's OnlineSoftmax: (m, ℓ) in log2 units, m the max of x · log2 e.
+template <typename A> __device__ __forceinline__ void push(OnlineSoftmax<A>& st, A x) {
     st.update(x * MathConst<A>::log2e);
     st.l_i += fast_exp2(shifted(x, st.shift()));
 }
@@ -63,15 +60,15 @@ softmax_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     T* yl = y + p * y_sp + q * y_sq;
 
     // -- pass 1: per-thread online (m, ℓ) over a strided slice of the line
-    LineState<A> st;
+    OnlineSoftmax<A> st;
     st.init();
     for (int i = threadIdx.x; i < n; i += NUM_THREADS) push(st, to_float(xl[i * x_sn]));
 
     // -- merge the pairs: butterfly inside each warp, then across warps via shared memory
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
-        const LineState<A> other{__shfl_xor_sync(0xffffffffu, st.m_i, offset),
-                                 __shfl_xor_sync(0xffffffffu, st.l_i, offset)};
+        const OnlineSoftmax<A> other{__shfl_xor_sync(0xffffffffu, st.m_i, offset),
+                                     __shfl_xor_sync(0xffffffffu, st.l_i, offset)};
         st.merge(other);
     }
     __shared__ A s_m[kWarps], s_l[kWarps];
@@ -83,7 +80,7 @@ softmax_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     __syncthreads();
     st.init();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) st.merge(LineState<A>{s_m[w], s_l[w]});
+    for (int w = 0; w < kWarps; ++w) st.merge(OnlineSoftmax<A>{s_m[w], s_l[w]});
 
     // -- pass 2: normalise
     for (int i = threadIdx.x; i < n; i += NUM_THREADS)
@@ -103,7 +100,7 @@ softmax_cols_kernel(const T* __restrict__ x, T* __restrict__ y, int P, int n, in
     T* yl = y + p * y_sp + q * y_sq;
 
     // -- pass 1: online (m, ℓ) down the line
-    LineState<A> st;
+    OnlineSoftmax<A> st;
     st.init();
     for (int i = 0; i < n; ++i) push(st, to_float(xl[i * x_sn]));
     // -- pass 2: normalise
