@@ -9,8 +9,8 @@ Two things live here:
   struct `AttnTileTraits` in `kernels/attn_tile.cuh` term for term. That formula exists
   once here and once there (with messaged static_asserts); nothing else computes it.
 
-The backward's plans (`BwdPlan`, `plan_backward`, `bwd_smem_bytes` mirroring the
-`__shared__` arrays of `kernels/flash_bwd.cu`) live here too, beside the forward's.
+The backward's plans (`BwdPlan`, `plan_backward`, `bwd_smem_bytes` mirroring
+`BwdTileTraits` in `kernels/bwd_tile.cuh`) live here too, beside the forward's.
 
 The set of plans is finite: `all_plans()` (forward) and `all_bwd_plans()` (backward) list
 every specialization the library can launch, and the compile gate compiles exactly those.
