@@ -16,15 +16,19 @@ from ._elf import undefined_tls
 from ._errors import EmulatorCompileError, EmulatorError
 from ._launcher import launcher_source
 from ._library import Library
+from ._ptx import translate
 from ._toolchain import cxx as find_cxx, cxx_version, parse_options
+from .archs import Arch
 
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 SHIM = RUNTIME_DIR / "shim.h"
 _ABI_H = RUNTIME_DIR / "abi.h"
-_RUNTIME_SRC = RUNTIME_DIR / "runtime.cpp"
+_RUNTIME_SRCS = (RUNTIME_DIR / "runtime.cpp", RUNTIME_DIR / "ptx.cpp")
+_RUNTIME_HEADERS = (_ABI_H, RUNTIME_DIR / "ptx.h")
 # what the emulator itself puts into every library: the runtime, the shim, the compile flags
-# (this file) and the generated launcher
-_EMULATOR_FILES = (_RUNTIME_SRC, SHIM, _ABI_H, Path(__file__), Path(__file__).with_name("_launcher.py"))
+# (this file), the generated launcher and the inline-PTX translator with its arch table
+_EMULATOR_FILES = (*_RUNTIME_SRCS, *_RUNTIME_HEADERS, SHIM, Path(__file__),
+                   *(Path(__file__).with_name(n) for n in ("_launcher.py", "_ptx.py", "archs.py")))
 _SOURCE_EXTS = (".h", ".hpp", ".cuh", ".cu", ".inc", ".inl", ".hh", ".hxx")
 # macros that must reach the CUDA headers, so they stay on the command line (see build())
 _EARLY_MACROS = ("__CUDA", "CUDA", "__CUDACC", "_GLIBCXX", "__STDC", "_GNU")
@@ -56,7 +60,8 @@ def _hash_sources(h, d: Path) -> None:
                 h.update(str(fp.relative_to(d)).encode() + b"\0" + fp.read_bytes())
 
 
-def cache_key(code: str, src_path, options, names: list, checked: bool, cxx: str, cuda_dirs: list) -> str:
+def cache_key(code: str, src_path, options, names: list, checked: bool, cxx: str, cuda_dirs: list,
+              arch: str = "sm_80") -> str:
     """Hash of everything that goes into the library.
 
     A CUDA toolkit's include directory (one with cuda_runtime_api.h) counts by its path and
@@ -65,7 +70,7 @@ def cache_key(code: str, src_path, options, names: list, checked: bool, cxx: str
     """
     opts = parse_options(options)
     h = hashlib.sha256()
-    for part in (code, repr(tuple(map(str, options))), repr(names), str(checked), str(src_path or ""),
+    for part in (code, repr(tuple(map(str, options))), repr(names), str(checked), arch, str(src_path or ""),
                  cxx, cxx_version(cxx), repr(cuda_dirs), repr(compiler.cuda_version())):
         h.update(part.encode() + b"\0")
     for f in _EMULATOR_FILES:
@@ -84,11 +89,12 @@ def cache_key(code: str, src_path, options, names: list, checked: bool, cxx: str
     return h.hexdigest()[:32]
 
 
-def build(code: str, src_path, options, names: list, checked: bool) -> Library:
-    """The loaded library of `names` from `code`: from this process, the disk cache, or g++."""
+def build(code: str, src_path, options, names: list, checked: bool, arch: Arch) -> Library:
+    """The loaded library of `names` from `code` for the emulated `arch`: from this process,
+    the disk cache, or g++."""
     cxx = find_cxx()
     cuda_dirs = cuda_include_dirs()
-    key = cache_key(code, src_path, options, names, checked, cxx, cuda_dirs)
+    key = cache_key(code, src_path, options, names, checked, cxx, cuda_dirs, arch.name)
     with _lock:
         if key in _loaded:
             return _loaded[key]
@@ -96,15 +102,16 @@ def build(code: str, src_path, options, names: list, checked: bool) -> Library:
         cache.mkdir(parents=True, exist_ok=True)
         so = cache / f"k-{key}.so"
         if not so.exists():
-            _compile_and_link(code, src_path, options, names, checked, cxx, cuda_dirs, cache, key, so)
+            _compile_and_link(code, src_path, options, names, checked, arch, cxx, cuda_dirs, cache, key, so)
         lib = Library(so, names, checked)
         _loaded[key] = lib
         return lib
 
 
-def _compile_and_link(code, src_path, options, names, checked, cxx, cuda_dirs, cache: Path, key: str, so: Path):
+def _compile_and_link(code, src_path, options, names, checked, arch, cxx, cuda_dirs, cache: Path, key: str,
+                      so: Path):
     opts = parse_options(options)
-    rt = _runtime_object(cxx, cache)
+    rt = _runtime_objects(cxx, cache)
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=cache))
     try:
         if src_path:
@@ -142,13 +149,23 @@ def _compile_and_link(code, src_path, options, names, checked, cxx, cuda_dirs, c
                 late.append((name, value))
             else:
                 flags.append(f"-U{name}" if value is None else f"-D{name}={value}")
+        # __CUDA_ARCH__ is defined after the shim: the CUDA headers must take their host paths
         launcher = tmp / "launcher.cpp"
-        launcher.write_text(launcher_source(src_file, names, late))
-        obj = tmp / "kernel.o"
-        r = _run(flags + ["-c", str(launcher), "-o", str(obj)])
+        launcher.write_text(launcher_source(src_file, names, [("__CUDA_ARCH__", str(arch.cuda_arch))] + late))
+        # preprocess (the precompiled shim stays a pragma), put runtime calls in place of inline
+        # PTX, compile the result
+        src_display = str(src_path) if src_path else "the kernel source"
+        r = _run(flags + ["-E", "-fpch-preprocess", str(launcher), "-o", str(tmp / "launcher.ii")])
         if r.returncode != 0:
-            raise _compile_error(r.stderr, str(src_path) if src_path else "the kernel source")
-        link = [cxx, "-shared", "-o", str(tmp / "lib.so"), str(rt), str(obj), "-Wl,-Bsymbolic",
+            raise _compile_error(r.stderr, src_display)
+        (tmp / "kernel.ii").write_text(translate((tmp / "launcher.ii").read_text(), arch))
+        obj = tmp / "kernel.o"
+        compile_flags = [f for i, f in enumerate(flags) if f != "-include" and (i == 0 or flags[i - 1] != "-include")]
+        r = _run(compile_flags + ["-fpreprocessed", "-x", "c++-cpp-output", "-c", str(tmp / "kernel.ii"),
+                                  "-o", str(obj)])
+        if r.returncode != 0:
+            raise _compile_error(r.stderr, src_display)
+        link = [cxx, "-shared", "-o", str(tmp / "lib.so"), *map(str, rt), str(obj), "-Wl,-Bsymbolic",
                 "-Wl,-z,defs", "-lm", "-lpthread"]
         # every extern __shared__ array is the one dynamic shared-memory buffer
         link += [f"-Wl,--defsym={sym}=__emu_dyn_smem" for sym in undefined_tls(obj)]
@@ -164,21 +181,24 @@ def _run(cmd):
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def _runtime_object(cxx: str, cache: Path) -> Path:
-    """The runtime (fibers, scheduler, hooks), compiled once per runtime source and compiler."""
-    text = _RUNTIME_SRC.read_bytes() + _ABI_H.read_bytes()
-    key = hashlib.sha256(text + cxx_version(cxx).encode() + cxx.encode()).hexdigest()[:24]
-    obj = cache / f"runtime-{key}.o"
-    if obj.exists():
-        return obj
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        out = Path(tmp) / "runtime.o"
-        r = _run([cxx, "-std=c++17", "-O2", "-fPIC", "-fno-gnu-unique", "-fvisibility=hidden",
-                  "-fno-omit-frame-pointer", "-c", str(_RUNTIME_SRC), "-o", str(out)])
-        if r.returncode != 0:
-            raise EmulatorError("compiling the emulator runtime failed:\n" + r.stderr)
-        os.replace(out, obj)
-    return obj
+def _runtime_objects(cxx: str, cache: Path) -> list:
+    """The runtime (fibers, scheduler, hooks; PTX semantics), compiled once per source and compiler."""
+    headers = b"".join(h.read_bytes() for h in _RUNTIME_HEADERS)
+    objs = []
+    for src in _RUNTIME_SRCS:
+        key = hashlib.sha256(src.read_bytes() + headers + cxx_version(cxx).encode() + cxx.encode()).hexdigest()[:24]
+        obj = cache / f"{src.stem}-{key}.o"
+        objs.append(obj)
+        if obj.exists():
+            continue
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / f"{src.stem}.o"
+            r = _run([cxx, "-std=c++17", "-O2", "-fPIC", "-fno-gnu-unique", "-fvisibility=hidden",
+                      "-fno-omit-frame-pointer", "-c", str(src), "-o", str(out)])
+            if r.returncode != 0:
+                raise EmulatorError(f"compiling the emulator runtime ({src.name}) failed:\n" + r.stderr)
+            os.replace(out, obj)
+    return objs
 
 
 def _precompiled_shim(cxx: str, cache: Path, common: list, sys_incs: list) -> Path:
@@ -213,9 +233,6 @@ def _precompiled_shim(cxx: str, cache: Path, common: list, sys_incs: list) -> Pa
 
 # Constructs the shim turns into compile errors with these names (see shim.h)
 _MARKERS = {
-    "__cuflash_emulator_error__inline_PTX_asm_is_not_supported_by_the_emulator":
-        "inline PTX assembly (`asm(...)` / `asm volatile(...)`) cannot run on the CPU emulator; "
-        "put it in a wrapper function with an `#ifdef CUFLASH_EMULATOR` C++ implementation",
     "__cuflash_emulator_error__cooperative_groups_are_not_supported_by_the_emulator":
         "cooperative groups (<cooperative_groups.h>) are not supported by the CPU emulator; "
         "use __syncthreads()/__syncwarp() and the *_sync warp intrinsics",
@@ -231,7 +248,7 @@ def _compile_error(stderr: str, src_display: str) -> EmulatorCompileError:
     if not hints and "cooperative_groups" in stderr:
         hints.append(_MARKERS["__cuflash_emulator_error__cooperative_groups_are_not_supported_by_the_emulator"])
     for marker in _MARKERS:
-        stderr = stderr.replace(marker, "asm" if "asm" in marker else "cooperative_groups")
+        stderr = stderr.replace(marker, "cooperative_groups")
     lines = stderr.splitlines()
     if len(lines) > 120:
         lines = lines[:120] + [f"... ({len(lines) - 120} more lines)"]

@@ -14,6 +14,7 @@ from ._build import build
 from ._errors import EmulatorCompileError, EmulatorError
 from ._library import Library
 from ._report import launch_error
+from .archs import get_arch
 
 _DEFAULT_SMEM = 48 * 1024   # what a kernel may use without raising max_dynamic_shared_size_bytes
 _MAX_SMEM = 232448          # the largest opt-in shared memory of any GPU (227 KiB)
@@ -52,11 +53,13 @@ class RawModule:
     (``-I``, ``-D``, ``-std`` are honoured, GPU-only ones ignored); ``name_expressions`` the
     kernel names/template instantiations to build. ``checked=True`` (or ``CUFLASH_EMULATOR_CHECKED=1``)
     runs launches with race and bounds checking; ``schedule`` picks the thread order inside a block
-    ("round-robin", "reversed", "random" with ``seed``).
+    ("round-robin", "reversed", "random" with ``seed``). ``arch`` is the emulated GPU ("sm_75" ...
+    "sm_90"; default ``$CUFLASH_EMULATOR_ARCH``, else "sm_80"): it sets ``__CUDA_ARCH__``, decides
+    which inline PTX compiles and how ``mma.sync`` rounds (:mod:`cuflash.emulator.archs`).
     """
 
     def __init__(self, code=None, path=None, options=(), name_expressions=(), checked=False,
-                 schedule="round-robin", seed=0):
+                 schedule="round-robin", seed=0, arch=None):
         if (code is None) == (path is None):
             raise TypeError("RawModule needs exactly one of code= or path=")
         if path is not None:
@@ -76,6 +79,7 @@ class RawModule:
         self.checked = bool(checked)
         self.schedule = Schedule.from_name(schedule)
         self.seed = int(seed)
+        self.arch = get_arch(arch)
         self._extra = []
         self._libs = {}
         self._mlock = threading.RLock()
@@ -96,11 +100,11 @@ class RawModule:
             auto = [n for n in _extern_c_kernels(self.code) if n not in names]
             if auto and self._extra:
                 try:
-                    lib = build(self.code, self.path, self.options, names + auto, checked)
+                    lib = build(self.code, self.path, self.options, names + auto, checked, self.arch)
                 except EmulatorCompileError:
-                    lib = build(self.code, self.path, self.options, names, checked)
+                    lib = build(self.code, self.path, self.options, names, checked, self.arch)
             else:
-                lib = build(self.code, self.path, self.options, names, checked)
+                lib = build(self.code, self.path, self.options, names, checked, self.arch)
             self._libs[checked] = lib
             return lib
 
@@ -267,5 +271,5 @@ def _extent(a: np.ndarray) -> tuple:
 
 def context_switch_ns(iterations: int = 1_000_000) -> float:
     """Measured cost of one fiber context switch, in nanoseconds (-1 where not x86-64)."""
-    lib = build('extern "C" __global__ void __emu_noop() {}', None, (), ["__emu_noop"], False)
+    lib = build('extern "C" __global__ void __emu_noop() {}', None, (), ["__emu_noop"], False, get_arch())
     return float(lib.runtime.bench_switch(int(iterations)))

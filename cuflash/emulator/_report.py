@@ -19,7 +19,9 @@ def launch_error(err: ErrorRecord, lib: Library, kname: str, args) -> EmulatorEr
     msg = err.msg.decode(errors="replace").rstrip()
     who = f"thread {_fmt3(err.thread)} of block {_fmt3(err.block)}"
     if kind == ErrorKind.RACE:
-        return RaceError(f"{kname}: {_race(err, lib, args, who)}")
+        return RaceError(f"{kname}: {_race(err, lib, args, who, msg)}")
+    if kind == ErrorKind.BOUNDS and err.space == Space.NONE:   # found by an inline-PTX instruction
+        return BoundsError(f"{kname}: {who}: {msg}")
     if kind == ErrorKind.BOUNDS:
         return BoundsError(f"{kname}: {_bounds(err, lib, args, who)}")
     if kind == ErrorKind.DEADLOCK:
@@ -35,10 +37,13 @@ def _shared_name(err: ErrorRecord, lib: Library) -> str:
     return lib.shared_name(err.space == Space.SHARED_DYNAMIC, err.offset)
 
 
-def _race(err: ErrorRecord, lib: Library, args, who: str) -> str:
+def _race(err: ErrorRecord, lib: Library, args, who: str, msg: str) -> str:
     rw = "writes" if err.is_write else "reads"
     prev = "wrote" if err.other_is_write else "read"
     ow = f"thread {_fmt3(err.other_thread)}" if err.other_thread[0] >= 0 else "other threads"
+    if msg:   # an access to the destination of a cp.async in flight (msg names it)
+        return (f"shared-memory race on {_shared_name(err, lib)}: {who} {rw} {err.size} byte(s) at "
+                f"{lib.where(err.pc)} while {msg}")
     if err.space != Space.GLOBAL:
         return (f"shared-memory race on {_shared_name(err, lib)}: {who} {rw} {err.size} byte(s) at "
                 f"{lib.where(err.pc)}; {ow} {prev} it at {lib.where(err.other_pc)} with no __syncthreads() "

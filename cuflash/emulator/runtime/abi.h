@@ -78,6 +78,11 @@ enum EmuWarpOp {
     EMU_WARP_ALL = 6,
     EMU_WARP_SYNC = 7,
     EMU_WARP_ALLGATHER = 8,
+    EMU_WARP_MMA = 9,        // mma.sync.aligned: all 32 lanes at one instruction
+    EMU_WARP_LDMATRIX = 10,  // ldmatrix.sync.aligned: likewise
 };
+
+// __emu_ptx_mma: the type of the A and B operands.
+enum EmuMmaType { EMU_MMA_F16 = 0, EMU_MMA_BF16 = 1, EMU_MMA_TF32 = 2 };
 
 #endif

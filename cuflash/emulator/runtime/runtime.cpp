@@ -22,6 +22,7 @@
 #include <algorithm>
 
 #include "abi.h"
+#include "ptx.h"
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -74,9 +75,20 @@ enum { F_RUNNABLE = 0, F_WAIT_BAR = 1, F_WAIT_WARP = 2, F_EXITED = 3, F_ABORTED 
 static const char* op_name(int op) {
     static const char* n[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
                               "__ballot_sync", "__any_sync", "__all_sync", "__syncwarp",
-                              "__cuflash_emu_warp_allgather"};
-    return (op >= EMU_WARP_SHFL_IDX && op <= EMU_WARP_ALLGATHER) ? n[op] : "warp op";
+                              "__cuflash_emu_warp_allgather", "mma.sync", "ldmatrix"};
+    return (op >= EMU_WARP_SHFL_IDX && op <= EMU_WARP_LDMATRIX) ? n[op] : "warp op";
 }
+
+// A cp.async in flight: issued by its thread, landed by that thread's wait.
+struct CpAsync {
+    char* dst;
+    const char* src;
+    int cp_size, src_size;
+    int group;          // commit-group number, -1 until cp.async.commit_group
+    uint32_t pc;        // module-relative pc of the issue
+    const char* file;
+    int line;
+};
 
 struct Fiber {
     void* sp;
@@ -98,6 +110,9 @@ struct Fiber {
     const void* gsrc;
     void* gdst;
     unsigned long gbytes;
+    // cp.async groups: copies not yet landed, and how many groups were committed
+    std::vector<CpAsync> cp;
+    int cp_groups;
     // barrier op
     int bar_op;  // EmuBarrierOp
 };
@@ -393,8 +408,18 @@ EMU_EXPORT void __emu_syncthreads(const char* file, int line) { __emu_syncthread
 
 // ------------------------------------------------------------------------------------------
 // warp primitives
+static void aligned_compute(Worker* w, int warp, unsigned group);
+
 static void warp_compute(Worker* w, int warp, unsigned group) {
     Fiber* base = &w->fibers[warp * 32];
+    for (unsigned m = group; m; m &= m - 1)
+        if (base[__builtin_ctz(m)].op >= EMU_WARP_MMA) {
+            aligned_compute(w, warp, group);
+            for (unsigned m2 = group; m2; m2 &= m2 - 1) base[__builtin_ctz(m2)].state = F_RUNNABLE;
+            w->warp_waiting[warp] &= ~group;
+            w->warp_sync[warp]++;
+            return;
+        }
     unsigned ballot = 0;
     for (unsigned m = group; m; m &= m - 1) {
         int l = __builtin_ctz(m);
@@ -525,7 +550,8 @@ struct SShadow {
     int32_t r_tid;      // reader since: -1 none, -2 several
     uint32_t r_epoch;
     uint32_t r_wsync;
-    int32_t r_warp;     // warp of readers, -2 several warps
+    int16_t r_warp;     // warp of readers, -2 several warps
+    uint16_t pend;      // 1 + linear id of a thread whose cp.async to this byte may be in flight
     uint32_t w_pc, r_pc; // module-relative pcs of the accesses
 };  // all-zero bytes mean "no access recorded" (epoch 0 is never current)
 static thread_local SShadow* __emu_t_dyn_shadow = nullptr;
@@ -572,12 +598,22 @@ static inline bool ordered(Worker* w, int me, int other, uint32_t wsync) {
     return (me >> 5) == (other >> 5) && w->warp_sync[me >> 5] > wsync;
 }
 
+static const CpAsync* cp_in_flight(Worker* w, int tid, uintptr_t a);
+[[noreturn]] static void report_pending(Worker* w, int space, int64_t off, uintptr_t addr, int size, bool wr,
+                                        int issuer, const CpAsync* cp, void* pc);
+
 static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintptr_t addr, int size, bool wr, void* pc) {
     int me = w->cur->linear;
     uint32_t ep = w->epoch;
     unsigned ws = w->warp_sync[me >> 5];
     for (int b = 0; b < size; ++b) {
         SShadow& s = sh[b];
+        if (s.pend) {
+            // a cp.async lands at its thread's wait: until then nobody may touch its bytes
+            const CpAsync* cp = cp_in_flight(w, s.pend - 1, addr + b);
+            if (cp) report_pending(w, space, off + b, addr + b, size, wr, s.pend - 1, cp, pc);
+            s.pend = 0;
+        }
         if (s.w_tid >= 0 && s.w_epoch == ep && s.w_tid != me && !ordered(w, me, s.w_tid, s.w_wsync))
             report_race(w, space, off + b, addr + b, size, wr, {w->block_linear, s.w_tid, true, s.w_pc}, pc);
         if (wr) {
@@ -591,7 +627,7 @@ static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintpt
             s.r_tid = -1;
         } else {
             if (s.r_tid == -1 || s.r_epoch != ep) {
-                s.r_tid = me; s.r_epoch = ep; s.r_wsync = ws; s.r_warp = me >> 5; s.r_pc = (uint32_t)rel_pc(pc);
+                s.r_tid = me; s.r_epoch = ep; s.r_wsync = ws; s.r_warp = (int16_t)(me >> 5); s.r_pc = (uint32_t)rel_pc(pc);
             } else if (s.r_tid != me) {
                 if (s.r_warp != (me >> 5)) s.r_warp = -2;
                 s.r_tid = -2;
@@ -708,6 +744,240 @@ EMU_EXPORT void __emu_atomic_check(const void* p, unsigned long size, const char
 }
 
 // ------------------------------------------------------------------------------------------
+// inline PTX (cuflash/emulator/_ptx.py emits the calls): shared-window addresses, the
+// warp-wide mma.sync/ldmatrix, cp.async groups
+[[noreturn]] static void ptx_fail(Worker* w, int code, const char* fmt, ...) {
+    EmuError* e = begin_error(w, code);
+    if (e) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
+        va_end(ap);
+    }
+    abort_fiber(w);
+}
+
+// The address of `size` bytes at shared-window address `addr` (a generic pointer when
+// `generic`), 0 unless they lie in a __shared__ variable or the launch's dynamic shared memory.
+static uintptr_t shared_ptr(Worker* w, uint64_t addr, bool generic, int size) {
+    const uintptr_t tb = tls_base();
+    const uintptr_t p = generic ? (uintptr_t)addr : tb + (uint32_t)addr;
+    const uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
+    if (p >= dyn && p + size <= dyn + w->L->shmem) return p;
+    if (!g_static_shared.empty() && p >= tb + g_static_lo_off && p + size <= tb + g_static_hi_off) return p;
+    return 0;
+}
+
+EMU_EXPORT size_t __emu_cvta_generic_to_shared(const void* p, const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    const uintptr_t a = (uintptr_t)p, tb = tls_base(), dyn = (uintptr_t)__emu_dyn_smem;
+    const bool in_static = !g_static_shared.empty() && a >= tb + g_static_lo_off && a <= tb + g_static_hi_off;
+    if (!in_static && !(a >= dyn && a <= dyn + EMU_DYN_SMEM_MAX) && w && w->cur)
+        ptx_fail(w, EMU_ERROR_BOUNDS, "__cvta_generic_to_shared at %s:%d: %p is not a shared-memory address", file,
+                 line, p);
+    return a - tb;
+}
+
+EMU_EXPORT void* __emu_cvta_shared_to_generic(size_t a) { return (void*)(tls_base() + (uint32_t)a); }
+
+// A warp-wide .aligned instruction: every lane of a full warp meets at it.
+struct MmaCall { EmuMmaLane lane; int k, type; EmuMmaArith arith; };
+struct LdmatrixCall { EmuLdmatrixLane lane; int num, trans; };
+
+static void aligned_op(Worker* w, Fiber* f, int op, void* call, const char* file, int line) {
+    const int warp = f->linear >> 5;
+    if (w->warp_exist[warp] != 0xffffffffu)
+        ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: warp %d of the block has only %d thread(s); the .aligned "
+                 "instruction needs all 32 lanes (make the block size a multiple of 32)", op_name(op), file, line,
+                 warp, __builtin_popcount(w->warp_exist[warp]));
+    f->gsrc = call;
+    warp_op_common(w, f, op, 0xffffffffu, file, line);
+}
+
+// Runs when all 32 lanes wait: they must wait at one and the same instruction.
+static void aligned_compute(Worker* w, int warp, unsigned group) {
+    Fiber* base = &w->fibers[warp * 32];
+    const Fiber& f0 = base[__builtin_ctz(group)];
+    for (unsigned m = group; m; m &= m - 1) {
+        const Fiber& f = base[__builtin_ctz(m)];
+        if (group != 0xffffffffu || f.op != f0.op || f.wline != f0.wline || strcmp(f.wfile, f0.wfile)) {
+            const Fiber& a = f0.op >= EMU_WARP_MMA ? f0 : f;
+            const Fiber& b = f0.op >= EMU_WARP_MMA ? f : f0;
+            EmuError* e = begin_error(w, EMU_ERROR_DEADLOCK);
+            if (e) emsg(e, "block (%u,%u,%u), warp %d: %s at %s:%d is .aligned, so all 32 lanes must execute it "
+                           "together, but lane %d is at %s at %s:%d (divergent lanes)",
+                        w->block.x, w->block.y, w->block.z, warp, op_name(a.op), a.wfile, a.wline,
+                        (int)(&b - base), op_name(b.op), b.wfile, b.wline);
+            return;
+        }
+    }
+    if (f0.op == EMU_WARP_MMA) {
+        EmuMmaLane* lanes[32];
+        for (int l = 0; l < 32; ++l) lanes[l] = &((MmaCall*)base[l].gsrc)->lane;
+        const MmaCall* c = (const MmaCall*)f0.gsrc;
+        emu_mma(c->k, c->type, c->arith, lanes);
+    } else {
+        EmuLdmatrixLane* lanes[32];
+        for (int l = 0; l < 32; ++l) lanes[l] = &((LdmatrixCall*)base[l].gsrc)->lane;
+        const LdmatrixCall* c = (const LdmatrixCall*)f0.gsrc;
+        emu_ldmatrix(c->num, c->trans, lanes);
+    }
+}
+
+EMU_EXPORT void __emu_ptx_mma(int k, int type, const uint32_t* a, const uint32_t* b, const uint32_t* c, uint32_t* d,
+                              int block_k, int extra_bits, int min_exponent, const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    MmaCall call;
+    memcpy(call.lane.a, a, sizeof(call.lane.a));
+    memcpy(call.lane.b, b, sizeof(call.lane.b));
+    memcpy(call.lane.c, c, sizeof(call.lane.c));
+    call.lane.d = d;
+    call.k = k;
+    call.type = type;
+    call.arith = {block_k, extra_bits, min_exponent};
+    aligned_op(w, w->cur, EMU_WARP_MMA, &call, file, line);
+}
+
+EMU_EXPORT void __emu_ptx_ldmatrix(int num, int trans, int generic, uint64_t addr, uint32_t* d, const char* file,
+                                   int line) {
+    Worker* w = __emu_t_worker;
+    Fiber* f = w->cur;
+    const int lane = f->linear & 31;
+    LdmatrixCall call;
+    memset(call.lane.row, 0, sizeof(call.lane.row));
+    call.lane.d = d;
+    call.num = num;
+    call.trans = trans;
+    if (lane < 8 * num) {   // lanes 8j..8j+7 address the rows of matrix j
+        const char* space = generic ? "generic" : "shared";
+        if (addr % 16)
+            ptx_fail(w, EMU_ERROR_BOUNDS, "ldmatrix at %s:%d: lane %d gives row address 0x%llx (%s), which is not "
+                     "16-byte aligned (each row is 16 bytes)", file, line, lane, (unsigned long long)addr, space);
+        const uintptr_t p = shared_ptr(w, addr, generic, 16);
+        if (!p)
+            ptx_fail(w, EMU_ERROR_BOUNDS, "ldmatrix at %s:%d: lane %d gives row address 0x%llx (%s): its 16 bytes "
+                     "are not inside a __shared__ variable or the launch's %llu bytes of dynamic shared memory",
+                     file, line, lane, (unsigned long long)addr, space, w->L->shmem);
+        if (w->L->checked) check_access(p, 16, false, __builtin_return_address(0));
+        memcpy(call.lane.row, (const void*)p, 16);
+    }
+    aligned_op(w, f, EMU_WARP_LDMATRIX, &call, file, line);
+}
+
+static SShadow* shared_shadow(Worker* w, uintptr_t a, int* space, int64_t* off) {
+    const uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
+    if (a - dyn < (uintptr_t)EMU_DYN_SMEM_MAX) {
+        *space = EMU_SPACE_SHARED_DYNAMIC;
+        *off = (int64_t)(a - dyn);
+        return __emu_t_dyn_shadow + *off;
+    }
+    *space = EMU_SPACE_SHARED_STATIC;
+    *off = (int64_t)(a - tls_base());
+    return __emu_t_stat_shadow + (*off - g_static_lo_off);
+}
+
+static const CpAsync* cp_in_flight(Worker* w, int tid, uintptr_t a) {
+    if (tid < 0 || tid >= w->nthreads) return nullptr;
+    for (const CpAsync& c : w->fibers[tid].cp)
+        if (a >= (uintptr_t)c.dst && a < (uintptr_t)c.dst + c.cp_size) return &c;
+    return nullptr;
+}
+
+[[noreturn]] static void report_pending(Worker* w, int space, int64_t off, uintptr_t addr, int size, bool wr,
+                                        int issuer, const CpAsync* cp, void* pc) {
+    EmuError* e = begin_error(w, EMU_ERROR_RACE);
+    if (e) {
+        const Fiber& o = w->fibers[issuer];
+        e->space = space;
+        e->offset = off;
+        e->addr = addr;
+        e->size = size;
+        e->is_write = wr;
+        e->pc = rel_pc(pc);
+        e->other_is_write = 1;
+        e->other_pc = cp->pc;
+        block_coords(w->L, w->block_linear, e->other_block);
+        e->other_thread[0] = o.tid.x; e->other_thread[1] = o.tid.y; e->other_thread[2] = o.tid.z;
+        emsg(e, "the cp.async at %s:%d by thread (%u,%u,%u) is still pending: its bytes land only at that thread's "
+                "cp.async.wait_group/wait_all (and reach other threads after a barrier that follows the wait)",
+             cp->file, cp->line, o.tid.x, o.tid.y, o.tid.z);
+    }
+    abort_fiber(w);
+}
+
+EMU_EXPORT void __emu_ptx_cp_async(uint64_t dst, uint64_t src, int cp_size, int src_size, int cg, const char* file,
+                                   int line) {
+    Worker* w = __emu_t_worker;
+    Fiber* f = w->cur;
+    void* pc = __builtin_return_address(0);
+    const char* name = cg ? "cp.async.cg" : "cp.async.ca";
+    if ((cp_size != 4 && cp_size != 8 && cp_size != 16) || (cg && cp_size != 16))
+        ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: cp-size %d is not %s", name, file, line, cp_size,
+                 cg ? "16" : "4, 8 or 16");
+    if (src_size < 0 || src_size > cp_size)
+        ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: src-size %d is not in [0, cp-size %d]", name, file, line,
+                 src_size, cp_size);
+    if (dst % cp_size || src % cp_size)
+        ptx_fail(w, EMU_ERROR_BOUNDS, "%s at %s:%d: the %s address 0x%llx is not aligned to cp-size %d", name, file,
+                 line, dst % cp_size ? "destination (shared)" : "source (global)",
+                 (unsigned long long)(dst % cp_size ? dst : src), cp_size);
+    char* d = (char*)shared_ptr(w, dst, false, cp_size);
+    if (!d)
+        ptx_fail(w, EMU_ERROR_BOUNDS, "%s at %s:%d: the destination's %d bytes at shared address 0x%llx are not "
+                 "inside a __shared__ variable or the launch's %llu bytes of dynamic shared memory", name, file, line,
+                 cp_size, (unsigned long long)dst, w->L->shmem);
+    if (w->L->checked) {
+        if (src_size) check_access((uintptr_t)src, src_size, false, pc);
+        check_access((uintptr_t)d, cp_size, true, pc);
+        int space;
+        int64_t off;
+        SShadow* sh = shared_shadow(w, (uintptr_t)d, &space, &off);
+        for (int b = 0; b < cp_size; ++b) sh[b].pend = (uint16_t)(f->linear + 1);
+    }
+    memset(d, 0xff, cp_size);   // NaN until the copy lands
+    f->cp.push_back({d, (const char*)(uintptr_t)src, cp_size, src_size, -1, (uint32_t)rel_pc(pc), file, line});
+}
+
+EMU_EXPORT void __emu_ptx_cp_async_commit(void) {
+    Fiber* f = __emu_t_worker->cur;
+    for (CpAsync& c : f->cp)
+        if (c.group < 0) c.group = f->cp_groups;
+    f->cp_groups++;
+}
+
+// cp.async.wait_group n: every committed group but the n newest lands, in commit order.
+EMU_EXPORT void __emu_ptx_cp_async_wait(int n, const char* file, int line) {
+    Worker* w = __emu_t_worker;
+    Fiber* f = w->cur;
+    if (n < 0) ptx_fail(w, EMU_ERROR_GENERIC, "cp.async.wait_group at %s:%d: N = %d is negative", file, line, n);
+    const int done = f->cp_groups - n;
+    size_t keep = 0;
+    for (size_t i = 0; i < f->cp.size(); ++i) {
+        CpAsync c = f->cp[i];
+        if (c.group < 0 || c.group >= done) {
+            f->cp[keep++] = c;
+            continue;
+        }
+        memcpy(c.dst, c.src, (size_t)c.src_size);
+        memset(c.dst + c.src_size, 0, (size_t)(c.cp_size - c.src_size));   // src-size < cp-size zero-fills
+        if (w->L->checked) {
+            // the landing is this thread's write, made now: others need a barrier after it
+            int space;
+            int64_t off;
+            SShadow* sh = shared_shadow(w, (uintptr_t)c.dst, &space, &off);
+            const int me = f->linear;
+            for (int b = 0; b < c.cp_size; ++b) {
+                SShadow& s = sh[b];
+                s.pend = 0;
+                s.w_tid = me; s.w_epoch = w->epoch; s.w_wsync = w->warp_sync[me >> 5]; s.w_pc = c.pc;
+                s.r_tid = -1;
+            }
+        }
+    }
+    f->cp.resize(keep);
+}
+
+// ------------------------------------------------------------------------------------------
 // scheduler
 static uint64_t rng_next(uint64_t& s) {
     s ^= s << 13; s ^= s >> 7; s ^= s << 17;
@@ -780,6 +1050,8 @@ static void run_block(Worker* w, long b) {
         f.tid.y = (unsigned)((i / L->block[0]) % L->block[1]);
         f.tid.z = (unsigned)(i / (L->block[0] * L->block[1]));
         f.wfile = nullptr; f.wline = 0;
+        f.cp.clear();
+        f.cp_groups = 0;
         w->warp_exist[i >> 5] |= 1u << (i & 31);
         init_fiber(w, &f, i);
     }

@@ -63,9 +63,6 @@
 #define __restrict__ __restrict
 #define __grid_constant__
 
-// Inline PTX has no CPU meaning: using it is a compile error whose text names the
-// construct (the Python side turns it into a readable EmulatorCompileError).
-#define asm __cuflash_emulator_error__inline_PTX_asm_is_not_supported_by_the_emulator
 // Cooperative groups are not emulated.
 #define _COOPERATIVE_GROUPS_H_
 namespace cooperative_groups { struct __cuflash_emulator_error__cooperative_groups_are_not_supported_by_the_emulator; }
@@ -136,6 +133,75 @@ static inline void __emu_syncwarp(const char* f, int l, unsigned mask = 0xffffff
 // Handy for emulator implementations of warp-wide PTX (mma.sync, ldmatrix).
 #define __cuflash_emu_warp_allgather(mask, src, dst, bytes) \
     __emu_warp_allgather((mask), (src), (dst), (bytes), __FILE__, __LINE__)
+
+// ---- inline PTX ----
+// cuflash/emulator/_ptx.py replaces each asm statement by calls to these (PTX ISA semantics;
+// warp-wide ones meet like shuffles). Shared-memory addresses are offsets of the module's
+// thread-local block, which holds every __shared__ variable and the dynamic buffer.
+extern "C" {
+void __emu_ptx_mma(int k, int type, const uint32_t* a, const uint32_t* b, const uint32_t* c, uint32_t* d,
+                   int block_k, int extra_bits, int min_exponent, const char* file, int line);
+void __emu_ptx_ldmatrix(int num, int trans, int generic, uint64_t addr, uint32_t* d, const char* file, int line);
+void __emu_ptx_cp_async(uint64_t dst, uint64_t src, int cp_size, int src_size, int cg, const char* file, int line);
+void __emu_ptx_cp_async_commit(void);
+void __emu_ptx_cp_async_wait(int n, const char* file, int line);
+size_t __emu_cvta_generic_to_shared(const void* p, const char* file, int line);
+void* __emu_cvta_shared_to_generic(size_t a);
+}
+#define __cvta_generic_to_shared(p) __emu_cvta_generic_to_shared((p), __FILE__, __LINE__)
+#define __cvta_shared_to_generic(a) __emu_cvta_shared_to_generic(a)
+
+// an asm operand's value in its register type: numbers convert, other types keep their bits
+template <class T, class S> static inline T __emu_ptx_in(const S& v) {
+    if constexpr (std::is_arithmetic<S>::value || std::is_enum<S>::value) {
+        return (T)v;
+    } else {
+        static_assert(sizeof(S) == sizeof(T), "asm operand size differs from its constraint's register");
+        T t; memcpy(&t, &v, sizeof(T)); return t;
+    }
+}
+template <class D, class T> static inline void __emu_ptx_out(D& dst, T v) {
+    if constexpr (std::is_arithmetic<D>::value) {
+        dst = (D)v;
+    } else {
+        static_assert(sizeof(D) == sizeof(T), "asm operand size differs from its constraint's register");
+        memcpy(&dst, &v, sizeof(T));
+    }
+}
+static inline uint32_t __emu_ptx_bits(uint32_t v) { return v; }
+static inline uint32_t __emu_ptx_bits(float v) { uint32_t u; memcpy(&u, &v, 4); return u; }
+static inline void __emu_ptx_set(uint32_t& r, uint32_t bits) { r = bits; }
+static inline void __emu_ptx_set(float& r, uint32_t bits) { memcpy(&r, &bits, 4); }
+
+// cvt.rn.{f16x2,bf16x2}.f32 d, a, b: a to the upper half, b to the lower; NaN is canonical
+static inline uint32_t __emu_ptx_cvt_rn_f16x2_f32(uint32_t a, uint32_t b) {
+    float fa, fb; memcpy(&fa, &a, 4); memcpy(&fb, &b, 4);
+    __half ha = __float2half_rn(fa), hb = __float2half_rn(fb);
+    uint16_t ua = fa != fa ? 0x7fff : __half_raw(ha).x, ub = fb != fb ? 0x7fff : __half_raw(hb).x;
+    return (uint32_t)ua << 16 | ub;
+}
+static inline uint32_t __emu_ptx_cvt_rn_bf16x2_f32(uint32_t a, uint32_t b) {
+    float fa, fb; memcpy(&fa, &a, 4); memcpy(&fb, &b, 4);
+    __nv_bfloat16 ha = __float2bfloat16_rn(fa), hb = __float2bfloat16_rn(fb);
+    uint16_t ua = fa != fa ? 0x7fff : __nv_bfloat16_raw(ha).x, ub = fb != fb ? 0x7fff : __nv_bfloat16_raw(hb).x;
+    return (uint32_t)ua << 16 | ub;
+}
+// cvt.rna.tf32.f32: to 10 fraction bits, ties away from zero (the magnitude rounds, the sign
+// stays; a carry into the exponent is the next binade, or infinity); low 13 bits cleared
+static inline uint32_t __emu_ptx_cvt_rna_tf32_f32(uint32_t a) {
+    if ((a & 0x7f800000u) == 0x7f800000u) return (a & 0x7fffffu) ? 0x7fffffffu : a;
+    return (a + 0x1000u) & 0xffffe000u;
+}
+// ex2.approx.f32: 2^a (the hardware is within 2 ulp; this is the correctly rounded value);
+// .ftz flushes subnormal inputs and results to a zero of the same sign
+static inline uint32_t __emu_ptx_ex2_approx_f32(uint32_t a, int ftz) {
+    if (ftz && (a & 0x7f800000u) == 0) a &= 0x80000000u;
+    float x; memcpy(&x, &a, 4);
+    float r = exp2f(x);
+    uint32_t u; memcpy(&u, &r, 4);
+    if (ftz && (u & 0x7f800000u) == 0) u &= 0x80000000u;
+    return u;
+}
 
 // ---- fences, clocks, misc ----
 #define __threadfence() __atomic_thread_fence(__ATOMIC_SEQ_CST)

@@ -1,0 +1,156 @@
+// cuflash CPU emulator: mma.sync and ldmatrix with the PTX ISA's fragment layouts
+// (g = lane >> 2, t = lane % 4; in a .b32 register the lower index sits in the low 16 bits)
+// and the tensor core's own arithmetic (see cuflash/emulator/archs.py).
+#include "ptx.h"
+#include "abi.h"
+
+#include <stdint.h>
+
+namespace {
+
+// A finite operand as m·2^q with integer significand m; e is the exponent the tensor core
+// aligns by: the format's exponent field, subnormals at the format's least exponent.
+struct Term {
+    bool finite, nan, neg;
+    uint64_t m;
+    int q, e;
+};
+
+Term decode(uint32_t bits, int exp_bits, int frac_bits) {
+    const int total = 1 + exp_bits + frac_bits, bias = (1 << (exp_bits - 1)) - 1;
+    const uint32_t field = (bits >> frac_bits) & ((1u << exp_bits) - 1), frac = bits & ((1u << frac_bits) - 1);
+    Term t{};
+    t.neg = (bits >> (total - 1)) & 1;
+    if (field == (1u << exp_bits) - 1) {
+        t.nan = frac != 0;
+        return t;   // infinity or NaN: finite = false
+    }
+    t.finite = true;
+    t.e = (field ? (int)field : 1) - bias;
+    t.m = field ? (frac | (1u << frac_bits)) : frac;
+    t.q = t.e - frac_bits;
+    return t;
+}
+
+Term decode_operand(int type, uint32_t bits) {
+    switch (type) {
+        case EMU_MMA_F16: return decode(bits & 0xffff, 5, 10);
+        case EMU_MMA_BF16: return decode(bits & 0xffff, 8, 7);
+        default: return decode(bits >> 13, 8, 10);   // tf32: the fp32 register without its low 13 bits
+    }
+}
+
+// value = mag · 2^lsb with sign `neg`, truncated toward zero to fp32
+uint32_t to_f32_rz(bool neg, uint64_t mag, int lsb) {
+    const uint32_t sign = neg ? 0x80000000u : 0u;
+    if (mag == 0) return sign;
+    const int n = 64 - __builtin_clzll(mag);
+    const int e = n - 1 + lsb;
+    if (e > 127) return sign | 0x7f7fffffu;   // toward zero, an overflow stops at the largest finite
+    if (e < -126) {                           // subnormal: a multiple of 2^-149
+        const int sh = -149 - lsb;
+        return sign | (uint32_t)(sh >= 64 ? 0 : sh >= 0 ? mag >> sh : mag << -sh);
+    }
+    const uint64_t m = n > 24 ? mag >> (n - 24) : mag << (24 - n);
+    return sign | (uint32_t)(e + 127) << 23 | (uint32_t)(m & 0x7fffff);
+}
+
+}  // namespace
+
+uint32_t emu_block_fma(int type, const uint32_t* a, const uint32_t* b, int n, uint32_t c, const EmuMmaArith& arith) {
+    Term terms[17];
+    int nt = 0;
+    bool nan = false, pos_inf = false, neg_inf = false, all_neg_zero = true;
+    for (int i = 0; i < n; ++i) {
+        const Term x = decode_operand(type, a[i]), y = decode_operand(type, b[i]);
+        const bool neg = x.neg != y.neg;
+        if (x.nan || y.nan || (!x.finite && y.finite && y.m == 0) || (!y.finite && x.finite && x.m == 0)) {
+            nan = true;
+        } else if (!x.finite || !y.finite) {
+            (neg ? neg_inf : pos_inf) = true;
+        } else if (x.m && y.m) {
+            // exact product; aligned by the sum of the exponents (its significand lies in [1, 4))
+            terms[nt++] = Term{true, false, neg, x.m * y.m, x.q + y.q, x.e + y.e};
+        } else {
+            all_neg_zero &= neg;
+        }
+    }
+    const Term z = decode(c, 8, 23);
+    if (z.nan) nan = true;
+    else if (!z.finite) (z.neg ? neg_inf : pos_inf) = true;
+    else if (z.m) terms[nt++] = z;
+    else all_neg_zero &= z.neg;
+    // IEEE-like specials: any NaN, or inf - inf, is the canonical NaN
+    if (nan || (pos_inf && neg_inf)) return 0x7fffffffu;
+    if (pos_inf || neg_inf) return pos_inf ? 0x7f800000u : 0xff800000u;
+    if (nt == 0) return all_neg_zero ? 0x80000000u : 0u;   // only zeros: -0 when every one is -0
+    // align every term to the largest exponent (floored), keep 23 + extra_bits fraction bits
+    // below it, truncating (no sticky bit), and sum the integers exactly
+    int emax = arith.min_exponent;
+    for (int i = 0; i < nt; ++i) emax = terms[i].e > emax ? terms[i].e : emax;
+    const int lsb = emax - 23 - arith.extra_bits;
+    int64_t sum = 0;
+    for (int i = 0; i < nt; ++i) {
+        const int sh = lsb - terms[i].q;
+        const uint64_t v = sh >= 64 ? 0 : sh >= 0 ? terms[i].m >> sh : terms[i].m << -sh;
+        sum += terms[i].neg ? -(int64_t)v : (int64_t)v;
+    }
+    return to_f32_rz(sum < 0, sum < 0 ? (uint64_t)-sum : (uint64_t)sum, lsb);
+}
+
+void emu_mma(int k, int type, const EmuMmaArith& arith, EmuMmaLane* const lanes[32]) {
+    // gather A (16 x k), B (k x 8), C (16 x 8) from the fragments, as element bit patterns
+    uint32_t A[16][16] = {}, B[16][8] = {}, C[16][8] = {};
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane % 4;
+        const EmuMmaLane& L = *lanes[lane];
+        if (type == EMU_MMA_TF32) {
+            // m16n8k8 .tf32: a0 (g,t) a1 (g+8,t) a2 (g,t+4) a3 (g+8,t+4); b0 (k=t) b1 (k=t+4), n = g
+            for (int i = 0; i < 4; ++i) A[g + 8 * (i & 1)][t + 4 * (i >> 1)] = L.a[i];
+            for (int i = 0; i < 2; ++i) B[t + 4 * i][g] = L.b[i];
+        } else {
+            // .f16/.bf16: a_i at row g (+8 for i = 2,3,6,7), col 2t + (i & 1) (+8 for i >= 4);
+            // b_i at k = 2t + (i & 1) (+8 for i >= 2), n = g; m16n8k8 is the k < 8 half
+            for (int i = 0; i < k / 2; ++i)
+                A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >> 2)] = (L.a[i >> 1] >> (16 * (i & 1))) & 0xffff;
+            for (int i = 0; i < k / 4; ++i)
+                B[2 * t + (i & 1) + 8 * (i >> 1)][g] = (L.b[i >> 1] >> (16 * (i & 1))) & 0xffff;
+        }
+        // c_i at row g (+8 for i >= 2), col 2t + (i & 1)
+        for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = L.c[i];
+    }
+    uint32_t D[16][8];
+    for (int row = 0; row < 16; ++row)
+        for (int col = 0; col < 8; ++col) {
+            uint32_t acc = C[row][col], a[16], b[16];
+            for (int kk = 0; kk < k; ++kk) { a[kk] = A[row][kk]; b[kk] = B[kk][col]; }
+            // blocks of block_k products in k order, each block's result the next one's c
+            for (int k0 = 0; k0 < k; k0 += arith.block_k) {
+                const int n = k - k0 < arith.block_k ? k - k0 : arith.block_k;
+                acc = emu_block_fma(type, a + k0, b + k0, n, acc, arith);
+            }
+            D[row][col] = acc;
+        }
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane % 4;
+        for (int i = 0; i < 4; ++i) lanes[lane]->d[i] = D[g + 8 * (i >> 1)][2 * t + (i & 1)];
+    }
+}
+
+void emu_ldmatrix(int num, int trans, EmuLdmatrixLane* const lanes[32]) {
+    // matrix j's row r is the 16 bytes lane 8j + r addressed
+    for (int lane = 0; lane < 32; ++lane) {
+        const int r = lane >> 2, c = 2 * (lane % 4);
+        for (int j = 0; j < num; ++j) {
+            uint16_t lo, hi;
+            if (!trans) {   // row l>>2, cols 2(l%4) and 2(l%4)+1
+                lo = lanes[8 * j + r]->row[c];
+                hi = lanes[8 * j + r]->row[c + 1];
+            } else {        // transposed: (row 2(l%4), col l>>2) and (row 2(l%4)+1, col l>>2)
+                lo = lanes[8 * j + c]->row[r];
+                hi = lanes[8 * j + c + 1]->row[r];
+            }
+            lanes[lane]->d[j] = (uint32_t)hi << 16 | lo;
+        }
+    }
+}
