@@ -16,7 +16,7 @@ from ._elf import undefined_tls
 from ._errors import EmulatorCompileError, EmulatorError
 from ._launcher import launcher_source
 from ._library import Library
-from ._ptx import translate
+from ._ptx import ERROR_FUNCTION, translate
 from ._toolchain import cxx as find_cxx, cxx_version, parse_options
 from .archs import Arch
 
@@ -240,7 +240,8 @@ _MARKERS = {
 
 
 def _compile_error(stderr: str, src_display: str) -> EmulatorCompileError:
-    hints = []
+    # inline PTX the emulator cannot run, in code a kernel reaches (see _ptx.py)
+    hints = list(dict.fromkeys(re.findall(rf"{ERROR_FUNCTION}\d+\W* declared with attribute error: ([^\n]*)", stderr)))
     for marker, text in _MARKERS.items():
         if marker in stderr:
             locs = sorted(set(re.findall(r"^([^\s:]+:\d+):\d+: error: [^\n]*" + marker, stderr, re.M)))

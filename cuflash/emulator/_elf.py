@@ -57,3 +57,14 @@ def addr2line(path: Path, pcs: list) -> list:
                              capture_output=True, text=True).stdout.splitlines()
         res.append((out[0], re.sub(r" \(discriminator \d+\)", "", out[1])) if len(out) >= 2 else None)
     return res
+
+
+def inline_chain(path: Path, pc: int) -> list:
+    """[(function, file:line)] of a module-relative return address, the access first and then
+    each call site it was inlined into (empty where unknown)."""
+    if not pc or shutil.which("addr2line") is None:
+        return []
+    out = subprocess.run(["addr2line", "-C", "-i", "-f", "-e", str(path), hex(pc - 1)],
+                         capture_output=True, text=True).stdout.splitlines()
+    pairs = [(out[i], re.sub(r" \(discriminator \d+\)", "", out[i + 1])) for i in range(0, len(out) - 1, 2)]
+    return [p for p in pairs if re.fullmatch(r"[^?].*:\d+", p[1])]

@@ -65,6 +65,10 @@ class Library:
         fn, loc = r
         return f"{loc} (in {fn})"
 
+    def call_site(self, pc: int) -> str:
+        """'file:line (in f), inlined at file:line (in g), ...' of a return address; '' without debug info."""
+        return ", inlined at ".join(f"{loc} (in {fn})" for fn, loc in _elf.inline_chain(self.path, pc))
+
     def shared_name(self, dynamic: bool, offset: int) -> str:
         """The shared variable at `offset` (into the dynamic buffer, or into the TLS block)."""
         if dynamic:

@@ -248,6 +248,7 @@ _EXTERN_C_RE = re.compile(r'extern\s+"C"\s+(?:__global__\s+(?:__launch_bounds__\
 def _extern_c_kernels(code: str) -> list:
     """Names of `extern "C" __global__ void name(` kernels (plain identifiers, buildable by name)."""
     stripped = re.sub(r"//[^\n]*|/\*.*?\*/", " ", code, flags=re.S)
+    stripped = re.sub(r"^\s*#(?:[^\n]*\\\n)*[^\n]*", " ", stripped, flags=re.M)   # macro bodies are no kernels
     out = []
     for n in _EXTERN_C_RE.findall(stripped):
         if n not in out:

@@ -6,8 +6,12 @@ emulator runs. After g++ has preprocessed the translation unit, :func:`translate
 ``:`` inputs, ``:`` clobbers), parses its PTX, checks each instruction against the emulated
 architecture, and replaces the statement by calls into the runtime (``__emu_ptx_*`` in
 runtime/shim.h) on one line followed by the statement's own newlines, so line numbers hold.
-An instruction the emulator does not know, or the architecture lacks, is an
-:class:`EmulatorCompileError` naming it and its ``file:line``.
+
+An instruction the emulator does not know, or the architecture lacks, becomes a call to a
+function declared with GCC's ``error`` attribute: g++ reports it only where the call survives
+dead-code elimination, so, as with ptxas, a wrapper no kernel reaches (an uninstantiated
+template, a branch on ``__CUDA_ARCH__``) does no harm. _build turns the report into an
+:class:`EmulatorCompileError` naming the instruction and its ``file:line``.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ _CONSTRAINTS = {"r": ("uint32_t", 32), "h": ("uint16_t", 16), "l": ("uint64_t", 
 _LEX = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|\b(asm|__asm__|__asm)\b')
 _MARKER = re.compile(r'^# (\d+) "((?:\\.|[^"\\])*)"([ \d]*)$', re.M)
 _QUALIFIERS = ("volatile", "__volatile__", "__volatile", "inline", "__inline", "__inline__")
+ERROR_FUNCTION = "__emu_ptx_error_"   # + a number: the functions of deferred errors
 
 
 @dataclass
@@ -62,7 +67,7 @@ def translate(text: str, arch: Arch) -> str:
     markers = [(m.start(), int(m.group(1)), _unescape(m.group(2)), "3" in m.group(3).split())
                for m in _MARKER.finditer(text)]
     starts = [m[0] for m in markers]
-    out, pos = [], 0
+    out, pos, errors = [], 0, 0
     for m in _LEX.finditer(text):
         if not m.group(1) or m.start() < pos:
             continue
@@ -75,9 +80,16 @@ def translate(text: str, arch: Arch) -> str:
         else:
             site = Site("<source>", text.count("\n", 0, m.start()) + 1)
         try:
-            end, code = _statement(text, m.end(), site, arch)
+            body, end = _extent(text, m.end())
         except _Error as e:
             raise EmulatorCompileError(f"{site}: {e}") from None
+        try:
+            code = _statement(body, site, arch)
+        except _Error as e:
+            errors += 1
+            msg = f"{site}: {e}".replace("\\", "\\\\").replace('"', '\\"')
+            name = f"{ERROR_FUNCTION}{errors}"
+            code = (f'do {{ extern void {name}(void) __attribute__((error("{msg}"))); {name}(); }} while (0)')
         out += [text[pos:m.start()], code, "\n" * text.count("\n", m.start(), end)]
         pos = end
     out.append(text[pos:])
@@ -122,8 +134,9 @@ def _split_top(s: str, sep: str) -> list:
 
 # ---------------------------------------------------------------------------------------------
 # one asm statement
-def _statement(text: str, i: int, site: Site, arch: Arch) -> tuple:
-    """(end of the statement's closing parenthesis, its replacement)."""
+def _extent(text: str, i: int) -> tuple:
+    """(what is inside the parentheses of the asm statement whose keyword ends at i, the index
+    just past them)."""
     while True:
         m = re.compile(r"\s*(\w+)").match(text, i)
         if m and m.group(1) in _QUALIFIERS:
@@ -136,7 +149,12 @@ def _statement(text: str, i: int, site: Site, arch: Arch) -> tuple:
     if not m:
         raise _Error("expected `(` after asm")
     end = _balanced(text, m.end() - 1)
-    sections = _split_top(text[m.end():end - 1], ":")
+    return text[m.end():end - 1], end
+
+
+def _statement(body: str, site: Site, arch: Arch) -> str:
+    """The C++ that replaces an asm statement (`body`: inside its parentheses)."""
+    sections = _split_top(body, ":")
     if len(sections) > 4:
         raise _Error("asm goto labels are not supported by the CPU emulator")
     strings = re.findall(r'"((?:\\.|[^"\\])*)"', sections[0])
@@ -151,10 +169,10 @@ def _statement(text: str, i: int, site: Site, arch: Arch) -> tuple:
             if not 0 <= op.tied < len(outputs):
                 raise _Error(f"operand {op.index} is tied to %{op.tied}, which is not an output")
             op.kind = outputs[op.tied].kind
-    body = _Emitter(ops, site, arch)
+    emitter = _Emitter(ops, site, arch)
     for instr in _instructions(_substitute(template, ops)):
-        body.instruction(instr)
-    return end, body.code()
+        emitter.instruction(instr)
+    return emitter.code()
 
 
 _OPERAND = re.compile(r'\s*(?:\[\s*(\w+)\s*\])?\s*((?:"(?:\\.|[^"\\])*"\s*)+)\((.*)\)\s*$', re.S)

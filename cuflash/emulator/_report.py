@@ -25,6 +25,11 @@ def launch_error(err: ErrorRecord, lib: Library, kname: str, args) -> EmulatorEr
     if kind == ErrorKind.BOUNDS:
         return BoundsError(f"{kname}: {_bounds(err, lib, args, who)}")
     if kind == ErrorKind.DEADLOCK:
+        if err.pc and err.other_pc:   # two lanes at different sites of an .aligned instruction
+            sites = [lib.call_site(err.pc), lib.call_site(err.other_pc)]
+            if all(sites):
+                msg += (f"; thread {_fmt3(err.thread)} is at {sites[0]}; thread {_fmt3(err.other_thread)} "
+                        f"is at {sites[1]}")
         return DeadlockError(f"{kname}: {msg}")
     if kind == ErrorKind.TRAP:
         return KernelTrap(f"{kname}: {who}: {msg}")

@@ -2,8 +2,9 @@
 // wrapper (PTX ISA, "Warp Level Matrix Multiply-Accumulate Instructions", "ldmatrix",
 // "cp.async"), and test kernels that move raw fragment registers in and out, so the test can
 // check every lane and register against its own model of the ISA tables.
+// Kernels that need sm_80 are compiled for sm_80 and newer only, as a GPU source must be.
 // Planted bugs: -DSKIP_WAIT (no cp.async.wait_group), -DROW_SKEW=8 (ldmatrix rows 8 bytes off
-// their 16-byte alignment), and the kernel divergent_mma.
+// their 16-byte alignment), -DALL_ARCHS (sm_80 kernels on every arch), the divergent_* kernels.
 
 // ---- wrappers ----
 __device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
@@ -104,14 +105,11 @@ __device__ __forceinline__ float ex2(float x) {
             for (int r = 0; r < 4; ++r) d[4 * i + r] = rd[r];                                        \
         }                                                                                            \
     }
+MMA_KERNEL(mma_m16n8k8_f16_kernel, mma_m16n8k8_f16(rd, ra, rb, rc))
+#if __CUDA_ARCH__ >= 800 || defined(ALL_ARCHS)
 MMA_KERNEL(mma_m16n8k16_f16_kernel, mma_m16n8k16_f16(rd, ra, rb, rc))
 MMA_KERNEL(mma_m16n8k16_bf16_kernel, mma_m16n8k16_bf16(rd, ra, rb, rc))
-MMA_KERNEL(mma_m16n8k8_f16_kernel, mma_m16n8k8_f16(rd, ra, rb, rc))
 MMA_KERNEL(mma_m16n8k8_tf32_kernel, (mma_m16n8k8_tf32(rc, ra, rb), rd[0] = rc[0], rd[1] = rc[1], rd[2] = rc[2], rd[3] = rc[3]))
-
-#ifdef __CUDA_ARCH__
-extern "C" __global__ void cuda_arch(int* out) { out[0] = __CUDA_ARCH__; }
-#endif
 
 // One warp: `rows` (64 rows of 8 b16 = 1 KiB) into shared memory, then ldmatrix with lane l
 // addressing row rowidx[l]; d: [32][NUM] registers.
@@ -187,7 +185,22 @@ extern "C" __global__ void divergent_mma(float* d) {
     if (threadIdx.x < 16) {
         mma_m16n8k16_f16(r, a, b, c);
     } else {
-        mma_m16n8k16_f16(r, a, b, c);
+        mma_m16n8k16_bf16(r, a, b, c);
     }
     d[threadIdx.x] = r[0];
 }
+
+// The same wrapper from two call sites of divergent branches (two mma instructions on a GPU).
+extern "C" __global__ void divergent_call_sites(const float* c, float* d) {
+    const unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    const float c0[4] = {c[0], c[0], c[0], c[0]}, c1[4] = {c[1], c[1], c[1], c[1]};
+    float r[4];
+    if (threadIdx.x < 16) {
+        mma_m16n8k16_f16(r, a, b, c0);
+        d[threadIdx.x] = r[0];
+    } else {
+        mma_m16n8k16_f16(r, a, b, c1);
+        d[threadIdx.x] = 2 * r[1];
+    }
+}
+#endif  // sm_80

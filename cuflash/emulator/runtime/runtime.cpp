@@ -102,6 +102,7 @@ struct Fiber {
     uint3_ tid;
     const char* wfile;
     int wline;
+    const void* wpc;  // the call site of an .aligned instruction (one asm line, inlined in many places)
     // warp op
     int op;
     unsigned mask;
@@ -784,13 +785,14 @@ EMU_EXPORT void* __emu_cvta_shared_to_generic(size_t a) { return (void*)(tls_bas
 struct MmaCall { EmuMmaLane lane; int k, type; EmuMmaArith arith; };
 struct LdmatrixCall { EmuLdmatrixLane lane; int num, trans; };
 
-static void aligned_op(Worker* w, Fiber* f, int op, void* call, const char* file, int line) {
+static void aligned_op(Worker* w, Fiber* f, int op, void* call, const void* pc, const char* file, int line) {
     const int warp = f->linear >> 5;
     if (w->warp_exist[warp] != 0xffffffffu)
         ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: warp %d of the block has only %d thread(s); the .aligned "
                  "instruction needs all 32 lanes (make the block size a multiple of 32)", op_name(op), file, line,
                  warp, __builtin_popcount(w->warp_exist[warp]));
     f->gsrc = call;
+    f->wpc = pc;
     warp_op_common(w, f, op, 0xffffffffu, file, line);
 }
 
@@ -800,14 +802,21 @@ static void aligned_compute(Worker* w, int warp, unsigned group) {
     const Fiber& f0 = base[__builtin_ctz(group)];
     for (unsigned m = group; m; m &= m - 1) {
         const Fiber& f = base[__builtin_ctz(m)];
-        if (group != 0xffffffffu || f.op != f0.op || f.wline != f0.wline || strcmp(f.wfile, f0.wfile)) {
+        if (group != 0xffffffffu || f.op != f0.op || f.wline != f0.wline || strcmp(f.wfile, f0.wfile) ||
+            (f.op >= EMU_WARP_MMA && f.wpc != f0.wpc)) {
             const Fiber& a = f0.op >= EMU_WARP_MMA ? f0 : f;
             const Fiber& b = f0.op >= EMU_WARP_MMA ? f : f0;
             EmuError* e = begin_error(w, EMU_ERROR_DEADLOCK);
-            if (e) emsg(e, "block (%u,%u,%u), warp %d: %s at %s:%d is .aligned, so all 32 lanes must execute it "
-                           "together, but lane %d is at %s at %s:%d (divergent lanes)",
-                        w->block.x, w->block.y, w->block.z, warp, op_name(a.op), a.wfile, a.wline,
-                        (int)(&b - base), op_name(b.op), b.wfile, b.wline);
+            if (e) {
+                emsg(e, "block (%u,%u,%u), warp %d: %s at %s:%d is .aligned, so all 32 lanes must execute it "
+                        "together, but lane %d is at %s at %s:%d%s (divergent lanes)",
+                     w->block.x, w->block.y, w->block.z, warp, op_name(a.op), a.wfile, a.wline, (int)(&b - base),
+                     op_name(b.op), b.wfile, b.wline, b.op == a.op && b.wline == a.wline ? " from another call site" : "");
+                e->thread[0] = a.tid.x; e->thread[1] = a.tid.y; e->thread[2] = a.tid.z;
+                e->other_thread[0] = b.tid.x; e->other_thread[1] = b.tid.y; e->other_thread[2] = b.tid.z;
+                e->pc = rel_pc(a.wpc);
+                e->other_pc = b.op >= EMU_WARP_MMA ? rel_pc(b.wpc) : 0;
+            }
             return;
         }
     }
@@ -835,7 +844,7 @@ EMU_EXPORT void __emu_ptx_mma(int k, int type, const uint32_t* a, const uint32_t
     call.k = k;
     call.type = type;
     call.arith = {block_k, extra_bits, min_exponent};
-    aligned_op(w, w->cur, EMU_WARP_MMA, &call, file, line);
+    aligned_op(w, w->cur, EMU_WARP_MMA, &call, __builtin_return_address(0), file, line);
 }
 
 EMU_EXPORT void __emu_ptx_ldmatrix(int num, int trans, int generic, uint64_t addr, uint32_t* d, const char* file,
@@ -861,7 +870,7 @@ EMU_EXPORT void __emu_ptx_ldmatrix(int num, int trans, int generic, uint64_t add
         if (w->L->checked) check_access(p, 16, false, __builtin_return_address(0));
         memcpy(call.lane.row, (const void*)p, 16);
     }
-    aligned_op(w, f, EMU_WARP_LDMATRIX, &call, file, line);
+    aligned_op(w, f, EMU_WARP_LDMATRIX, &call, __builtin_return_address(0), file, line);
 }
 
 static SShadow* shared_shadow(Worker* w, uintptr_t a, int* space, int64_t* off) {
