@@ -8,8 +8,9 @@ import numbers
 import numpy as np
 
 from . import _dtypes
+from .families import FORWARD_ALGORITHMS
 
-ALGORITHMS = ("fa2", "fa1")
+ALGORITHMS = tuple(FORWARD_ALGORITHMS)
 
 
 def describe(x) -> str:

@@ -252,13 +252,8 @@ def _store(key, rows):
 
 def collect_specializations():
     """{filename: [name expressions]}: every specialization cuflash can launch."""
-    from .backends import kernels
-    specs = {}
-    for group in [kernels.specializations()]:
-        for filename, names in group.items():
-            lst = specs.setdefault(filename, [])
-            lst.extend(n for n in names if n not in lst)
-    return specs
+    from . import tiling
+    return tiling.specializations()
 
 
 def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None):

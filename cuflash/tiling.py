@@ -1,19 +1,16 @@
 """Tile plans: on-chip memory turned into block sizes.
 
-Two things live here:
-
 * the papers' rule, `paper_block_sizes(M, d)`: for M elements of SRAM,
   Bc = ceil(M / 4d) and Br = min(Bc, d) (FlashAttention, Algorithm 1, line 1);
-* the plans the kernels actually launch. A plan is a frozen `KernelPlan`; its
-  shared-memory size comes from `attention_smem_bytes`, which mirrors the C++ traits
-  struct `AttnTileTraits` in `kernels/attn_tile.cuh` term for term. That formula exists
-  once here and once there (with messaged static_asserts); nothing else computes it.
+* the plans the kernels actually launch, one frozen dataclass per kernel family
+  (`families.py`): `KernelPlan` (forward), `BwdPlan` and `BwdPreprocessPlan` (backward),
+  `SoftmaxPlan`. A plan names its family and carries the family's template parameters;
+  its shared-memory size comes from one formula that mirrors the C++ traits struct
+  (`AttnTileTraits` in `kernels/attn_tile.cuh`, `BwdTileTraits` in `kernels/bwd_tile.cuh`)
+  term for term, checked against ptxas by the compile gate.
 
-The backward's plans (`BwdPlan`, `plan_backward`, `bwd_smem_bytes` mirroring
-`BwdTileTraits` in `kernels/bwd_tile.cuh`) live here too, beside the forward's.
-
-The set of plans is finite: `all_plans()` (forward) and `all_bwd_plans()` (backward) list
-every specialization the library can launch, and the compile gate compiles exactly those.
+The set of plans is finite: `specializations()` lists every specialization the library
+can launch, and the compile gate compiles exactly those.
 """
 from __future__ import annotations
 
@@ -24,6 +21,8 @@ import math
 import numpy as np
 
 from . import _dtypes
+from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROCESS,
+                       FORWARD_ALGORITHMS, SOFTMAX_COLS, SOFTMAX_ROWS)
 
 # Head-dim buckets: a kernel is compiled for a bucket D and runs any d <= D, the columns
 # d..D-1 zero-padded in shared memory. Larger d is split into D-wide chunks of the
@@ -38,9 +37,6 @@ NUM_WARPS = 4
 LANE_ROWS = 4
 LANE_COLS = 8
 SMEM_PAD = 1  # accumulator elements added to each shared row (bank-conflict padding)
-
-# Representative limits for backends without a device (the emulator): an A100 (sm_80).
-EMULATOR_LIMITS = {"max_smem": 163 * 1024, "sm_count": 108, "cc": (8, 0)}
 
 # Candidate (block_m, block_n) per (accumulator bytes, head-dim bucket), best first.
 # plan_forward takes the first that fits the device's opt-in shared memory; the last of
@@ -57,16 +53,6 @@ _CANDIDATES = {
     (8, 64): ((32, 32), (32, 16)),
     (8, 128): ((32, 16), (16, 16)),
 }
-
-KERNEL_SOURCES = {
-    "flash_fwd": "flash_fwd.cu",
-    "flash_fwd_fa1": "flash_fwd_fa1.cu",
-}
-_KERNEL_FUNC = {
-    "flash_fwd": "flash_fwd_kernel",
-    "flash_fwd_fa1": "flash_fwd_fa1_kernel",
-}
-
 
 def paper_block_sizes(M: int, d: int) -> tuple[int, int]:
     """The papers' rule, returned as (Br, Bc): Bc = ceil(M / 4d), Br = min(Bc, d)."""
@@ -88,20 +74,29 @@ def attention_smem_bytes(accum_bytes: int, head_dim: int, block_m: int, block_n:
 
 
 class _Plan:
-    """What every plan (forward `KernelPlan`, backward `BwdPlan`) offers: the fields
-    `kernel`, `dtype`, `head_dim_bucket`, and `num_threads`, `smem_bytes` (its kernel
-    family's formula), `source`, `name_expression` for the launch and the gate."""
+    """What every plan offers: the fields `kernel` (a name in `families.FAMILIES`) and
+    `dtype`, and `num_threads`, `smem_bytes` (its family's formula), `source` and
+    `name_expression` for the launch and the gate."""
 
     @property
     def accum_bytes(self) -> int:
         return _dtypes.accum_dtype(np.dtype(self.dtype)).itemsize
+
+    @property
+    def source(self) -> str:
+        return FAMILIES[self.kernel].source
+
+    def _instantiate(self, *template_args) -> str:
+        """`<kernel>_kernel<ctype, args...>`: the name expression NVRTC instantiates."""
+        args = ", ".join([_dtypes.c_type(np.dtype(self.dtype)), *map(str, template_args)])
+        return f"{FAMILIES[self.kernel].function}<{args}>"
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan(_Plan):
     """One launchable specialization of a forward attention kernel."""
 
-    kernel: str            # "flash_fwd" (FA2) or "flash_fwd_fa1"
+    kernel: str            # a forward family: "flash_fwd" (FA2) or "flash_fwd_fa1"
     dtype: str             # NumPy dtype name: "float16", "bfloat16", "float32", "float64"
     head_dim_bucket: int   # compile-time D; runs any d <= D
     block_m: int           # Br: query rows per tile
@@ -113,10 +108,6 @@ class KernelPlan(_Plan):
         return attention_smem_bytes(self.accum_bytes, self.head_dim_bucket,
                                     self.block_m, self.block_n)
 
-    @property
-    def source(self) -> str:
-        return KERNEL_SOURCES[self.kernel]
-
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim_bucket} "
                 f"Br={self.block_m} Bc={self.block_n} threads={self.num_threads} "
@@ -124,9 +115,8 @@ class KernelPlan(_Plan):
 
     @property
     def name_expression(self) -> str:
-        ctype = _dtypes.c_type(np.dtype(self.dtype))
-        return (f"{_KERNEL_FUNC[self.kernel]}<{ctype}, {self.head_dim_bucket}, "
-                f"{self.block_m}, {self.block_n}, {self.num_threads // 32}>")
+        return self._instantiate(self.head_dim_bucket, self.block_m, self.block_n,
+                                 self.num_threads // 32)
 
 
 def head_dim_buckets(dtype) -> tuple[int, ...]:
@@ -153,7 +143,7 @@ def _candidates(kernel, dtype, bucket):
     dt = np.dtype(dtype)
     acc = _dtypes.accum_dtype(dt).itemsize
     tiles = _CANDIDATES[(acc, bucket)]
-    if kernel == "flash_fwd_fa1":
+    if kernel == FORWARD_ALGORITHMS["fa1"].name:
         # FA1 is the paper's loop order, kept for teaching and cross-checking, not speed:
         # one (small, fits-everywhere) tile per bucket halves its compile-gate time.
         tiles = tiles[-1:]
@@ -164,7 +154,7 @@ def _candidates(kernel, dtype, bucket):
 def all_plans() -> tuple[KernelPlan, ...]:
     """Every forward specialization the library can launch (finite; for the gate)."""
     plans = []
-    for kernel in KERNEL_SOURCES:
+    for kernel in (f.name for f in FORWARD_ALGORITHMS.values()):
         for dt in _dtypes.SUPPORTED:
             for bucket in head_dim_buckets(dt):
                 plans.extend(_candidates(kernel, dt, bucket))
@@ -178,11 +168,7 @@ def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
     `sm_count` and `cc` are accepted for plans that will depend on them (they do not yet:
     the SIMT kernel's best tile depends only on what fits).
     """
-    kernel = {"fa2": "flash_fwd", "fa1": "flash_fwd_fa1"}.get(algorithm)
-    if kernel is None:
-        raise ValueError(f"algorithm must be 'fa1' or 'fa2'; got {algorithm!r}")
-    if not _dtypes.is_supported(dtype):
-        raise TypeError(f"dtype must be one of {_dtypes.SUPPORTED_NAMES}; got {dtype}")
+    kernel = FORWARD_ALGORITHMS[algorithm].name
     bucket = head_dim_bucket(d, dtype)
     cands = _candidates(kernel, dtype, bucket)
     for plan in cands:
@@ -212,8 +198,7 @@ BWD_HEAD_DIM_BUCKETS = (32, 64, 128, 256)   # the same for every dtype (double t
 BWD_NUM_WARPS = 8                # 256 threads per block for the dK/dV and dQ kernels
 BWD_PREPROCESS_ROWS = 4          # rows (one warp each) per block of the preprocess kernel
 BWD_SMEM_TILE_BYTES = 32 * 1024  # the streamed operand pair (2 · tile_rows · D accumulators)
-BWD_SOURCE = "flash_bwd.cu"
-BWD_KERNELS = ("flash_bwd_dkdv", "flash_bwd_dq")
+BWD_KERNELS = (FLASH_BWD_DKDV.name, FLASH_BWD_DQ.name)
 
 
 def bwd_smem_bytes(kernel: str, accum_bytes: int, head_dim: int, tile_rows: int,
@@ -226,7 +211,7 @@ def bwd_smem_bytes(kernel: str, accum_bytes: int, head_dim: int, tile_rows: int,
     scores     2 · tile_rows · block_rows   (Σ S_ij, Σ dP_ij; chunked only)
     """
     tile = tile_rows * head_dim
-    row_stat = tile_rows if kernel == "flash_bwd_dkdv" else 0
+    row_stat = tile_rows if kernel == FLASH_BWD_DKDV.name else 0
     scores = tile_rows * block_rows if chunked else 0
     return (2 * tile + 2 * row_stat + 2 * scores) * accum_bytes
 
@@ -263,10 +248,6 @@ class BwdPlan(_Plan):
         return bwd_smem_bytes(self.kernel, self.accum_bytes, self.head_dim_bucket,
                               self.tile_rows, self.block_rows, self.chunked)
 
-    @property
-    def source(self) -> str:
-        return BWD_SOURCE
-
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim_bucket} G={self.lanes_per_row} "
                 f"rows={self.block_rows} tile={self.tile_rows} threads={self.num_threads}"
@@ -274,37 +255,31 @@ class BwdPlan(_Plan):
 
     @property
     def name_expression(self) -> str:
-        ctype = _dtypes.c_type(np.dtype(self.dtype))
-        return (f"{self.kernel}_kernel<{ctype}, {self.head_dim_bucket}, {self.lanes_per_row}, "
-                f"{self.rows_per_group}, {self.num_warps}, {self.tile_rows}, "
-                f"{'true' if self.chunked else 'false'}>")
+        return self._instantiate(self.head_dim_bucket, self.lanes_per_row, self.rows_per_group,
+                                 self.num_warps, self.tile_rows,
+                                 "true" if self.chunked else "false")
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdPreprocessPlan:
+class BwdPreprocessPlan(_Plan):
     """The preprocess kernel D = rowsum(dO ∘ O): one warp per row, `rows_per_block` rows
     (ROWS_PER_BLOCK) per block. No shared memory."""
 
     dtype: str
     rows_per_block: int
-    kernel = "flash_bwd_preprocess"
+    kernel = FLASH_BWD_PREPROCESS.name
     smem_bytes = 0
 
     @property
     def num_threads(self) -> int:
         return self.rows_per_block * 32
 
-    @property
-    def source(self) -> str:
-        return BWD_SOURCE
-
     def __str__(self) -> str:
         return f"{self.kernel} {self.dtype} rows={self.rows_per_block} threads={self.num_threads}"
 
     @property
     def name_expression(self) -> str:
-        ctype = _dtypes.c_type(np.dtype(self.dtype))
-        return f"{self.kernel}_kernel<{ctype}, {self.rows_per_block}>"
+        return self._instantiate(self.rows_per_block)
 
 
 def bwd_preprocess_plan(dtype) -> BwdPreprocessPlan:
@@ -371,6 +346,55 @@ def all_bwd_plans() -> tuple[BwdPlan | BwdPreprocessPlan, ...]:
             plans.extend(plan_backward(D, dt))
         plans.extend(plan_backward(BWD_HEAD_DIM_BUCKETS[-1] + 1, dt))
     return tuple(plans)
+
+
+# ── online softmax (online_softmax.cu) ─────────────────────────────────────────────────
+
+SOFTMAX_THREADS = 128
+# softmax_cols (one thread per line) once there are this many lines side by side along
+# the contiguous Q axis, so neighbouring threads read neighbouring addresses; otherwise
+# softmax_rows (one block per line, its threads striding along n and merging their m, ℓ).
+SOFTMAX_COLS_MIN_Q = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxPlan(_Plan):
+    """One softmax kernel over x (P, n, Q), normalising axis 1. No shared memory beyond
+    the block reduction's (static)."""
+
+    kernel: str            # "softmax_rows" or "softmax_cols"
+    dtype: str
+    num_threads: int = SOFTMAX_THREADS
+    smem_bytes = 0
+
+    def __str__(self) -> str:
+        return f"{self.kernel} {self.dtype} threads={self.num_threads}"
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate(self.num_threads)
+
+
+def plan_softmax(dtype, Q: int) -> SoftmaxPlan:
+    """The softmax kernel for lines `Q` apart in memory (see SOFTMAX_COLS_MIN_Q)."""
+    family = SOFTMAX_COLS if Q >= SOFTMAX_COLS_MIN_Q else SOFTMAX_ROWS
+    return SoftmaxPlan(family.name, np.dtype(dtype).name)
+
+
+def all_softmax_plans() -> tuple[SoftmaxPlan, ...]:
+    return tuple(SoftmaxPlan(f.name, np.dtype(dt).name)
+                 for f in (SOFTMAX_ROWS, SOFTMAX_COLS) for dt in _dtypes.SUPPORTED)
+
+
+def specializations() -> dict[str, list[str]]:
+    """Every kernel specialization the library can launch, {source: [name expression]}:
+    finite (every plan of every family, dtype and head-dim bucket), for the compile gate."""
+    out: dict[str, list[str]] = {}
+    for plan in (*all_plans(), *all_bwd_plans(), *all_softmax_plans()):
+        names = out.setdefault(plan.source, [])
+        if plan.name_expression not in names:
+            names.append(plan.name_expression)
+    return out
 
 
 def device_limits():

@@ -1,0 +1,56 @@
+"""The forward on the CUDA kernels: `flash_fwd.cu` (FA2) or `flash_fwd_fa1.cu` (FA1).
+
+`forward(backend, q, k, v, *, causal, scale, algorithm)` runs one launch on the
+backend's array module (CuPy on "cuda", NumPy on "emulator"):
+
+* FA2 (`flash_fwd_kernel`): one thread block per (query block, head-dim chunk, head,
+  batch), K/V tiles streamed; O and lse written once.
+* FA1 (`flash_fwd_fa1_kernel`): one thread block per (head-dim chunk, head, batch), the
+  paper's K/V-outer loop; O, ℓ and m live in global memory and are rescaled every step.
+
+Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
+plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
+(checked and non-empty).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _dtypes, tiling
+from ..families import FORWARD_ALGORITHMS
+from .marshal import elem_strides, i32, prepare
+
+
+def forward(backend, q, k, v, *, causal, scale, algorithm):
+    """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d): o in q's dtype, lse (B, Hq,
+    Nq) in the accumulation dtype."""
+    xp = backend.xp
+    q, k, v = (prepare(xp, a) for a in (q, k, v))
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    acc = _dtypes.accum_dtype(q.dtype)
+    plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm, **backend.limits())
+    num_d_chunks = -(-d // plan.head_dim_bucket)
+    o = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
+    lse = xp.empty((B, Hq, Nq), dtype=acc)
+
+    sizes = (i32(Hq, "heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
+             i32(d, "d"))
+    strides = [s for a in (q, k, v, o) for s in elem_strides(a)[:3]]  # batch, head, row
+    # The kernels fold log2(e) into the scale themselves (common.cuh).
+    flags = (acc.type(scale), np.int32(bool(causal)))
+    if plan.kernel == FORWARD_ALGORITHMS["fa2"].name:
+        num_m_blocks = -(-Nq // plan.block_m)
+        grid = num_m_blocks * num_d_chunks * Hq * B
+        args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks),
+                np.int32(num_d_chunks))
+    else:  # FA1: O, ℓ, m in global memory, one set per head-dim chunk for ℓ and m
+        o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
+        l_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
+        m_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
+        grid = num_d_chunks * Hq * B
+        args = (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(B, "batch"), *sizes, *strides,
+                *flags, np.int32(num_d_chunks))
+    i32(grid, "grid size (blocks = query blocks x heads x batch)")
+    backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
+    return o, lse
