@@ -315,6 +315,20 @@ def test_mma_special_values_follow_the_block_model(arch, kernel):
                     assert got == want, (p, r, col, hex(got), hex(want))
 
 
+def test_mma_signed_zeros():
+    """A sum of zeros only is -0 when every zero is -0; a cancellation is +0."""
+    A = np.zeros((1, 16, 16), np.float32)
+    B = np.zeros((1, 16, 8), np.float32)
+    C = np.zeros((1, 16, 8), np.float32)
+    A[0, 0:2] = -0.0                      # rows 0, 1: (-0)·(+0) products
+    C[0, 0, 0] = -0.0                     # row 0 adds c = -0, row 1 c = +0
+    A[0, 2, 0], B[0, 0, 2], C[0, 2, 2] = 1.0, -1.0, 1.0     # 1 - 1
+    A[0, 3], B[0, 0, 3], C[0, 3, 3] = -0.0, 5.0, -0.0      # (-0)·5 + (-0)·(+0) ... + (-0)
+    A[0, 4], B[0, 0, 4], C[0, 4, 4] = -0.0, -5.0, -0.0      # (-0)·(-5) = +0
+    D = run_mma("mma_m16n8k16_f16_kernel", "sm_80", A, B, C).view(np.uint32)
+    assert [hex(D[0, r, r]) for r in range(5)] == ["0x80000000", "0x0", "0x0", "0x80000000", "0x0"]
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_mma_exponent_floor(arch):
     """With c = 0 and only tiny products, the alignment exponent is floored (-132 on sm_80,
