@@ -265,7 +265,7 @@ def model_block(a_bits, b_bits, c_bits, etype, block_k, extra, emin) -> int:
     return acc
 
 
-def _special_values(rng, etype: str, n: int) -> np.ndarray:
+def _special_values(rng, etype: str, n: int, share: float = 0.15) -> np.ndarray:
     """Element bit patterns mixing ordinary values with ±0, ±inf, NaN, subnormals and extremes."""
     dtype = {"f16": np.float16, "bf16": ml_dtypes.bfloat16, "tf32": np.float32}[etype]
     base = rng.standard_normal(n) * np.exp2(rng.integers(-6, 7, n))
@@ -278,7 +278,7 @@ def _special_values(rng, etype: str, n: int) -> np.ndarray:
         pool = (np.array([0, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x0001, 0x83FF, 0x7BFF, 0xFBFF, 0x0400], np.uint32)
                 if etype == "f16" else
                 np.array([0, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x0080], np.uint32))
-    pick = rng.random(n) < 0.15
+    pick = rng.random(n) < share
     bits[pick] = rng.choice(pool, pick.sum())
     return bits
 
@@ -290,29 +290,47 @@ def _to_float(bits: np.ndarray, etype: str) -> np.ndarray:
     return bits.astype(np.uint16).view(dtype).astype(np.float32)
 
 
-@pytest.mark.parametrize("arch,kernel", [("sm_75", "mma_m16n8k8_f16_kernel")]
-                         + [(a, k) for a in ("sm_80", "sm_90") for k in FORMS])
-def test_mma_special_values_follow_the_block_model(arch, kernel):
+MODEL_CASES = [("sm_75", "mma_m16n8k8_f16_kernel")] + [(a, k) for a in ("sm_80", "sm_90") for k in FORMS]
+
+
+def _compare_with_model(arch, kernel, share) -> int:
+    """Runs random problems (a `share` of the elements special) against model_block; returns
+    how many outputs a single block over all k would get wrong."""
     k, etype = FORMS[kernel][:2]
     tc = archs.get_arch(arch).mma
     block_k = tc.block_k_tf32 if etype == "tf32" else tc.block_k_f16
-    rng = np.random.default_rng(k * 7 + len(arch) + len(etype))
+    rng = np.random.default_rng(k * 7 + len(arch) + len(etype) + int(share * 100))
     P = 2
-    Ab = _special_values(rng, etype, P * 16 * k).reshape(P, 16, k)
-    Bb = _special_values(rng, etype, P * k * 8).reshape(P, k, 8)
-    Cb = _special_values(rng, "tf32", P * 16 * 8).reshape(P, 16, 8)
-    Cb[:, :4, :] = rng.choice(np.array([0x00000001, 0x80000005, 0x7F7FFFFF, 0x1F000000], np.uint32), (P, 4, 8))
+    Ab = _special_values(rng, etype, P * 16 * k, share).reshape(P, 16, k)
+    Bb = _special_values(rng, etype, P * k * 8, share).reshape(P, k, 8)
+    Cb = _special_values(rng, "tf32", P * 16 * 8, share).reshape(P, 16, 8)
+    if share:
+        Cb[:, :4, :] = rng.choice(np.array([0x00000001, 0x80000005, 0x7F7FFFFF, 0x1F000000], np.uint32), (P, 4, 8))
     D = run_mma(kernel, arch, _to_float(Ab, etype), _to_float(Bb, etype), Cb.view(np.float32)).view(np.uint32)
+    one_block_differs = 0
     for p in range(P):
         for r in range(16):
             for col in range(8):
-                want = model_block([int(x) for x in Ab[p, r]], [int(x) for x in Bb[p, :, col]], int(Cb[p, r, col]),
-                                   etype, block_k, tc.extra_bits, tc.min_exponent)
-                got = int(D[p, r, col])
-                if want == 0x7FFFFFFF:
-                    assert got == 0x7FFFFFFF, (p, r, col, hex(got))
-                else:
-                    assert got == want, (p, r, col, hex(got), hex(want))
+                args = [int(x) for x in Ab[p, r]], [int(x) for x in Bb[p, :, col]], int(Cb[p, r, col]), etype
+                want = model_block(*args, block_k, tc.extra_bits, tc.min_exponent)
+                assert int(D[p, r, col]) == want, (p, r, col, hex(int(D[p, r, col])), hex(want))
+                one_block_differs += want != model_block(*args, k, tc.extra_bits, tc.min_exponent)
+    return one_block_differs
+
+
+@pytest.mark.parametrize("arch,kernel", MODEL_CASES)
+def test_mma_special_values_follow_the_block_model(arch, kernel):
+    _compare_with_model(arch, kernel, share=0.15)
+
+
+@pytest.mark.parametrize("arch,kernel", MODEL_CASES)
+def test_mma_chains_blocks_along_k(arch, kernel):
+    """k beyond one block: each block's fp32 result is the next block's c."""
+    k, etype = FORMS[kernel][:2]
+    tc = archs.get_arch(arch).mma
+    chained = k > (tc.block_k_tf32 if etype == "tf32" else tc.block_k_f16)
+    differs = _compare_with_model(arch, kernel, share=0.0)
+    assert (differs > 0) == chained
 
 
 def test_mma_signed_zeros():

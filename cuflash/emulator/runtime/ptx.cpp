@@ -8,27 +8,29 @@
 
 namespace {
 
-// A finite operand as m·2^q with integer significand m; e is the exponent the tensor core
-// aligns by: the format's exponent field, subnormals at the format's least exponent.
+// An operand as m·2^q with integer significand m; e is the exponent the tensor core aligns
+// by: the format's exponent field, subnormals at the format's least exponent.
+enum Kind : uint8_t { ZERO, FINITE, INF, NAN_ };
 struct Term {
-    bool finite, nan, neg;
+    Kind kind;
+    bool neg;
     uint64_t m;
     int q, e;
 };
 
 Term decode(uint32_t bits, int exp_bits, int frac_bits) {
-    const int total = 1 + exp_bits + frac_bits, bias = (1 << (exp_bits - 1)) - 1;
+    const int bias = (1 << (exp_bits - 1)) - 1;
     const uint32_t field = (bits >> frac_bits) & ((1u << exp_bits) - 1), frac = bits & ((1u << frac_bits) - 1);
     Term t{};
-    t.neg = (bits >> (total - 1)) & 1;
+    t.neg = (bits >> (exp_bits + frac_bits)) & 1;
     if (field == (1u << exp_bits) - 1) {
-        t.nan = frac != 0;
-        return t;   // infinity or NaN: finite = false
+        t.kind = frac ? NAN_ : INF;
+        return t;
     }
-    t.finite = true;
     t.e = (field ? (int)field : 1) - bias;
     t.m = field ? (frac | (1u << frac_bits)) : frac;
     t.q = t.e - frac_bits;
+    t.kind = t.m ? FINITE : ZERO;
     return t;
 }
 
@@ -55,30 +57,31 @@ uint32_t to_f32_rz(bool neg, uint64_t mag, int lsb) {
     return sign | (uint32_t)(e + 127) << 23 | (uint32_t)(m & 0x7fffff);
 }
 
-}  // namespace
-
-uint32_t emu_block_fma(int type, const uint32_t* a, const uint32_t* b, int n, uint32_t c, const EmuMmaArith& arith) {
+// c + Σ a[i]·b[i] over one block of n products (a, b decoded; a strided by 1, b by b_stride)
+uint32_t block_fma(const Term* a, const Term* b, int b_stride, int n, uint32_t c, const EmuMmaArith& arith) {
     Term terms[17];
     int nt = 0;
     bool nan = false, pos_inf = false, neg_inf = false, all_neg_zero = true;
     for (int i = 0; i < n; ++i) {
-        const Term x = decode_operand(type, a[i]), y = decode_operand(type, b[i]);
+        const Term& x = a[i];
+        const Term& y = b[i * b_stride];
         const bool neg = x.neg != y.neg;
-        if (x.nan || y.nan || (!x.finite && y.finite && y.m == 0) || (!y.finite && x.finite && x.m == 0)) {
-            nan = true;
-        } else if (!x.finite || !y.finite) {
-            (neg ? neg_inf : pos_inf) = true;
-        } else if (x.m && y.m) {
+        if (x.kind == FINITE && y.kind == FINITE) {
             // exact product; aligned by the sum of the exponents (its significand lies in [1, 4))
-            terms[nt++] = Term{true, false, neg, x.m * y.m, x.q + y.q, x.e + y.e};
+            terms[nt++] = Term{FINITE, neg, x.m * y.m, x.q + y.q, x.e + y.e};
+        } else if (x.kind == NAN_ || y.kind == NAN_ || (x.kind == INF && y.kind == ZERO) ||
+                   (x.kind == ZERO && y.kind == INF)) {
+            nan = true;
+        } else if (x.kind == INF || y.kind == INF) {
+            (neg ? neg_inf : pos_inf) = true;
         } else {
             all_neg_zero &= neg;
         }
     }
     const Term z = decode(c, 8, 23);
-    if (z.nan) nan = true;
-    else if (!z.finite) (z.neg ? neg_inf : pos_inf) = true;
-    else if (z.m) terms[nt++] = z;
+    if (z.kind == NAN_) nan = true;
+    else if (z.kind == INF) (z.neg ? neg_inf : pos_inf) = true;
+    else if (z.kind == FINITE) terms[nt++] = z;
     else all_neg_zero &= z.neg;
     // IEEE-like specials: any NaN, or inf - inf, is the canonical NaN
     if (nan || (pos_inf && neg_inf)) return 0x7fffffffu;
@@ -97,6 +100,8 @@ uint32_t emu_block_fma(int type, const uint32_t* a, const uint32_t* b, int n, ui
     }
     return to_f32_rz(sum < 0, sum < 0 ? (uint64_t)-sum : (uint64_t)sum, lsb);
 }
+
+}  // namespace
 
 void emu_mma(int k, int type, const EmuMmaArith& arith, EmuMmaLane* const lanes[32]) {
     // gather A (16 x k), B (k x 8), C (16 x 8) from the fragments, as element bit patterns
@@ -119,15 +124,19 @@ void emu_mma(int k, int type, const EmuMmaArith& arith, EmuMmaLane* const lanes[
         // c_i at row g (+8 for i >= 2), col 2t + (i & 1)
         for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = L.c[i];
     }
+    Term At[16][16], Bt[16][8];
+    for (int i = 0; i < 16; ++i)
+        for (int kk = 0; kk < k; ++kk) At[i][kk] = decode_operand(type, A[i][kk]);
+    for (int kk = 0; kk < k; ++kk)
+        for (int j = 0; j < 8; ++j) Bt[kk][j] = decode_operand(type, B[kk][j]);
     uint32_t D[16][8];
     for (int row = 0; row < 16; ++row)
         for (int col = 0; col < 8; ++col) {
-            uint32_t acc = C[row][col], a[16], b[16];
-            for (int kk = 0; kk < k; ++kk) { a[kk] = A[row][kk]; b[kk] = B[kk][col]; }
+            uint32_t acc = C[row][col];
             // blocks of block_k products in k order, each block's result the next one's c
             for (int k0 = 0; k0 < k; k0 += arith.block_k) {
                 const int n = k - k0 < arith.block_k ? k - k0 : arith.block_k;
-                acc = emu_block_fma(type, a + k0, b + k0, n, acc, arith);
+                acc = block_fma(&At[row][k0], &Bt[k0][col], 8, n, acc, arith);
             }
             D[row][col] = acc;
         }

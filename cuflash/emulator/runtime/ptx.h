@@ -17,12 +17,8 @@ struct EmuMmaArith {
     int block_k, extra_bits, min_exponent;
 };
 
-// D = A·B + C for the warp; k is 8 or 16, type an EmuMmaType.
+// D = A·B + C for the warp, summed as the tensor core does; k is 8 or 16, type an EmuMmaType.
 void emu_mma(int k, int type, const EmuMmaArith& arith, EmuMmaLane* const lanes[32]);
-
-// The fp32 bit pattern of c + Σ a[i]·b[i] over one block of n products, summed as the tensor
-// core does; operands are the elements' bits (16 for f16/bf16, the fp32 register for tf32).
-uint32_t emu_block_fma(int type, const uint32_t* a, const uint32_t* b, int n, uint32_t c, const EmuMmaArith& arith);
 
 // One lane of ldmatrix.sync.aligned.m8n8.xN{.trans}.b16: the 16-byte row it addresses
 // (lanes 8j..8j+7 give matrix j's rows), and where its N result registers go.
