@@ -255,5 +255,5 @@ def _compile_error(stderr: str, src_display: str) -> EmulatorCompileError:
         lines = lines[:120] + [f"... ({len(lines) - 120} more lines)"]
     msg = f"compiling {src_display} for the CPU emulator failed:\n" + "\n".join(lines)
     if hints:
-        msg = "; ".join(hints) + "\n\n" + msg
+        msg = "\n".join(hints) + "\n\n" + msg
     return EmulatorCompileError(msg)

@@ -352,9 +352,9 @@ class _Emitter:
 
     def _need(self, opcode: str, cuda_arch: int):
         if self.arch.cuda_arch < cuda_arch:
-            raise _Error(f"`{opcode}` needs sm_{cuda_arch // 10} or newer, but the emulated architecture is "
-                         f"{self.arch.name} (ptxas rejects it for {self.arch.name} too): pass arch=\"sm_{cuda_arch // 10}\" "
-                         "or newer to RawModule, or guard the code with __CUDA_ARCH__")
+            raise _Error(f"`{opcode}` needs sm_{cuda_arch // 10} or newer; the emulated architecture is "
+                         f"{self.arch.name}, where ptxas rejects it too (pass RawModule(arch=...) or guard the "
+                         "code with __CUDA_ARCH__)")
 
     def _count(self, instr: Instr, *n: int):
         if len(instr.operands) not in n:
