@@ -408,6 +408,26 @@ def test_cp_async_sizes_and_zero_fill(cp_size, checked):
     np.testing.assert_array_equal(out.reshape(n, cp_size), np.roll(want, -1, axis=0))
 
 
+@pytest.mark.parametrize("checked", [False, True])
+def test_cp_async_bad_addresses_are_bounds_errors(checked):
+    f = ptx_module(checked=checked).get_function("cp_async_sizes<16>")
+    src, sizes, out = np.zeros(32 * 16 + 32, np.uint8), np.full(32, 16, np.int32), np.zeros(512, np.uint8)
+    with pytest.raises(BoundsError, match="destination's 16 bytes .* not inside"):
+        f((1,), (32,), (src, sizes, out), shared_mem=256)                 # threads 16..31 copy past it
+    skew = (4 - src.ctypes.data) % 16                                      # an address 4 past 16-byte alignment
+    with pytest.raises(BoundsError, match="source \\(global\\) address .* not aligned to cp-size 16"):
+        f((1,), (32,), (src[skew:], sizes, out), shared_mem=512)
+    if checked:
+        with pytest.raises(BoundsError, match="out-of-bounds global read"):
+            f((1,), (32,), (src[:256], sizes, out), shared_mem=512)       # source past the array
+
+
+def test_cvta_of_a_global_pointer_is_a_bounds_error():
+    code = 'extern "C" __global__ void k(float* y) { y[0] = (float)__cvta_generic_to_shared(y); }'
+    with pytest.raises(BoundsError, match="__cvta_generic_to_shared at .*:1: .* is not a shared-memory address"):
+        RawModule(code=code).get_function("k")((1,), (1,), (np.zeros(1, np.float32),))
+
+
 def test_cp_async_groups_land_in_commit_order_at_the_wait():
     src = np.random.default_rng(5).integers(0, 255, 3 * 32 * 16).astype(np.uint8)
     seen = np.zeros((32, 3, 3, 16), np.uint8)     # [thread][after wait 2/1/all][group][byte]

@@ -384,8 +384,6 @@ class _Emitter:
                          f"(it runs {SUPPORTED})")
         na, nb, need = form
         self._need(instr.opcode, need)
-        if self.arch.mma is None:
-            raise _Error(f"`{instr.opcode}`: {self.arch.name} has no tensor-core model")
         self._count(instr, 4)
         d, a, b, c = instr.operands
         dregs = [self._reg(o, 32, "mma.sync D", out=True) for o in self._list(d, 4, "mma.sync D")]
