@@ -9,10 +9,11 @@ emulator that runs the very same kernels on the CPU.
     >>> o = cuflash.flash_attention(q, k, v, causal=True)
 """
 from .api import flash_attention, flash_attention_backward, online_softmax
+from .variants import dropout_mask
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_backward", "online_softmax",
-           "reference", "tiling", "emulator"]
+           "dropout_mask", "reference", "tiling", "emulator"]
 
 
 def __getattr__(name):

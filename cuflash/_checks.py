@@ -138,3 +138,114 @@ def check_axis(axis, ndim):
         raise ValueError(f"axis {axis} is out of bounds for an array of {ndim} "
                          f"dimension(s); accepted: {-ndim} <= axis < {ndim}, or None")
     return axis % ndim
+
+
+# -- attention variants (cuflash.variants) -----------------------------------------------
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def check_window(window):
+    """None, or (left, right): two ints >= -1 (-1 = unbounded on that side)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2 \
+            or not all(_is_int(w) for w in window):
+        raise TypeError(f"window must be None or a pair of ints (left, right); got {window!r}")
+    left, right = (int(w) for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window entries must be >= 0, or -1 for unbounded on that side; "
+                         f"got {window!r}")
+    return left, right
+
+
+def check_softcap(softcap):
+    """None, or a finite real number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number > 0 or None; got {softcap!r}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite number > 0; got {softcap!r}")
+    return softcap
+
+
+def check_dropout(dropout_p, seed):
+    """dropout_p a real in [0, 1); seed None or an int in [0, 2^64). A dropout_p > 0
+    needs a seed (the mask is a function of it). Returns (p, seed or 0)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1); got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
+    if seed is not None:
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int >= 0 or None; got {seed!r}")
+        if not 0 <= int(seed) < 2 ** 64:
+            raise ValueError(f"seed must be an int in [0, 2**64); got {seed!r}")
+    elif p > 0:
+        raise ValueError(f"dropout_p={dropout_p!r} > 0 needs a seed (an int >= 0): the "
+                         f"dropout mask is drawn from it, and the backward redraws it")
+    return p, 0 if seed is None else int(seed)
+
+
+def score_shape(q, nk):
+    """The shape bias and mask broadcast to: q's batch axes and heads, then (Nq, Nk)."""
+    return tuple(q.shape[:-1]) + (nk,)
+
+
+def check_broadcastable(name, x, target):
+    shape = tuple(x.shape)
+    ok = len(shape) <= len(target) and all(
+        a == 1 or a == b for a, b in zip(shape[::-1], target[::-1]))
+    if not ok:
+        raise ValueError(f"{name} of shape {shape} does not broadcast to the scores' shape "
+                         f"{target} (q's batch axes and heads, then (Nq, Nk)); each axis "
+                         f"must match or be 1")
+
+
+def check_bias(bias, q, nk, dtype):
+    """bias: a float array of q's dtype or float32, broadcastable to the scores' shape."""
+    if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+        raise TypeError(f"bias must be an array or None; got {describe(bias)}")
+    got = np.dtype(bias.dtype)
+    accepted = {np.dtype(dtype), np.dtype(np.float32)}
+    if got not in accepted:
+        names = " or ".join(sorted({str(d) for d in accepted}))
+        raise TypeError(f"bias must have q's dtype or float32 ({names}); got dtype {got}")
+    check_broadcastable("bias", bias, score_shape(q, nk))
+
+
+def check_mask(mask, q, nk):
+    """mask: a bool array (True = may attend), broadcastable to the scores' shape."""
+    if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+        raise TypeError(f"mask must be a bool array or None; got {describe(mask)}")
+    if np.dtype(mask.dtype) != np.bool_:
+        raise TypeError(f"mask must be a bool array (True = may attend, as in PyTorch's "
+                        f"scaled_dot_product_attention); got dtype {mask.dtype}. Use "
+                        f"mask.astype(bool), or bias for additive masks")
+    check_broadcastable("mask", mask, score_shape(q, nk))
+
+
+def check_alibi(slopes, q, hq):
+    """alibi_slopes: real, shape (Hq,) or (*batch, Hq) (q's batch axes, then heads)."""
+    if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+        raise TypeError(f"alibi_slopes must be an array or None; got {describe(slopes)}")
+    if np.dtype(slopes.dtype).kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be a real array; got dtype {slopes.dtype}")
+    batch_heads = tuple(q.shape[:-2]) if q.ndim >= 3 else (1,)
+    accepted = {(hq,), batch_heads}
+    if tuple(slopes.shape) not in accepted:
+        raise ValueError(f"alibi_slopes must have shape {' or '.join(map(str, sorted(accepted)))}"
+                         f" (one slope per query head, optionally per batch); got "
+                         f"{tuple(slopes.shape)}")
+
+
+def check_return_dbias(return_dbias, bias):
+    return_dbias = check_flag("return_dbias", return_dbias)
+    if return_dbias and bias is None:
+        raise ValueError("return_dbias=True needs a bias (dbias is the gradient of the bias "
+                         "argument); got bias=None")
+    return return_dbias

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from . import _checks, _dtypes, backends
+from . import _checks, _dtypes, backends, variants as _variants
 
 BACKENDS = ("auto",) + backends.NAMES
 
@@ -73,10 +73,79 @@ def _as_4d(x, batch, heads):
     return x.reshape((math.prod(batch), heads) + tuple(x.shape[-2:]))
 
 
+def _compact4(xp, x, q, batch):
+    """x (broadcastable to q's batch axes, heads, (Nq, Nk)) as a 4-D (B or 1, Hq or 1,
+    Nq or 1, Nk or 1) array: a view of x wherever its strides allow, never expanded
+    along heads, rows or keys. (Only a bias that is broadcast along some batch axes but
+    not others, with two or more batch axes, is expanded along the batch axes.)"""
+    nb = len(batch)
+    full = nb + 3
+    xs = x.reshape((1,) * (full - (x.ndim + (q.ndim == 2))) + tuple(x.shape))
+    if q.ndim == 2:  # one head: no head axis in the user's shapes
+        xs = xs.reshape((1,) * (full - xs.ndim) + tuple(xs.shape))
+    bshape = tuple(xs.shape[:nb])
+    if all(n == 1 for n in bshape):
+        b_ax = 1
+    else:
+        if bshape != tuple(batch):
+            xs = xp.broadcast_to(xs, tuple(batch) + tuple(xs.shape[nb:]))
+        b_ax = math.prod(batch)
+    return xs.reshape((b_ax,) + tuple(xs.shape[nb:]))
+
+
+def _dbias_to_user(xp, d4, bias, batch, q):
+    """dbias (the 4-D compact form of _compact4) in bias's shape and dtype: summed over
+    the batch axes along which bias was broadcast."""
+    nb = len(batch)
+    rest = tuple(d4.shape[1:])
+    lead = tuple(batch) if d4.shape[0] != 1 else (1,) * nb
+    d = d4.reshape(lead + rest)
+    bshape = (1,) * (nb + 3 - (bias.ndim + (q.ndim == 2))) + tuple(bias.shape)
+    axes = tuple(i for i in range(nb) if bshape[i] == 1 and d.shape[i] != 1)
+    if axes:
+        d = d.sum(axis=axes, keepdims=True)
+    return d.reshape(bias.shape).astype(bias.dtype, copy=False)
+
+
+def _check_variants(q, nk, hq, dtype, *, window, softcap, alibi_slopes, bias, mask,
+                    dropout_p, seed):
+    """Every option checked before anything is computed; returns (window, softcap, p, seed)."""
+    window = _checks.check_window(window)
+    softcap = _checks.check_softcap(softcap)
+    p, seed = _checks.check_dropout(dropout_p, seed)
+    if alibi_slopes is not None:
+        _checks.check_alibi(alibi_slopes, q, hq)
+    if bias is not None:
+        _checks.check_bias(bias, q, nk, dtype)
+    if mask is not None:
+        _checks.check_mask(mask, q, nk)
+    return window, softcap, p, seed
+
+
+def _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed, alibi_slopes, bias,
+                   mask):
+    alibi = None
+    if alibi_slopes is not None:
+        acc = _dtypes.accum_dtype(dtype)
+        a = alibi_slopes.reshape(-1, hq) if alibi_slopes.ndim > 1 else alibi_slopes[None]
+        alibi = xp.ascontiguousarray(a, dtype=acc)  # (1 or B, Hq): tiny
+    return _variants.Variants(
+        window=window, softcap=softcap, alibi=alibi,
+        bias=None if bias is None else _compact4(xp, bias, q, batch),
+        mask=None if mask is None else _compact4(xp, mask, q, batch),
+        dropout_p=p, seed=seed)
+
+
+def _option_arrays(alibi_slopes, bias, mask):
+    return {n: x for n, x in (("alibi_slopes", alibi_slopes), ("bias", bias), ("mask", mask))
+            if x is not None}
+
+
 # -- the public functions --------------------------------------------------------------
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
-                    algorithm="fa2", backend="auto"):
+                    algorithm="fa2", backend="auto", window=None, softcap=None,
+                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
     """Exact attention softmax(scale · Q Kᵀ) V without building the N×N score matrix.
 
     q: (..., Nq, d); k, v: (..., Nk, d). Leading axes are batch axes and must match,
@@ -87,16 +156,28 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     natural-log log-sum-exp of each row's scaled scores, shape (..., Nq), float32
     (float64 for float64 inputs).
     backend: "auto" ("cuda" for GPU arrays, else "numpy"), "numpy", "cuda", "emulator".
+
+    Variants (docs/api.md; applied in this order): s = scale·q·kᵀ → softcap
+    (softcap·tanh(s/softcap)) → + ALiBi (−slope·|i + Nk − Nq − j|) + bias → causal,
+    window=(left, right) and the bool mask (True = may attend) → softmax → dropout
+    (dropout_p, seed: Philox keyed by (seed, b, h, i, j)) → ·v. bias and mask broadcast
+    to (..., Hq, Nq, Nk) and are never expanded in memory.
     """
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
     algorithm = _checks.check_algorithm(algorithm)
-    arrays = {"q": q, "k": k, "v": v}
+    options = _option_arrays(alibi_slopes, bias, mask)
+    arrays = {"q": q, "k": k, "v": v, **options}
     be = _resolve_backend(backend, arrays)
-    q, k, v = _bring(be, arrays)
+    q, k, v, *opt = _bring(be, arrays)
+    alibi_slopes, bias, mask = (dict(zip(options, opt)).get(n) for n in
+                                ("alibi_slopes", "bias", "mask"))
     dtype = _checks.check_same_dtype(q=q, k=k, v=v)
     batch, hq, hkv, nq, nk, d = _checks.check_attention_shapes(q, k, v)
     scale = _checks.check_scale(scale, d)
+    window, softcap, p, seed = _check_variants(
+        q, nk, hq, dtype, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, mask=mask, dropout_p=dropout_p, seed=seed)
     xp = be.xp
     lse_dtype = _dtypes.lse_dtype(dtype)
 
@@ -107,45 +188,71 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
         o = xp.zeros(q.shape, dtype=dtype)
         lse = xp.full(q.shape[:-1], -np.inf, dtype=lse_dtype)
     else:
+        var = _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed,
+                             alibi_slopes, bias, mask)
+        extra = {} if var.is_plain() else {"variants": var}
         o, lse = be.forward(_as_4d(q, batch, hq), _as_4d(k, batch, hkv),
                             _as_4d(v, batch, hkv), causal=causal, scale=scale,
-                            algorithm=algorithm)
+                            algorithm=algorithm, **extra)
         o = o.reshape(q.shape)
         lse = lse.reshape(q.shape[:-1])
     return (o, lse) if return_lse else o
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
-                             backend="auto"):
+                             backend="auto", window=None, softcap=None, alibi_slopes=None,
+                             bias=None, mask=None, dropout_p=0.0, seed=None,
+                             return_dbias=False):
     """Gradients (dq, dk, dv) of attention from its output gradient do.
 
     o and lse are what flash_attention(q, k, v, return_lse=True) returned. dq, dk, dv
     have the shapes and dtypes of q, k, v; under GQA dk and dv sum over the query heads
     of each group. Rows whose lse is -inf (fully masked) contribute nothing.
+
+    The variant options must be those the forward ran with (nothing can check that);
+    dropout is redrawn from the seed. With return_dbias=True (needs bias) it returns
+    (dq, dk, dv, dbias): dbias, in bias's shape and dtype, is the gradient with respect
+    to the biased score, summed over bias's broadcast axes.
     """
     causal = _checks.check_flag("causal", causal)
-    arrays = {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+    return_dbias = _checks.check_return_dbias(return_dbias, bias)
+    options = _option_arrays(alibi_slopes, bias, mask)
+    arrays = {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, **options}
     be = _resolve_backend(backend, arrays)
-    do, q, k, v, o, lse = _bring(be, arrays)
+    do, q, k, v, o, lse, *opt = _bring(be, arrays)
+    alibi_slopes, bias, mask = (dict(zip(options, opt)).get(n) for n in
+                                ("alibi_slopes", "bias", "mask"))
     dtype = _checks.check_same_dtype(q=q, k=k, v=v)
     batch, hq, hkv, nq, nk, d = _checks.check_attention_shapes(q, k, v)
     _checks.check_like("do", do, "q", q, dtype)
     _checks.check_like("o", o, "q", q, dtype)
     _checks.check_lse(lse, q)
     scale = _checks.check_scale(scale, d)
+    window, softcap, p, seed = _check_variants(
+        q, nk, hq, dtype, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        bias=bias, mask=mask, dropout_p=dropout_p, seed=seed)
     xp = be.xp
 
     if math.prod(batch) == 0 or hq == 0 or nq == 0 or nk == 0:
         # No (query, key) pair: every gradient is zero (or empty).
-        return (xp.zeros(q.shape, dtype=dtype), xp.zeros(k.shape, dtype=dtype),
-                xp.zeros(v.shape, dtype=dtype))
+        grads = (xp.zeros(q.shape, dtype=dtype), xp.zeros(k.shape, dtype=dtype),
+                 xp.zeros(v.shape, dtype=dtype))
+        return grads + (xp.zeros(bias.shape, dtype=bias.dtype),) if return_dbias else grads
     lse = lse.astype(_dtypes.lse_dtype(dtype), copy=False)
-    dq, dk, dv = be.backward(_as_4d(do, batch, hq), _as_4d(q, batch, hq),
-                             _as_4d(k, batch, hkv), _as_4d(v, batch, hkv),
-                             _as_4d(o, batch, hq),
-                             lse.reshape((math.prod(batch), hq, nq)),
-                             causal=causal, scale=scale)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    var = _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed, alibi_slopes,
+                         bias, mask)
+    extra = {} if var.is_plain() else {"variants": var}
+    if return_dbias:
+        extra["return_dbias"] = True
+    out = be.backward(_as_4d(do, batch, hq), _as_4d(q, batch, hq),
+                      _as_4d(k, batch, hkv), _as_4d(v, batch, hkv), _as_4d(o, batch, hq),
+                      lse.reshape((math.prod(batch), hq, nq)),
+                      causal=causal, scale=scale, **extra)
+    dq, dk, dv = out[:3]
+    grads = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    if return_dbias:
+        return grads + (_dbias_to_user(xp, out[3], bias, batch, q),)
+    return grads
 
 
 def online_softmax(x, axis=-1, *, backend="auto"):

@@ -9,6 +9,12 @@ input dtype: the tests compare every other implementation against these.
 - `attention_backward` the FlashAttention backward equations, from the stored lse.
 - `online_softmax`    the softmax in the one-pass
   (running max, running sum) form that FlashAttention is built on.
+- `attention_scores`  the variants' score chain, stated plainly (see below).
+
+Variants (`naive_attention` and `attention_backward` take them; docs/api.md), in
+this order: S = scale·Q Kᵀ → softcap·tanh(S/softcap) → + ALiBi + bias →
+causal/window/mask (hidden: −inf) → P = softmax → dropout (P ∘ keep/(1 − p),
+keep from `cuflash.variants`) → O = P V. lse is that of the pre-dropout P.
 
 Shapes are (..., N, d). Leading axes broadcast; on axis -3 (heads) query head
 h uses K/V head h // (Hq / Hkv) (GQA / MQA). Causal masking is aligned to the
@@ -28,7 +34,7 @@ from .tiling import paper_block_sizes
 
 __all__ = [
     "naive_attention", "fa1_attention", "fa2_attention", "attention_backward",
-    "online_softmax", "causal_mask",
+    "online_softmax", "causal_mask", "visible_keys", "attention_scores",
 ]
 
 NEG_INF = -np.inf
@@ -46,6 +52,92 @@ def causal_mask(Nq, Nk, *, row0=0, col0=0, rows=None, cols=None):
     i = np.arange(row0, row0 + rows)[:, None]
     j = np.arange(col0, col0 + cols)[None, :]
     return j > i + (Nk - Nq)
+
+
+def visible_keys(Nq, Nk, *, causal=False, window=None):
+    """Boolean (Nq, Nk), True where query i may see key j by causal and window alone:
+    i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right (−1: unbounded), j ≤ i + Nk − Nq if causal."""
+    i = np.arange(Nq)[:, None] + (Nk - Nq)
+    j = np.arange(Nk)[None, :]
+    vis = np.ones((Nq, Nk), bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            vis &= j >= i - left
+        if right >= 0:
+            vis &= j <= i + right
+    return vis
+
+
+def _batch_head_index(lead):
+    """(b, h) index arrays broadcasting against scores of shape lead + (Nq, Nk):
+    b the flattened batch index, h the query head (both 0 for 2-D inputs)."""
+    if len(lead) == 0:
+        return np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64)
+    batch, hq = lead[:-1], lead[-1]
+    b = np.arange(math.prod(batch), dtype=np.int64).reshape(batch + (1, 1, 1))
+    h = np.arange(hq, dtype=np.int64).reshape(hq, 1, 1)
+    return b, h
+
+
+def _dropout_keep(lead, Nq, Nk, dropout_p, seed):
+    """The keep mask (lead + (Nq, Nk)), one Philox draw per element (cuflash.variants)."""
+    from . import variants
+    b, h = _batch_head_index(lead)
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    keep = variants.keep_mask(seed, variants.dropout_threshold(dropout_p), b, h, i, j)
+    return np.broadcast_to(keep, lead + (Nq, Nk))
+
+
+def attention_scores(q, k, *, causal=False, scale=None, window=None, softcap=None,
+                     alibi_slopes=None, bias=None, mask=None):
+    """The score chain of every variant, float64, O(N²):
+
+        S = scale·Q Kᵀ
+        Z = softcap·tanh(S/softcap)           (Z = S without softcap)
+        Z = Z − slope_h·|i + Nk − Nq − j| + bias
+        Z = −inf where causal, window or mask (False) hide key j from query i
+
+    Returns (Z, T) with T = tanh(S/softcap) (for the backward; None without softcap).
+    k has q's heads already (GQA expanded). alibi_slopes is (Hq,) or (*batch, Hq).
+    """
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    S = scale * (q @ np.swapaxes(k, -1, -2))                       # S = scale·Q Kᵀ
+    T = None
+    if softcap is not None:
+        T = np.tanh(S / softcap)
+        Z = softcap * T                                            # softcap
+    else:
+        Z = S
+    if alibi_slopes is not None:                                   # + ALiBi
+        slopes = np.asarray(alibi_slopes, np.float64)
+        if Z.ndim == 2:  # 2-D inputs: one head, one slope
+            slopes = slopes.reshape(())
+        dist = np.abs(np.arange(Nq)[:, None] + (Nk - Nq) - np.arange(Nk)[None, :])
+        Z = Z - slopes[..., None, None] * dist
+    if bias is not None:                                           # + bias
+        Z = Z + np.asarray(bias, np.float64)
+    hidden = ~visible_keys(Nq, Nk, causal=causal, window=window)   # causal / window
+    if mask is not None:                                           # / mask
+        hidden = hidden | ~np.asarray(mask, bool)
+    Z = np.where(hidden, NEG_INF, Z)
+    return Z, T
+
+
+def _has_variants(window, softcap, alibi_slopes, bias, mask, dropout_p):
+    return not (window is None and softcap is None and alibi_slopes is None
+                and bias is None and mask is None and not dropout_p)
+
+
+def _unbroadcast(x, shape):
+    """Sum x down to `shape` over the axes it was broadcast along."""
+    while x.ndim > len(shape):
+        x = x.sum(axis=0)
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 def _default_scale(d, scale):
@@ -117,9 +209,13 @@ def online_softmax(x, axis=-1):
 
 
 # --------------------------------------------------------------------------- naive
-def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False, window=None,
+                    softcap=None, alibi_slopes=None, bias=None, mask=None, dropout_p=0.0,
+                    seed=None):
     """Standard attention, O(N²) memory: S = scale·Q Kᵀ, P = softmax(S), O = P V.
 
+    With variants, S is `attention_scores`' Z and dropout multiplies P by
+    keep/(1 − p) before V (lse stays that of the pre-dropout P).
     Returns float64 O (and float64 lse = logsumexp(S) per row when return_lse).
     """
     q, k, v = _f64(q, k, v)
@@ -127,14 +223,21 @@ def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = _default_scale(d, scale)
 
-    S = scale * (q @ np.swapaxes(k, -1, -2))                       # S = scale·Q Kᵀ
-    if causal:
-        S = np.where(causal_mask(Nq, Nk), NEG_INF, S)
+    if _has_variants(window, softcap, alibi_slopes, bias, mask, dropout_p):
+        S, _ = attention_scores(q, k, causal=causal, scale=scale, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                                mask=mask)
+    else:
+        S = scale * (q @ np.swapaxes(k, -1, -2))                   # S = scale·Q Kᵀ
+        if causal:
+            S = np.where(causal_mask(Nq, Nk), NEG_INF, S)
     # A row with no visible key: scipy's softmax would give NaN (−inf − (−inf));
     # the contract says O = 0 and lse = −inf, so those rows get P = 0.
     empty = np.all(S == NEG_INF, axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
         P = np.where(empty, 0.0, scipy.special.softmax(S, axis=-1))  # P = softmax(S)
+    if dropout_p:                                                  # dropout
+        P = P * _dropout_keep(S.shape[:-2], Nq, Nk, dropout_p, seed) / (1.0 - dropout_p)
     O = P @ v                                                      # O = P V
     if not return_lse:
         return O
@@ -290,7 +393,9 @@ def fa2_attention(q, k, v, *, causal=False, scale=None, M=4096, return_lse=False
 
 
 # --------------------------------------------------------------------------- backward
-def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None):
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, window=None,
+                       softcap=None, alibi_slopes=None, bias=None, mask=None,
+                       dropout_p=0.0, seed=None, return_dbias=False):
     """Gradients of O = softmax(scale·Q Kᵀ) V from the stored lse (float64).
 
         P  = exp(S − lse)          (recomputed: no N×N is stored by the forward)
@@ -303,6 +408,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None):
 
     Under GQA dK and dV sum over the query heads sharing a K/V head. Rows with
     lse = −inf (no visible key) give P = 0 and so contribute nothing.
+
+    With variants the same chain, differentiated (S the score after softcap, ALiBi and
+    bias; Z = keep/(1 − p) the dropout multiplier, 1 without dropout):
+
+        dV = (P ∘ Z)ᵀ dO,  dP = (dO Vᵀ) ∘ Z,  dS = P ∘ (dP − D)   (D = rowsum(dO ∘ O) still)
+        dbias = dS summed over bias's broadcast axes              (return_dbias)
+        dS_raw = dS ∘ (1 − tanh²(S_raw/softcap))                   (softcap)
+        dQ = dS_raw K · scale,  dK = dS_rawᵀ Q · scale
     """
     do, q, k, v, o, lse = _f64(do, q, k, v, o, lse)
     k_shape, v_shape = k.shape, v.shape
@@ -310,19 +423,35 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None):
     Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = _default_scale(d, scale)
 
-    S = scale * (q @ np.swapaxes(k, -1, -2))
-    if causal:
-        S = np.where(causal_mask(Nq, Nk), NEG_INF, S)
+    T = None
+    if _has_variants(window, softcap, alibi_slopes, bias, mask, dropout_p):
+        S, T = attention_scores(q, k, causal=causal, scale=scale, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                                mask=mask)
+    else:
+        S = scale * (q @ np.swapaxes(k, -1, -2))
+        if causal:
+            S = np.where(causal_mask(Nq, Nk), NEG_INF, S)
     # lse = −inf: subtract +inf instead, so exp(S − lse) = exp(−inf) = 0, not NaN.
     lse_safe = np.where(lse == NEG_INF, np.inf, lse)
     P = np.exp(S - lse_safe[..., None])                  # P = exp(S − lse)
-    dv = np.swapaxes(P, -1, -2) @ do                     # dV = Pᵀ dO
-    dP = do @ np.swapaxes(v, -1, -2)                     # dP = dO Vᵀ
+    Z = 1.0
+    if dropout_p:
+        Z = _dropout_keep(S.shape[:-2], Nq, Nk, dropout_p, seed) / (1.0 - dropout_p)
+    dv = np.swapaxes(P * Z, -1, -2) @ do                 # dV = (P ∘ Z)ᵀ dO
+    dP = (do @ np.swapaxes(v, -1, -2)) * Z               # dP = dO Vᵀ (∘ Z)
     D = np.sum(do * o, axis=-1, keepdims=True)           # D = rowsum(dO ∘ O)
     dS = P * (dP - D)                                    # dS = P ∘ (dP − D)
+    dbias = None
+    if return_dbias:
+        dbias = _unbroadcast(dS, np.shape(bias))         # dbias = dS, unbroadcast
+    if T is not None:
+        dS = dS * (1.0 - T * T)                          # through softcap·tanh(S/softcap)
     dq = (dS @ k) * scale                                # dQ = dS K · scale
     dk = (np.swapaxes(dS, -1, -2) @ q) * scale           # dK = dSᵀ Q · scale
     dq = _sum_to_shape(dq, q.shape)
     dk = _sum_to_shape(dk, k_shape)
     dv = _sum_to_shape(dv, v_shape)
+    if return_dbias:
+        return dq, dk, dv, dbias
     return dq, dk, dv

@@ -19,12 +19,16 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes, tiling
+from ..variants import unsupported
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
-def backward(backend, do, q, k, v, o, lse, *, causal, scale):
+def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
+             return_dbias=False):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group."""
+    if variants is not None and not variants.is_plain():
+        raise unsupported(variants, backend.name)
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     B, Hq, Nq, d = q.shape

@@ -18,12 +18,16 @@ import numpy as np
 
 from .. import _dtypes, tiling
 from ..families import FORWARD_ALGORITHMS
+from ..variants import unsupported
 from .marshal import elem_strides, i32, prepare
 
 
-def forward(backend, q, k, v, *, causal, scale, algorithm):
+def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d): o in q's dtype, lse (B, Hq,
-    Nq) in the accumulation dtype."""
+    Nq) in the accumulation dtype. `variants` (cuflash.variants.Variants): the options;
+    None or plain for none."""
+    if variants is not None and not variants.is_plain():
+        raise unsupported(variants, backend.name)
     xp = backend.xp
     q, k, v = (prepare(xp, a) for a in (q, k, v))
     B, Hq, Nq, d = q.shape

@@ -71,12 +71,14 @@ class KernelBackend:
         """The forward plan this backend's device gets for head dim d and dtype."""
         return tiling.plan_forward(d, dtype, algorithm=algorithm, **self.limits())
 
-    def forward(self, q, k, v, *, causal, scale, algorithm="fa2"):
+    def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None):
         return kernel_forward.forward(self, q, k, v, causal=causal, scale=scale,
-                                      algorithm=algorithm)
+                                      algorithm=algorithm, variants=variants)
 
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
-        return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal, scale=scale)
+    def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
+                 return_dbias=False):
+        return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal, scale=scale,
+                                        variants=variants, return_dbias=return_dbias)
 
     def softmax(self, x):
         return kernel_softmax.softmax(self, x)

@@ -26,7 +26,8 @@ FA2's (K/V tiles outer, Q rows inner), with the seed equations' names.
 Modules: config (CpuConfig, every setting), expbase (exp or exp2, and its fast range),
 pool (the worker threads), schedule (which blocks a loop visits, the causal mask,
 tasks), arrays (views and scratch), forward and forward_tiles (FA2 forward), fa1,
-backward, softmax.
+backward, softmax, variants (window, softcap, ALiBi, bias, mask, dropout: forward and
+backward with dbias, in FA2's loop order for either algorithm).
 
 Memory: one score tile (heads, G·Br, Bc) per worker, plus O(N·d) arrays (the
 outputs; [c·Q | ·], [K | 1] and [V | 1] prepared once per call in the accumulation
@@ -39,7 +40,7 @@ own row only, as scipy.special.softmax does.
 """
 import numpy as np
 
-from . import backward, fa1, forward, softmax
+from . import backward, fa1, forward, softmax, variants as variant_loops
 from .config import DEFAULT_CONFIG, CpuConfig
 
 _FORWARDS = {"fa2": forward.forward, "fa1": fa1.forward}
@@ -57,10 +58,17 @@ class NumpyBackend:
             raise TypeError(f"config must be a CpuConfig; got {type(config).__name__}")
         self.config = config
 
-    def forward(self, q, k, v, *, causal, scale, algorithm="fa2"):
+    def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None):
+        if variants is not None and not variants.is_plain():
+            # Both algorithms: the variants run in FA2's loop order (variants.py).
+            return variant_loops.forward(q, k, v, causal, scale, self.config, variants)
         return _FORWARDS[algorithm](q, k, v, causal, scale, self.config)
 
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
+    def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
+                 return_dbias=False):
+        if (variants is not None and not variants.is_plain()) or return_dbias:
+            return variant_loops.backward(do, q, k, v, o, lse, causal, scale, self.config,
+                                          variants, return_dbias)
         return backward.backward(do, q, k, v, o, lse, causal, scale, self.config)
 
     def softmax(self, x):

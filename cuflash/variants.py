@@ -1,0 +1,200 @@
+"""Attention variants: the options that change the score tile, in one record.
+
+Every variant enters at one place, the score tile, in this order (docs/api.md):
+
+    s = scale·q·kᵀ → softcap → + ALiBi + bias → causal/window/mask → softmax (lse)
+      → dropout → ·V
+
+`Variants` carries the checked, normalised options from `cuflash.api` to a backend:
+arrays in the compact 4-D form every backend reads (each axis full or 1, a size-1 axis
+read with stride 0, never expanded), the window as two ints, the dropout threshold.
+`Variants.is_plain()` says whether a call has none of them, so that a kernel path that
+does not take variants yet (the tensor-core forward) can fall back to one that does.
+
+Dropout draws its keep decision from a counter-based generator, Philox4x32-10
+(Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), so it depends only
+on (seed, b, h, i, j): every backend, every tiling, and the backward draw the same mask.
+The mapping, here and in `cuflash/kernels/philox.cuh`:
+
+    key     = (seed mod 2^32, seed div 2^32)
+    counter = (j div 4, i, h, b)        b: flattened batch index, h: query head
+    word    = output word j mod 4 of Philox4x32-10(counter, key)
+    keep    = word >= floor(p · 2^32)   (so P(keep) = 1 − p to within 2^-32)
+
+One Philox call serves four consecutive keys of a row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# Philox4x32 constants (Random123, philox.h): the two multipliers and the Weyl key bumps.
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+_LO32 = np.uint64(0xFFFFFFFF)
+_SHIFT32 = np.uint64(32)
+
+
+# -- Philox4x32-10 ---------------------------------------------------------------------
+
+def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
+    """Philox4x32-`rounds` of broadcastable uint32 arrays: counter (c0, c1, c2, c3),
+    key (k0, k1). Returns the four output words as uint32 arrays.
+
+    One round: (hi0, lo0) = M0·c0, (hi1, lo1) = M1·c2 (64-bit products),
+    c ← (hi1 ⊕ c1 ⊕ k0, lo1, hi0 ⊕ c3 ⊕ k1, lo0); then the key is bumped by (W0, W1).
+    """
+    c0, c1, c2, c3 = (np.asarray(c, np.uint64) for c in counter)
+    k0, k1 = (np.asarray(k, np.uint64) for k in key)
+    m0, m1 = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1)
+    w0, w1 = np.uint64(PHILOX_W0), np.uint64(PHILOX_W1)
+    for r in range(rounds):
+        if r:  # the key schedule: bumped between rounds (uint32 wrap-around)
+            k0 = (k0 + w0) & _LO32
+            k1 = (k1 + w1) & _LO32
+        p0 = m0 * c0            # < 2^64: exact in uint64
+        p1 = m1 * c2
+        c0, c1, c2, c3 = ((p1 >> _SHIFT32) ^ c1 ^ k0, p1 & _LO32,
+                          (p0 >> _SHIFT32) ^ c3 ^ k1, p0 & _LO32)
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def dropout_threshold(p: float) -> int:
+    """floor(p · 2^32): a draw below it drops the entry. 0 for p = 0 (nothing dropped)."""
+    return int(math.floor(float(p) * 2.0 ** 32))
+
+
+def seed_key(seed: int) -> tuple[int, int]:
+    """The Philox key of a seed: its low and high 32-bit words."""
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+
+
+def keep_mask(seed: int, threshold: int, b, h, i, j):
+    """The keep decision for broadcastable index arrays b, h, i, j (see module docstring).
+
+    Draws one Philox block per distinct (j div 4, i, h, b), so a row's keys j0..j1 cost
+    (j1 − j0)/4 + 1 blocks: pass j as a contiguous last axis for that to hold.
+    """
+    b, h, i, j = np.broadcast_arrays(*(np.asarray(x, np.int64) for x in (b, h, i, j)))
+    if j.size == 0:
+        return np.zeros(j.shape, bool)
+    words = philox4x32((j >> 2, i, h, b), seed_key(seed))
+    word = np.choose(j & 3, words)
+    return word >= np.uint32(threshold) if threshold else np.ones(j.shape, bool)
+
+
+def keep_tile(seed: int, threshold: int, b, h, i0: int, i1: int, j0: int, j1: int):
+    """The keep mask of query rows [i0, i1) × keys [j0, j1), for batch index b and query
+    heads h (ints or 1-D arrays, broadcast against each other as a leading axis):
+    shape h.shape + (i1 − i0, j1 − j0). One Philox block per 4 keys."""
+    h = np.atleast_1d(np.asarray(h, np.int64))
+    b = np.broadcast_to(np.asarray(b, np.int64), h.shape)
+    q0, q1 = j0 >> 2, (j1 + 3) >> 2
+    jq = np.arange(q0, q1, dtype=np.int64)
+    ii = np.arange(i0, i1, dtype=np.int64)
+    ctr = (jq[None, None, :], ii[None, :, None], h[:, None, None], b[:, None, None])
+    words = philox4x32(ctr, seed_key(seed))
+    # (heads, rows, blocks, 4) → (heads, rows, 4·blocks): key 4·jq + w in order.
+    w = np.stack(words, axis=-1).reshape(h.shape[0], i1 - i0, 4 * (q1 - q0))
+    w = w[:, :, j0 - 4 * q0:j1 - 4 * q0]
+    return w >= np.uint32(threshold)
+
+
+def dropout_mask(shape, dropout_p, seed):
+    """The boolean keep mask (True = kept) that dropout with `dropout_p` and `seed` uses
+    for attention of shape (B, H, Nq, Nk): entry [b, h, i, j] for batch b, query head h,
+    query i, key j. Identical on every backend and for every tiling; for testing and
+    debugging (it is O(B·H·Nq·Nk))."""
+    from . import _checks
+    shape = tuple(shape)
+    if len(shape) != 4 or any(isinstance(n, (bool, np.bool_)) or int(n) != n or n < 0
+                              for n in shape):
+        raise ValueError(f"shape must be (B, H, Nq, Nk), four ints >= 0; got {shape!r}")
+    p, seed = _checks.check_dropout(dropout_p, seed)
+    B, H, Nq, Nk = (int(n) for n in shape)
+    t = dropout_threshold(p)
+    out = np.empty((B, H, Nq, Nk), bool)
+    if H and Nq and Nk:
+        for b in range(B):
+            out[b] = keep_tile(seed, t, b, np.arange(H), 0, Nq, 0, Nk)
+    return out
+
+
+# -- which keys a row sees (causal and window: index predicates) -------------------------
+
+def key_bounds(i, Nq: int, Nk: int, causal: bool, window):
+    """[lo, hi] (inclusive) of the keys query i may see by causal and window alone,
+    bottom-right aligned: i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right, each side
+    unbounded for −1, causal capping right at 0. Not clipped to [0, Nk)."""
+    off = Nk - Nq
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    big = Nq + Nk + 1  # farther than any key: unbounded
+    lo = i + off - (left if left >= 0 else big)
+    hi = i + off + (right if right >= 0 else big)
+    return lo, hi
+
+
+# -- the record a backend receives ----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Variants:
+    """The checked options of one call, as backends read them.
+
+    bias, mask: None or 4-D (B or 1, Hq or 1, Nq or 1, Nk or 1) arrays on the backend's
+    device (a size-1 axis is broadcast: read with stride 0). alibi: None or (B or 1, Hq)
+    slopes in the accumulation dtype. window: None or (left, right), −1 = unbounded.
+    """
+
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    alibi: object = None
+    bias: object = None
+    mask: object = None
+    dropout_p: float = 0.0
+    seed: int = 0
+
+    def is_plain(self) -> bool:
+        """True when no option is set: plain softmax(scale·q·kᵀ)·v (with causal or not)."""
+        return self.active() == ()
+
+    def active(self) -> tuple[str, ...]:
+        """The names (API argument names) of the options set."""
+        names = []
+        if self.window is not None:
+            names.append("window")
+        if self.softcap is not None:
+            names.append("softcap")
+        if self.alibi is not None:
+            names.append("alibi_slopes")
+        if self.bias is not None:
+            names.append("bias")
+        if self.mask is not None:
+            names.append("mask")
+        if self.dropout_p > 0:
+            names.append("dropout_p")
+        return tuple(names)
+
+    @property
+    def threshold(self) -> int:
+        return dropout_threshold(self.dropout_p)
+
+    @property
+    def keep_scale(self) -> float:
+        """1/(1 − p): what a kept entry is multiplied by."""
+        return 1.0 / (1.0 - self.dropout_p)
+
+
+PLAIN = Variants()
+
+
+def unsupported(variants, backend: str, supported_by: str = "numpy"):
+    """ValueError for options a backend does not take yet (never a silent wrong answer)."""
+    names = ", ".join(variants.active())
+    return ValueError(f"{names} {'is' if len(variants.active()) == 1 else 'are'} not "
+                      f"supported by backend={backend!r} yet; backend={supported_by!r} "
+                      f"supports {'it' if len(variants.active()) == 1 else 'them'}")

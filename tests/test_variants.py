@@ -1,0 +1,418 @@
+"""Attention variants: window, softcap, ALiBi, bias (with dbias), bool mask, dropout.
+
+Every option alone and in combination against the float64 reference (whose score chain
+is `reference.attention_scores`), on every backend; gradients against the reference and
+central differences; dropout's Philox against the Random123 known answers.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import cuflash
+from cuflash import reference, variants
+from conftest import to_backend, to_host
+
+# The options each kernel backend takes so far (the NumPy backend takes all of them).
+KERNEL_OPTIONS = set()
+
+
+def supported(backend, opts):
+    names = {n for n in opts if n not in ("causal", "seed")}
+    return backend == "numpy" or names <= KERNEL_OPTIONS
+
+
+def rand(rng, shape, dtype=np.float64):
+    return rng.uniform(-1, 1, shape).astype(dtype)
+
+
+Q_SHAPE, K_SHAPE = (2, 4, 37, 24), (2, 2, 53, 24)   # GQA, Nq < Nk, odd sizes
+
+
+def make_options(rng, names, q_shape=Q_SHAPE, nk=K_SHAPE[-2], dtype=np.float64):
+    """Options by name, with random arrays of the shapes the scores broadcast to."""
+    *batch, hq, nq, _ = q_shape
+    opts = {}
+    for n in names:
+        if n == "causal":
+            opts["causal"] = True
+        elif n == "window":
+            opts["window"] = (7, 4)
+        elif n == "window_left":
+            opts["window"] = (11, -1)
+        elif n == "softcap":
+            opts["softcap"] = 0.8
+        elif n == "alibi":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (hq,))
+        elif n == "alibi_batch":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, tuple(batch) + (hq,))
+        elif n == "bias":
+            opts["bias"] = rand(rng, tuple(batch) + (hq, nq, nk), dtype)
+        elif n == "bias_pair":  # (Nq, Nk), broadcast over batch and heads
+            opts["bias"] = rand(rng, (nq, nk), dtype)
+        elif n == "bias_head":  # (Hq, 1, Nk): broadcast over batch and query rows
+            opts["bias"] = rand(rng, (hq, 1, nk), np.float32)
+        elif n == "mask":
+            m = rng.random((nq, nk)) > 0.3
+            m[3] = False  # a row that sees no key
+            opts["mask"] = m
+        elif n == "mask_batch":
+            opts["mask"] = rng.random(tuple(batch) + (1, nq, nk)) > 0.5
+        elif n == "dropout":
+            opts["dropout_p"], opts["seed"] = 0.3, 1234
+        else:
+            raise KeyError(n)
+    return opts
+
+
+CASES = [
+    ["window"], ["causal", "window"], ["causal", "window_left"], ["softcap"], ["alibi"],
+    ["alibi_batch"], ["bias"], ["bias_pair"], ["bias_head"], ["mask"], ["mask_batch"],
+    ["dropout"], ["causal", "mask", "bias_pair"], ["softcap", "alibi", "bias", "window"],
+    ["causal", "window_left", "softcap", "alibi", "bias_head", "mask", "dropout"],
+]
+
+
+def check_unsupported(backend, args, opts):
+    """A backend without an option raises a ValueError naming it, computing nothing."""
+    with pytest.raises(ValueError, match="not supported by backend"):
+        cuflash.flash_attention(*args, backend=backend, **opts)
+
+
+def forward_both(backend, q, k, v, opts):
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), return_lse=True,
+                                     backend=backend, **to_options(backend, opts))
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    return to_host(o), to_host(lse), ref_o, ref_lse
+
+
+def to_options(backend, opts):
+    return {n: (to_backend(backend, x) if isinstance(x, np.ndarray) else x)
+            for n, x in opts.items()}
+
+
+def assert_lse_close(lse, ref, tol):
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(lse[finite], ref[finite], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("names", CASES, ids="+".join)
+def test_forward_matches_reference(backend, names, dtype):
+    rng = np.random.default_rng(0)
+    q, k, v = (rand(rng, s, dtype) for s in (Q_SHAPE, K_SHAPE, K_SHAPE))
+    opts = make_options(rng, names, dtype=dtype)
+    if not supported(backend, opts):
+        return check_unsupported(backend, to_backend(backend, q, k, v), to_options(backend, opts))
+    o, lse, ref_o, ref_lse = forward_both(backend, q, k, v, opts)
+    tol = 1e-10 if dtype == np.float64 else 2e-5
+    assert o.shape == q.shape and o.dtype == dtype
+    np.testing.assert_allclose(o, ref_o, rtol=tol, atol=tol)
+    assert_lse_close(lse, ref_lse, tol)
+
+
+@pytest.mark.parametrize("names", CASES, ids="+".join)
+def test_backward_matches_reference(backend, names):
+    rng = np.random.default_rng(1)
+    q, k, v, = (rand(rng, s) for s in (Q_SHAPE, K_SHAPE, K_SHAPE))
+    do = rand(rng, Q_SHAPE)
+    opts = make_options(rng, names)
+    if not supported(backend, opts):
+        return check_unsupported(backend, to_backend(backend, q, k, v), to_options(backend, opts))
+    with_bias = "bias" in opts
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    grads = cuflash.flash_attention_backward(
+        *to_backend(backend, do, q, k, v, ref_o, ref_lse), backend=backend,
+        return_dbias=with_bias, **to_options(backend, opts))
+    refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=with_bias,
+                                        **opts)
+    assert len(grads) == len(refs) == 3 + with_bias
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, refs):
+        g = to_host(g)
+        assert g.shape == r.shape, name
+        tol = 1e-9 if g.dtype == np.float64 else 1e-6  # a float32 bias gets a float32 dbias
+        np.testing.assert_allclose(g, r, rtol=tol, atol=tol / 10, err_msg=name)
+    if with_bias:
+        assert to_host(grads[3]).dtype == opts["bias"].dtype
+
+
+def test_gradients_match_finite_differences(backend):
+    """d/dx of L = sum(O ∘ W) for x in q, k, v, bias, by central differences (float64),
+    through softcap, ALiBi, bias, window, mask and dropout at once."""
+    rng = np.random.default_rng(2)
+    q, k, v = rand(rng, (1, 2, 6, 5)), rand(rng, (1, 1, 9, 5)), rand(rng, (1, 1, 9, 5))
+    w = rand(rng, q.shape)
+    opts = dict(window=(4, 2), softcap=0.7, alibi_slopes=np.array([0.3, 0.1]),
+                bias=rand(rng, (2, 1, 9)), mask=rng.random((6, 9)) > 0.2,
+                dropout_p=0.25, seed=99)
+    if not supported(backend, opts):
+        return check_unsupported(backend, to_backend(backend, q, k, v), to_options(backend, opts))
+
+    def loss(q, k, v, bias):
+        o = cuflash.flash_attention(*to_backend(backend, q, k, v), backend=backend,
+                                    **to_options(backend, {**opts, "bias": bias}))
+        return float(np.sum(to_host(o) * w))
+
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), return_lse=True,
+                                     backend=backend, **to_options(backend, opts))
+    grads = cuflash.flash_attention_backward(*to_backend(backend, w, q, k, v), o, lse,
+                                             backend=backend, return_dbias=True,
+                                             **to_options(backend, opts))
+    eps = 1e-6
+    xs = [q, k, v, opts["bias"]]
+    for i, (x, g) in enumerate(zip(xs, grads)):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            args = [a.copy() for a in xs]
+            args[i][idx] += eps
+            up = loss(*args)
+            args[i][idx] -= 2 * eps
+            numeric[idx] = (up - loss(*args)) / (2 * eps)
+        np.testing.assert_allclose(to_host(g), numeric, rtol=1e-6, atol=1e-8,
+                                   err_msg="dq dk dv dbias".split()[i])
+
+
+# -- dropout -----------------------------------------------------------------------------
+
+# Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words).
+PHILOX_KAT = [
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+]
+
+
+@pytest.mark.parametrize("rounds, counter, key, want", PHILOX_KAT)
+def test_philox_known_answers(rounds, counter, key, want):
+    got = variants.philox4x32(counter, key, rounds=rounds)
+    assert tuple(int(w) for w in got) == want
+
+
+def test_dropout_mask_is_the_documented_map():
+    """keep[b, h, i, j] = word (j mod 4) of Philox(counter (j div 4, i, h, b), key of
+    seed) >= floor(p·2^32), checked entry by entry for a few entries."""
+    seed, p = (7 << 32) | 5, 0.4
+    m = cuflash.dropout_mask((2, 3, 5, 11), p, seed)
+    t = math.floor(p * 2 ** 32)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 10), (1, 0, 3, 6), (0, 1, 2, 7)]:
+        words = variants.philox4x32((j // 4, i, h, b), (5, 7))
+        assert m[b, h, i, j] == (int(words[j % 4]) >= t)
+
+
+def test_dropout_keep_fraction():
+    p, n = 0.3, 1024 * 1024
+    m = cuflash.dropout_mask((1, 1, 1024, 1024), p, seed=2024)
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(m.mean() - (1 - p)) < 4 * sigma
+
+
+def test_dropout_uses_dropout_mask(backend):
+    """O = (softmax(S) ∘ dropout_mask / (1 − p)) V, with the public dropout_mask."""
+    rng = np.random.default_rng(3)
+    q, k, v = rand(rng, (2, 3, 19, 8)), rand(rng, (2, 3, 45, 8)), rand(rng, (2, 3, 45, 8))
+    opts = dict(dropout_p=0.4, seed=31337, causal=True)
+    if not supported(backend, opts):
+        return check_unsupported(backend, to_backend(backend, q, k, v), opts)
+    o = to_host(cuflash.flash_attention(*to_backend(backend, q, k, v), backend=backend, **opts))
+    s = (q @ np.swapaxes(k, -1, -2)) / math.sqrt(8)
+    s = np.where(reference.visible_keys(19, 45, causal=True), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = cuflash.dropout_mask((2, 3, 19, 45), 0.4, 31337)
+    np.testing.assert_allclose(o, (p * keep / 0.6) @ v, rtol=1e-10, atol=1e-12)
+    # Another seed draws another mask.
+    o2 = to_host(cuflash.flash_attention(*to_backend(backend, q, k, v), backend=backend,
+                                         **{**opts, "seed": 31338}))
+    assert np.abs(o2 - o).max() > 1e-3
+
+
+def test_dropout_backward_redraws_the_forward_mask(backend):
+    rng = np.random.default_rng(4)
+    q, k, v, do = (rand(rng, (1, 2, 33, 16)) for _ in range(4))
+    opts = dict(dropout_p=0.5, seed=5)
+    if not supported(backend, opts):
+        return check_unsupported(backend, to_backend(backend, q, k, v), opts)
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), return_lse=True,
+                                     backend=backend, **opts)
+    ref = reference.attention_backward(do, q, k, v, to_host(o), to_host(lse), **opts)
+    got = cuflash.flash_attention_backward(*to_backend(backend, do, q, k, v), o, lse,
+                                           backend=backend, **opts)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(to_host(g), r, rtol=1e-9, atol=1e-10)
+    other = cuflash.flash_attention_backward(*to_backend(backend, do, q, k, v), o, lse,
+                                             backend=backend, **{**opts, "seed": 6})
+    assert np.abs(to_host(other[2]) - ref[2]).max() > 1e-3
+
+
+# -- shapes and conventions --------------------------------------------------------------
+
+def test_fully_masked_rows_and_defaults(backend):
+    """A row the mask hides entirely: o = 0, lse = −inf, no NaN in any gradient."""
+    rng = np.random.default_rng(5)
+    q, k, v, do = rand(rng, (3, 12, 8)), rand(rng, (3, 20, 8)), rand(rng, (3, 20, 8)), \
+        rand(rng, (3, 12, 8))
+    mask = np.ones((12, 20), bool)
+    mask[4] = False
+    opts = dict(mask=mask)
+    if not supported(backend, opts):
+        return check_unsupported(backend, to_backend(backend, q, k, v), to_options(backend, opts))
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), return_lse=True,
+                                     backend=backend, **to_options(backend, opts))
+    o, lse = to_host(o), to_host(lse)
+    assert np.all(o[:, 4] == 0) and np.all(lse[:, 4] == -np.inf)
+    grads = cuflash.flash_attention_backward(*to_backend(backend, do, q, k, v, o, lse),
+                                             backend=backend, **to_options(backend, opts))
+    assert all(np.isfinite(to_host(g)).all() for g in grads)
+    assert np.all(to_host(grads[0])[:, 4] == 0)
+
+
+def test_default_options_change_nothing():
+    """Every option at its default gives the plain call's result bit for bit."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rand(rng, (2, 40, 16), np.float32) for _ in range(3))
+    plain = cuflash.flash_attention(q, k, v, causal=True, return_lse=True)
+    explicit = cuflash.flash_attention(q, k, v, causal=True, return_lse=True, window=None,
+                                       softcap=None, alibi_slopes=None, bias=None, mask=None,
+                                       dropout_p=0.0, seed=None)
+    for a, b in zip(plain, explicit):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bias_shape", [(5, 7), (1, 1, 5, 7), (2, 1, 1, 1, 1), (3, 5, 1),
+                                        (2, 1, 3, 5, 7), (1, 3, 1, 7)])
+def test_bias_broadcast_and_dbias_shape(bias_shape):
+    """Two batch axes (2, 1), three heads: dbias has bias's shape, summed over its
+    broadcast axes, in bias's dtype."""
+    rng = np.random.default_rng(7)
+    q, k, v, do = rand(rng, (2, 1, 3, 5, 4)), rand(rng, (2, 1, 3, 7, 4)), \
+        rand(rng, (2, 1, 3, 7, 4)), rand(rng, (2, 1, 3, 5, 4))
+    bias = rand(rng, bias_shape, np.float32)
+    o, lse = cuflash.flash_attention(q, k, v, bias=bias, return_lse=True)
+    np.testing.assert_allclose(o, reference.naive_attention(q, k, v, bias=bias),
+                               rtol=1e-6, atol=1e-7)
+    *_, dbias = cuflash.flash_attention_backward(do, q, k, v, o, lse, bias=bias,
+                                                 return_dbias=True)
+    ref = reference.attention_backward(do, q, k, v, o, lse, bias=bias, return_dbias=True)[3]
+    assert dbias.shape == bias.shape and dbias.dtype == np.float32
+    np.testing.assert_allclose(dbias, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_bias_is_read_in_place():
+    """A broadcast bias reaches the backend as a view of the caller's memory."""
+    from cuflash import api
+    q = np.zeros((2, 3, 5, 4))
+    bias = np.ones((1, 1, 5, 7))
+    compact = api._compact4(np, bias, q, (2,))
+    assert compact.shape == (1, 1, 5, 7) and np.shares_memory(compact, bias)
+    per_head = np.ones((3, 5, 7))
+    assert np.shares_memory(api._compact4(np, per_head, q, (2,)), per_head)
+
+
+# -- errors: the argument, what came, what is accepted; nothing computed -----------------
+
+F64 = np.ones((2, 3, 8, 16))
+K64 = np.ones((2, 3, 10, 16))
+
+
+@pytest.mark.parametrize("opts, exc, words", [
+    (dict(window=(-2, 3)), ValueError, r"window entries must be >= 0, or -1"),
+    (dict(window=(1.5, 3)), TypeError, "window must be None or a pair of ints"),
+    (dict(window=5), TypeError, "window"),
+    (dict(softcap=0.0), ValueError, "softcap must be a finite number > 0"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap="1"), TypeError, "softcap"),
+    (dict(alibi_slopes=np.ones(4)), ValueError, r"alibi_slopes must have shape .*\(3,\)"),
+    (dict(alibi_slopes=np.ones((2, 3), complex)), TypeError, "alibi_slopes must be a real"),
+    (dict(bias=np.ones((3, 8, 9))), ValueError, r"bias of shape \(3, 8, 9\) does not "
+     r"broadcast to the scores' shape \(2, 3, 8, 10\)"),
+    (dict(bias=np.ones((8, 10), np.float16)), TypeError, "bias must have q's dtype or float32"),
+    (dict(mask=np.ones((8, 10)) > 0, bias=np.ones((4, 8, 10))), ValueError, "bias of shape"),
+    (dict(mask=np.ones((8, 10))), TypeError, "mask must be a bool array"),
+    (dict(mask=np.ones((2, 8, 1)) > 0), ValueError, r"mask of shape \(2, 8, 1\)"),
+    (dict(dropout_p=1.0, seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p=-0.1, seed=1), ValueError, "dropout_p"),
+    (dict(dropout_p=0.1), ValueError, "needs a seed"),
+    (dict(dropout_p=0.1, seed=-1), ValueError, "seed must be an int in"),
+    (dict(dropout_p=0.1, seed=1.0), TypeError, "seed must be an int"),
+    (dict(dropout_p=0.1, seed=True), TypeError, "seed"),
+])
+def test_errors_name_the_argument(opts, exc, words):
+    with pytest.raises(exc, match=words):
+        cuflash.flash_attention(F64, K64, K64, **opts)
+    lse = np.zeros(F64.shape[:-1])
+    with pytest.raises(exc, match=words):
+        cuflash.flash_attention_backward(F64, F64, K64, K64, F64, lse, **opts)
+
+
+def test_return_dbias_needs_a_bias():
+    lse = np.zeros(F64.shape[:-1])
+    with pytest.raises(ValueError, match="return_dbias=True needs a bias"):
+        cuflash.flash_attention_backward(F64, F64, K64, K64, F64, lse, return_dbias=True)
+
+
+def test_dropout_mask_arguments():
+    with pytest.raises(ValueError, match="needs a seed"):
+        cuflash.dropout_mask((1, 1, 4, 4), 0.5, None)
+    with pytest.raises(ValueError, match=r"shape must be \(B, H, Nq, Nk\)"):
+        cuflash.dropout_mask((4, 4), 0.5, 1)
+
+
+# -- properties --------------------------------------------------------------------------
+
+option_sets = st.fixed_dictionaries({
+    "batch": st.integers(1, 2), "hkv": st.integers(1, 2), "group": st.integers(1, 2),
+    "nq": st.integers(1, 40), "nk": st.integers(1, 40), "d": st.integers(1, 20),
+    "causal": st.booleans(), "seed": st.integers(0, 2**16),
+    "window": st.one_of(st.none(), st.tuples(st.integers(-1, 12), st.integers(-1, 12))),
+    "softcap": st.one_of(st.none(), st.floats(0.2, 5.0)),
+    "alibi": st.booleans(), "bias": st.sampled_from([None, "full", "pair", "head"]),
+    "mask": st.booleans(), "dropout": st.sampled_from([0.0, 0.2, 0.6]),
+})
+
+
+def check_property(p, backend):
+    rng = np.random.default_rng(p["seed"])
+    hq = p["hkv"] * p["group"]
+    B, nq, nk, d = p["batch"], p["nq"], p["nk"], p["d"]
+    q = rng.standard_normal((B, hq, nq, d))
+    k, v = (rng.standard_normal((B, p["hkv"], nk, d)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    opts = dict(causal=p["causal"], window=p["window"], softcap=p["softcap"])
+    if p["alibi"]:
+        opts["alibi_slopes"] = rng.uniform(0, 1, hq)
+    if p["bias"]:
+        shape = {"full": (B, hq, nq, nk), "pair": (nq, nk), "head": (hq, 1, 1)}[p["bias"]]
+        opts["bias"] = rng.standard_normal(shape)
+    if p["mask"]:
+        opts["mask"] = rng.random((B, 1, nq, nk)) > 0.3
+    if p["dropout"]:
+        opts["dropout_p"], opts["seed"] = p["dropout"], p["seed"]
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, backend=backend, **opts)
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-9, atol=1e-11)
+    assert_lse_close(lse, ref_lse, 1e-9)
+    with_bias = "bias" in opts
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend=backend,
+                                             return_dbias=with_bias, **opts)
+    refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=with_bias,
+                                        **opts)
+    for g, r in zip(grads, refs):
+        np.testing.assert_allclose(g, r, rtol=1e-8, atol=1e-10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(option_sets)
+def test_numpy_backend_any_options(p):
+    check_property(p, "numpy")
+
+
+@pytest.mark.skipif(not KERNEL_OPTIONS, reason="the kernels take no variant yet")
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(option_sets)
+def test_emulated_kernels_any_options(p):
+    check_property(p, "emulator")
