@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _dtypes
 from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROCESS,
-                       FORWARD_ALGORITHMS, SOFTMAX_COLS, SOFTMAX_ROWS)
+                       FLASH_FWD_TC, FORWARD_ALGORITHMS, SOFTMAX_COLS, SOFTMAX_ROWS)
 
 # Head-dim buckets: a kernel is compiled for a bucket D and runs any d <= D, the columns
 # d..D-1 zero-padded in shared memory. Larger d is split into D-wide chunks of the
@@ -161,13 +161,9 @@ def all_plans() -> tuple[KernelPlan, ...]:
     return tuple(plans)
 
 
-def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
-                 algorithm: str = "fa2") -> KernelPlan:
-    """The plan for head dim d and dtype on a device with `max_smem` bytes per block.
-
-    `sm_count` and `cc` are accepted for plans that will depend on them (they do not yet:
-    the SIMT kernel's best tile depends only on what fits).
-    """
+def _plan_simt(d: int, dtype, *, max_smem: int, algorithm: str) -> KernelPlan:
+    """The SIMT kernel's plan (flash_fwd.cu or flash_fwd_fa1.cu): the first candidate tile
+    that fits `max_smem`."""
     kernel = FORWARD_ALGORITHMS[algorithm].name
     bucket = head_dim_bucket(d, dtype)
     cands = _candidates(kernel, dtype, bucket)
@@ -180,6 +176,142 @@ def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
         f"device's {max_smem} bytes of shared memory per block; the smallest needs {need} "
         f"bytes. Reduce d (or use float32/16-bit inputs instead of float64), or use "
         f"backend='numpy'.")
+
+
+def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
+                 algorithm: str = "fa2", aligned: bool = True):
+    """The plan for head dim d and dtype on a device with `max_smem` bytes per block and
+    compute capability `cc` ((major, minor); None: unknown, SIMT only): a `TcPlan` where
+    tensor cores apply, else a SIMT `KernelPlan` (see `forward_path`, which also says why).
+    `aligned`: the inputs allow 16-byte loads (base pointers and strides)."""
+    return forward_path(d, dtype, cc, aligned, max_smem=max_smem, sm_count=sm_count,
+                        algorithm=algorithm)[0]
+
+
+# ── tensor-core forward (flash_fwd_tc.cu) ─────────────────────────────────────────────
+#
+# FA2 on mma.sync for float16 (sm_75+) and bfloat16 (sm_80+): each warp owns 16 query rows
+# (BLOCK_M = 16 · num_warps), S and O live in mma accumulator fragments, K/V tiles stream
+# through a `stages`-deep cp.async ring, shared tiles stay in the storage dtype with an
+# XOR swizzle. See `TcTileTraits` in kernels/tc_tile.cuh and docs/kernels.md.
+TC_DTYPES = ("float16", "bfloat16")
+TC_MIN_CC = {"float16": (7, 5), "bfloat16": (8, 0)}   # mma.m16n8k8 f16; m16n8k16 bf16
+TC_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 runs in one
+TC_D_MULTIPLE = 8               # d % 8 == 0: a row is whole 16-byte chunks
+
+# Candidate (block_m, block_n, num_warps, stages) per HEAD_DIM, best first; the last of
+# each fits 64 KB (sm_75's opt-in limit). ptxas registers (sm_80): D=64 128x64 155,
+# D=128 128x64 239, D=128 64x32 216, D=256 64x16 233. Tried and rejected (spills, sm_80):
+# D=256 with Q_i's fragments in registers (64x16: 8 bytes), D=256 64x32 (56 bytes) and
+# 64x64 (424 bytes) even with Q_i in shared memory.
+_TC_CANDIDATES = {
+    64: ((128, 64, 8, 2),),
+    128: ((128, 64, 8, 2), (64, 32, 4, 2)),
+    256: ((64, 16, 4, 2),),
+}
+
+
+def tc_smem_bytes(elem_bytes: int, head_dim: int, block_m: int, block_n: int,
+                  stages: int) -> int:
+    """Dynamic shared memory of one tensor-core forward block: mirrors
+    `TcTileTraits::kSmemBytes` (kernels/tc_tile.cuh) term for term.
+
+    sQ  block_m · D                 Q_i (then the O tile's staging)
+    sK  stages · block_n · D        the K_j ring
+    sV  stages · block_n · D        the V_j ring
+    all in the storage type (2 bytes), no padding (the tiles are swizzled).
+    """
+    q = block_m * head_dim
+    k = stages * block_n * head_dim
+    v = stages * block_n * head_dim
+    return (q + k + v) * elem_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TcPlan(_Plan):
+    """One launchable specialization of the tensor-core forward; the fields after `dtype`
+    are the kernel's template parameters, in order (HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+    STAGES in flash_fwd_tc.cu)."""
+
+    kernel: str            # "flash_fwd_tc"
+    dtype: str             # "float16" or "bfloat16"
+    head_dim: int          # HEAD_DIM: runs any d <= head_dim that is a multiple of 8
+    block_m: int           # Br = 16 · num_warps
+    block_n: int           # Bc
+    num_warps: int
+    stages: int            # depth of the K/V cp.async ring
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def head_dim_bucket(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        return tc_smem_bytes(np.dtype(self.dtype).itemsize, self.head_dim, self.block_m,
+                             self.block_n, self.stages)
+
+    def __str__(self) -> str:
+        return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
+                f"Bc={self.block_n} warps={self.num_warps} stages={self.stages} "
+                f"smem={self.smem_bytes} B")
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate(self.head_dim, self.block_m, self.block_n, self.num_warps,
+                                 self.stages)
+
+
+def _tc_candidates(dtype, head_dim):
+    return [TcPlan(FLASH_FWD_TC.name, np.dtype(dtype).name, head_dim, bm, bn, w, st)
+            for bm, bn, w, st in _TC_CANDIDATES[head_dim]]
+
+
+@functools.cache
+def all_tc_plans() -> tuple[TcPlan, ...]:
+    """Every tensor-core specialization the library can launch (for the gate)."""
+    return tuple(p for dt in TC_DTYPES for D in TC_HEAD_DIMS for p in _tc_candidates(dt, D))
+
+
+def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
+                 sm_count=None, algorithm: str = "fa2"):
+    """(plan, reason): the forward kernel a call takes, and why, in words.
+
+    Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+) or
+    bfloat16 (sm_80+), d is a multiple of 8 up to 256, the inputs allow 16-byte loads
+    (`aligned`) and a tile fits `max_smem`; the SIMT kernel (`KernelPlan`) otherwise.
+    `cc` is (major, minor), or None when unknown (SIMT)."""
+    dt = np.dtype(dtype)
+    simt = functools.partial(_plan_simt, d, dt, max_smem=max_smem, algorithm=algorithm)
+    if algorithm != "fa2":
+        return simt(), f"SIMT: algorithm={algorithm!r} runs the FA1 loop order (SIMT only)"
+    if dt.name not in TC_DTYPES:
+        return simt(), f"SIMT: {dt.name} has no tensor-core path (float16 and bfloat16 do)"
+    if cc is None:
+        return simt(), "SIMT: the device's compute capability is unknown"
+    cc = tuple(cc)
+    need = TC_MIN_CC[dt.name]
+    if cc < need:
+        return simt(), (f"SIMT: {dt.name} tensor cores need sm_{need[0]}{need[1]}; "
+                        f"the device is sm_{cc[0]}{cc[1]}")
+    if d % TC_D_MULTIPLE:
+        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TC_D_MULTIPLE} "
+                        f"(tensor-core rows are whole 16-byte chunks)")
+    if d > TC_HEAD_DIMS[-1]:
+        return simt(), f"SIMT: head dim d={d} > {TC_HEAD_DIMS[-1]}, the largest tensor-core tile"
+    if not aligned:
+        return simt(), ("SIMT: q, k or v is not 16-byte aligned (a base pointer, or a batch, "
+                        "head or row stride that is not a multiple of 8 elements)")
+    D = next(b for b in TC_HEAD_DIMS if d <= b)
+    for plan in _tc_candidates(dt, D):
+        if plan.smem_bytes <= max_smem:
+            instr = "mma.m16n8k16" if cc >= (8, 0) else "2 x mma.m16n8k8"
+            return plan, f"tensor cores ({instr}, sm_{cc[0]}{cc[1]}): {plan}"
+    return simt(), (f"SIMT: no tensor-core tile for D={D} fits {max_smem} bytes of shared "
+                    f"memory per block")
 
 
 # ── backward (flash_bwd.cu) ────────────────────────────────────────────────────────────
@@ -390,7 +522,7 @@ def specializations() -> dict[str, list[str]]:
     """Every kernel specialization the library can launch, {source: [name expression]}:
     finite (every plan of every family, dtype and head-dim bucket), for the compile gate."""
     out: dict[str, list[str]] = {}
-    for plan in (*all_plans(), *all_bwd_plans(), *all_softmax_plans()):
+    for plan in (*all_plans(), *all_tc_plans(), *all_bwd_plans(), *all_softmax_plans()):
         names = out.setdefault(plan.source, [])
         if plan.name_expression not in names:
             names.append(plan.name_expression)

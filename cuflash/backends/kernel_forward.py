@@ -7,6 +7,9 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   batch), K/V tiles streamed; O and lse written once.
 * FA1 (`flash_fwd_fa1_kernel`): one thread block per (head-dim chunk, head, batch), the
   paper's K/V-outer loop; O, ℓ and m live in global memory and are rescaled every step.
+* FA2 on tensor cores (`flash_fwd_tc_kernel`, `flash_fwd_tc.cu`): the default for FA2
+  where `tiling.forward_path` allows it (float16/bfloat16, sm_75/sm_80+, d a multiple of
+  8 up to 256, 16-byte aligned rows); one block per (query block, head, batch).
 
 Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
 plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes, tiling
-from ..families import FORWARD_ALGORITHMS
+from ..families import FLASH_FWD_TC, FORWARD_ALGORITHMS
 from ..variants import unsupported
 from .marshal import elem_strides, i32, prepare
 
@@ -33,7 +36,8 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     acc = _dtypes.accum_dtype(q.dtype)
-    plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm, **backend.limits())
+    plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm,
+                               aligned=loads_16b_aligned(q, k, v), **backend.limits())
     num_d_chunks = -(-d // plan.head_dim_bucket)
     o = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
     lse = xp.empty((B, Hq, Nq), dtype=acc)
@@ -43,7 +47,11 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     strides = [s for a in (q, k, v, o) for s in elem_strides(a)[:3]]  # batch, head, row
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)))
-    if plan.kernel == FORWARD_ALGORITHMS["fa2"].name:
+    if plan.kernel == FLASH_FWD_TC.name:  # d <= plan.head_dim: one chunk
+        num_m_blocks = -(-Nq // plan.block_m)
+        grid = num_m_blocks * Hq * B
+        args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks))
+    elif plan.kernel == FORWARD_ALGORITHMS["fa2"].name:
         num_m_blocks = -(-Nq // plan.block_m)
         grid = num_m_blocks * num_d_chunks * Hq * B
         args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks),
@@ -58,3 +66,20 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     i32(grid, "grid size (blocks = query blocks x heads x batch)")
     backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
     return o, lse
+
+
+def _data_ptr(a) -> int:
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return iface["data"][0]
+
+
+def loads_16b_aligned(*arrays) -> bool:
+    """Whether the tensor-core kernel's 16-byte row loads fit these (B, H, N, d) arrays:
+    every base pointer, and every batch, head and row stride (of an axis longer than 1),
+    a multiple of 16 bytes (the last axis is contiguous after `prepare`)."""
+    for a in arrays:
+        if _data_ptr(a) % 16:
+            return False
+        if any(st % 16 for st, n in zip(a.strides[:3], a.shape[:3]) if n > 1):
+            return False
+    return True

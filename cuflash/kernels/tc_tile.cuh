@@ -1,0 +1,209 @@
+// tc_tile.cuh — the tensor-core forward's traits, shared-memory swizzle, tile copies and
+// the online softmax on mma fragments (flash_fwd_tc.cu).
+//
+// Warp layout: warp w owns the 16 query rows w·16 .. w·16+15 of the block (one mma row
+// tile), so BLOCK_M = 16 · NUM_WARPS. In registers, per thread (g = lane >> 2, t = lane % 4,
+// see the fragment picture in mma.cuh):
+//   Q_i   kKSteps A fragments (the warp's 16 x D slice of Q, loaded once), for D ≤ 128;
+//         for D = 256 they would take 64 of the 255 registers beside acc's 128 (ptxas
+//         spills), so there Q_i stays in shared memory and each k16 step re-reads its
+//         A fragment with one ldmatrix (as FlashAttention-2 does for every head dim)
+//   S, P̃  kSTiles C fragments: rows g and g+8, cols 8j + 2t, 8j + 2t + 1 of 16 x BLOCK_N
+//   acc   kOTiles C fragments: rows g and g+8 of the warp's 16 x D slice of O
+//   m_i, ℓ_i  one OnlineSoftmax per owned row (g, g+8); ℓ_i is the thread's partial sum
+//
+// Shared memory (dynamic, in the storage type T, rows of D elements = D/8 16-byte chunks,
+// every tile swizzled by `swizzle`):
+//   sQ [BLOCK_M][D]            Q_i (later: staging of the O tile for 16-byte stores)
+//   sK [STAGES][BLOCK_N][D]    the K_j ring of the cp.async pipeline
+//   sV [STAGES][BLOCK_N][D]    the V_j ring
+// cuflash/tiling.py:tc_smem_bytes mirrors kSmemBytes term for term.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cuflash {
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES>
+struct TcTileTraits {
+    static constexpr int kHeadDim = HEAD_DIM;
+    static constexpr int kBlockM = BLOCK_M;
+    static constexpr int kBlockN = BLOCK_N;
+    static constexpr int kStages = STAGES;
+    static constexpr int kThreads = NUM_WARPS * 32;
+    static constexpr int kWarpRows = 16;               // one mma row tile per warp
+    static constexpr int kChunkElems = 16 / (int)sizeof(T);  // elements per 16-byte chunk
+    static constexpr int kChunksPerRow = HEAD_DIM / kChunkElems;
+    static constexpr int kKSteps = HEAD_DIM / 16;      // k16 steps of S = Q Kᵀ
+    static constexpr int kSTiles = BLOCK_N / 8;        // n-tiles of S (and P̃)
+    static constexpr int kPVSteps = BLOCK_N / 16;      // k16 steps of P̃ V
+    static constexpr int kOTiles = HEAD_DIM / 8;       // n-tiles of O
+    static constexpr bool kQInRegs = HEAD_DIM <= 128;  // Q_i's A fragments held in registers
+    static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
+    static constexpr int kSmemQ = BLOCK_M * HEAD_DIM;            // elements
+    static constexpr int kSmemK = STAGES * BLOCK_N * HEAD_DIM;
+    static constexpr int kSmemV = STAGES * BLOCK_N * HEAD_DIM;
+    static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * (int)sizeof(T);
+
+    static_assert(sizeof(T) == 2, "tensor-core tiles hold f16 or bf16");
+    static_assert(BLOCK_M == kWarpRows * NUM_WARPS, "each warp owns one 16-row mma tile: BLOCK_M = 16 * NUM_WARPS");
+    static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16 (k16 steps of P V, ldmatrix.x4 pairs)");
+    static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64: the swizzle permutes 8 chunks of 16 bytes");
+    static_assert(STAGES >= 2, "the cp.async pipeline needs at least two stages to overlap copy and math");
+    static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
+};
+
+// The XOR swizzle of every shared tile: logical 16-byte chunk `chunk` of row `row` lives at
+// physical chunk chunk ^ (row % 8). Rows are ≥ 128 bytes, so without it the 8 rows one
+// ldmatrix phase reads (same chunk, rows r..r+7) would all sit in the same 4 banks (8-way
+// conflict); with it they cover all 32 banks, and so do the 8 chunks of one row that 8
+// neighbouring threads store. A bijection on each row's chunks (row-local: nothing moves
+// between rows), so no padding is needed.
+__device__ __forceinline__ int swizzle(int row, int chunk) { return chunk ^ (row & 7); }
+
+// Element offset of (row, col) in a swizzled [rows][D] tile (col within a chunk kept).
+template <class Tr> __device__ __forceinline__ int tile_offset(int row, int col) {
+    constexpr int C = Tr::kChunkElems;
+    return row * Tr::kHeadDim + swizzle(row, col / C) * C + col % C;
+}
+
+// Rows [row0, row0 + ROWS) x columns [0, D) of a (rows x d) matrix with row stride `ld`
+// (16-byte aligned rows) into the swizzled tile s, by cp.async in 16-byte chunks:
+// consecutive threads take consecutive chunks of a row (coalesced). Rows >= n_rows and
+// chunks at columns >= d (d a multiple of 8) are zero-filled (src-size 0), so padded
+// head-dim columns add nothing to Q Kᵀ and padded keys give P̃ V finite zeros.
+template <class Tr, int ROWS, typename T>
+__device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __restrict__ g,
+                                                long long ld, int row0, int n_rows, int d) {
+    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
+    constexpr int kChunks = ROWS * CPR, NT = Tr::kThreads;
+#pragma unroll
+    for (int it = 0; it < (kChunks + NT - 1) / NT; ++it) {
+        const int i = threadIdx.x + it * NT;
+        if (kChunks % NT == 0 || i < kChunks) {
+            const int r = i / CPR, c = i % CPR;
+            const bool valid = row0 + r < n_rows && c * C < d;
+            // a zero-filled chunk still names a valid address (the matrix's first element)
+            const T* src = valid ? g + (long long)(row0 + r) * ld + c * C : g;
+            cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
+        }
+    }
+}
+
+// The A fragment of k16 step kk of the warp's 16 x D slice of Q_i (one ldmatrix.x4): lanes
+// 0-15 address rows 0-15 at the step's first 8 columns, lanes 16-31 the same rows 8 columns
+// on, so registers 0..3 are a0..a3.
+template <class Tr, typename T>
+__device__ __forceinline__ FragA q_fragment(const T* sQ, int warp_row0, int kk, int lane) {
+    FragA a;
+    ldmatrix_x4(a.a0, a.a1, a.a2, a.a3,
+                sQ + tile_offset<Tr>(warp_row0 + lane % 16, kk * 16 + (lane / 16) * 8));
+    return a;
+}
+
+// Q_i's A fragments into registers, once per block (when kQInRegs).
+template <class Tr, typename T>
+__device__ __forceinline__ void load_q_fragments(FragA (&qf)[Tr::kQFrags], const T* sQ, int warp_row0,
+                                                 int lane) {
+    if constexpr (Tr::kQInRegs) {
+#pragma unroll
+        for (int kk = 0; kk < Tr::kKSteps; ++kk) qf[kk] = q_fragment<Tr>(sQ, warp_row0, kk, lane);
+    }
+}
+
+// s += Q_i K_jᵀ: per k16 step and pair of n-tiles (16 keys), one ldmatrix.x4 of K (keys as
+// rows, not transposed: a K row pair is a B column pair) gives b0, b1 of both n-tiles.
+template <class Tr, typename T>
+__device__ __forceinline__ void gemm_qk_tc(FragC (&s)[Tr::kSTiles], const FragA (&qf)[Tr::kQFrags],
+                                           const T* sQ, int warp_row0, const T* sK, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKSteps; ++kk) {
+        FragA a;
+        if constexpr (Tr::kQInRegs) a = qf[kk];
+        else a = q_fragment<Tr>(sQ, warp_row0, kk, lane);
+#pragma unroll
+        for (int np = 0; np < Tr::kSTiles / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
+                        sK + tile_offset<Tr>(np * 16 + lane % 8 + (lane / 16) * 8,
+                                             kk * 16 + ((lane / 8) % 2) * 8));
+            mma_k16<T>(s[2 * np], a, b_lo);
+            mma_k16<T>(s[2 * np + 1], a, b_hi);
+        }
+    }
+}
+
+// P̃ as the A fragment of k16 step kk, straight from the C fragments of S's n-tiles 2kk and
+// 2kk+1 (see mma.cuh): no trip through shared memory.
+template <typename T>
+__device__ __forceinline__ FragA p_fragment(const FragC& left, const FragC& right) {
+    return FragA{pack2<T>(left.c0, left.c1), pack2<T>(left.c2, left.c3),
+                 pack2<T>(right.c0, right.c1), pack2<T>(right.c2, right.c3)};
+}
+
+// acc += P̃ V_j: per k16 step (16 keys) and pair of O n-tiles (16 head-dim columns), one
+// ldmatrix.x4.trans of the row-major V tile gives b0, b1 of both n-tiles.
+template <class Tr, typename T>
+__device__ __forceinline__ void gemm_pv_tc(FragC (&acc)[Tr::kOTiles], const FragC (&p)[Tr::kSTiles],
+                                           const T* sV, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
+        const FragA pa = p_fragment<T>(p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < Tr::kOTiles / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
+                              sV + tile_offset<Tr>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                   np * 16 + (lane / 16) * 8));
+            mma_k16<T>(acc[2 * np], pa, b_lo);
+            mma_k16<T>(acc[2 * np + 1], pa, b_hi);
+        }
+    }
+}
+
+// -- the online softmax on fragments: a thread's values of row g are c0, c1 of every
+// n-tile, of row g + 8 c2, c3; the other columns of those rows are in the quad.
+
+// Max over the quad that shares a row (lanes 4g..4g+3: shuffle xor 1, 2).
+__device__ __forceinline__ float row_max_quad(float v) { return warp_reduce_max<4>(v); }
+__device__ __forceinline__ float row_sum_quad(float v) { return warp_reduce_sum<4>(v); }
+
+// rowmax of the thread's part of S (top: row g, bottom: row g + 8).
+template <int N>
+__device__ __forceinline__ void tile_row_max(const FragC (&s)[N], float& top, float& bottom) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        top = max_(top, max_(s[j].c0, s[j].c1));
+        bottom = max_(bottom, max_(s[j].c2, s[j].c3));
+    }
+}
+
+// P̃ = exp2(S − shift) in place; returns the thread's part of rowsum P̃ in top, bottom.
+template <int N>
+__device__ __forceinline__ void exp2_rows(FragC (&s)[N], float shift_top, float shift_bottom,
+                                          float& sum_top, float& sum_bottom) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        s[j].c0 = fast_exp2(s[j].c0 - shift_top);
+        s[j].c1 = fast_exp2(s[j].c1 - shift_top);
+        s[j].c2 = fast_exp2(s[j].c2 - shift_bottom);
+        s[j].c3 = fast_exp2(s[j].c3 - shift_bottom);
+        sum_top += s[j].c0 + s[j].c1;
+        sum_bottom += s[j].c2 + s[j].c3;
+    }
+}
+
+// acc *= α per row (rows g and g + 8 of every n-tile).
+template <int N>
+__device__ __forceinline__ void rescale_acc(FragC (&acc)[N], float alpha_top, float alpha_bottom) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        acc[j].c0 *= alpha_top;
+        acc[j].c1 *= alpha_top;
+        acc[j].c2 *= alpha_bottom;
+        acc[j].c3 *= alpha_bottom;
+    }
+}
+
+}  // namespace cuflash

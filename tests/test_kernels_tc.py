@@ -1,0 +1,280 @@
+"""The tensor-core forward (flash_fwd_tc.cu) in the emulator, on every emulated tensor-core
+arch, against the float64 reference with FlashAttention's tolerance rule
+(conftest.assert_close_to_reference); its swizzle; its dispatch (`tiling.forward_path`);
+its shared-memory formula through ptxas.
+
+Each specialization is built once per arch it runs on (a g++ build of a few seconds), so
+the matrix below is chosen to build each of them on at least one sm_80+ arch, every
+float16 one on sm_75 too (two m16n8k8 per k16 step, synchronous copies), and to reuse
+those builds for the features (causal, GQA/MQA, Nq != Nk, odd sizes, strides).
+"""
+import numpy as np
+import pytest
+
+from cuflash import _dtypes, compiler, emulator, reference, tiling
+from cuflash.backends import kernel_forward, kernels
+
+from conftest import HAS_GXX, assert_close_to_reference, plain_attention
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
+
+
+def _tc_plan(dtype, head_dim, block_m):
+    return next(p for p in tiling.all_tc_plans()
+                if p.dtype == np.dtype(dtype).name and p.head_dim == head_dim and p.block_m == block_m)
+
+
+def _backend(arch, *, max_smem=None, checked=False, schedule="round-robin"):
+    """The emulator on `arch`; `max_smem` below the arch's limit forces a smaller tile."""
+    if max_smem is None and schedule == "round-robin":
+        return kernels.emulator_backend(arch=arch, checked=checked)
+    lim = kernels.emulator_limits(arch)
+    lim["max_smem"] = max_smem or lim["max_smem"]
+    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
+                                 limits=lambda: dict(lim),
+                                 module_options=dict(checked=checked, schedule=schedule, seed=3,
+                                                     arch=arch))
+
+
+def _inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((B, h, n, d)).astype(dtype)
+                 for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+
+
+def _check(be, q, k, v, *, causal, expect_plan=None):
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d)
+    lim = be.limits()
+    plan, why = tiling.forward_path(d, q.dtype, lim["cc"], kernel_forward.loads_16b_aligned(q, k, v),
+                                    max_smem=lim["max_smem"])
+    if expect_plan is not None:
+        assert plan == expect_plan, why
+    o, lse = be.forward(q, k, v, causal=causal, scale=scale, algorithm="fa2")
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == np.float32
+    ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
+    assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"O ({why})")
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(lse[~fin], ref_lse[~fin])
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=2e-5, atol=2e-5)
+    return plan, o, lse
+
+
+# -- every specialization, on the archs it targets --------------------------------------------
+# (dtype, HEAD_DIM, BLOCK_M, arch, max_smem forcing the tile or None for the arch's own pick)
+SPECS = [
+    (F16, 64, 128, "sm_75", None),
+    (F16, 64, 128, "sm_80", None),
+    (F16, 128, 64, "sm_75", None),           # T4: 64 KB → the small D=128 tile
+    (F16, 128, 64, "sm_80", 64 * 1024),
+    (F16, 128, 128, "sm_86", None),
+    (F16, 256, 64, "sm_75", None),
+    (F16, 256, 64, "sm_89", None),
+    (BF16, 64, 128, "sm_89", None),
+    (BF16, 128, 128, "sm_80", None),
+    (BF16, 128, 64, "sm_90", 64 * 1024),
+    (BF16, 256, 64, "sm_90", None),
+]
+
+
+def _spec_id(spec):
+    dt, D, bm, arch, smem = spec
+    return f"{np.dtype(dt).name}-D{D}-Br{bm}-{arch}{'-forced' if smem else ''}"
+
+
+def test_the_matrix_covers_every_specialization_and_arch():
+    built = {(_tc_plan(dt, D, bm), arch) for dt, D, bm, arch, _ in SPECS}
+    for plan in tiling.all_tc_plans():
+        archs = {a for p, a in built if p == plan}
+        assert archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
+        if plan.dtype == "float16" and plan.smem_bytes <= kernels.emulator_limits("sm_75")["max_smem"]:
+            assert "sm_75" in archs, f"{plan} never runs with m16n8k8 (sm_75)"
+    assert {a for _, a in built} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+def test_specialization(spec):
+    """Partial query and key tiles, columns d..D-1 zero-filled, causal with Nq < Nk; and the
+    full-width head dim without the mask."""
+    dt, D, bm, arch, smem = spec
+    plan = _tc_plan(dt, D, bm)
+    be = _backend(arch, max_smem=smem)
+    q, k, v = _inputs(1, 2, 1, plan.block_m + 5, 2 * plan.block_n + 3, D - 8, dt, seed=D + bm)
+    _check(be, q, k, v, causal=True, expect_plan=plan)
+    q, k, v = _inputs(1, 1, 1, 17, plan.block_n + 1, D, dt, seed=D)
+    _check(be, q, k, v, causal=False, expect_plan=plan)
+
+
+# -- features on the default tile of each arch -----------------------------------------------
+
+@pytest.mark.parametrize("arch,dt", [("sm_75", F16), ("sm_80", F16), ("sm_90", BF16)])
+@pytest.mark.parametrize("Hq,Hkv,Nq,Nk,d,causal", [
+    (4, 1, 33, 47, 64, False),     # MQA
+    (4, 2, 113, 17, 56, True),     # GQA; Nq > Nk: the first 96 rows see no key (O = 0, lse = −inf)
+    (2, 2, 1, 150, 8, True),       # decoding: one query, the smallest d
+    (1, 1, 150, 113, 40, True),    # odd sizes, two query blocks
+])
+def test_features(arch, dt, Hq, Hkv, Nq, Nk, d, causal):
+    q, k, v = _inputs(2, Hq, Hkv, Nq, Nk, d, dt, seed=Nq * Nk + d)
+    plan, o, lse = _check(_backend(arch), q, k, v, causal=causal)
+    assert plan.kernel == "flash_fwd_tc"
+    if Nq > Nk and causal:
+        assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
+
+
+def test_strided_inputs_aligned_and_not():
+    """Views whose strides keep 16-byte rows run on tensor cores; a base pointer 2 bytes off
+    falls back to the SIMT kernel; both are right."""
+    rng = np.random.default_rng(7)
+    B, H, N, d = 1, 2, 37, 48
+    q = rng.standard_normal((B, N, H, d)).astype(F16).transpose(0, 2, 1, 3)      # (B, H, N, d) view
+    k = rng.standard_normal((B, H, 2 * N, d)).astype(F16)[:, :, ::2]             # row stride 2d
+    v = rng.standard_normal((B, H, N, d)).astype(F16)
+    be = _backend("sm_80")
+    assert kernel_forward.loads_16b_aligned(q, k, v)
+    assert _check(be, q, k, v, causal=True)[0].kernel == "flash_fwd_tc"
+    buf = np.zeros(v.size + 1, F16)
+    v_off = buf[1:].reshape(v.shape)
+    v_off[...] = v
+    assert not kernel_forward.loads_16b_aligned(q, k, v_off)
+    assert _check(be, q, k, v_off, causal=True)[0].kernel == "flash_fwd"
+
+
+# -- checked mode: no races, no out-of-bounds access, no read of a pending cp.async ----------
+
+@pytest.mark.parametrize("arch,dt,D,bm,smem,schedule", [
+    ("sm_80", F16, 64, 128, None, "round-robin"),
+    ("sm_75", F16, 128, 64, None, "random"),         # synchronous copies, two m16n8k8
+    ("sm_90", BF16, 256, 64, None, "reversed"),      # Q_i re-read from shared memory
+    ("sm_86", BF16, 128, 64, 64 * 1024, "random"),
+])
+def test_checked(arch, dt, D, bm, smem, schedule):
+    plan = _tc_plan(dt, D, bm)
+    be = _backend(arch, max_smem=smem, checked=True, schedule=schedule)
+    # three key tiles: the ring wraps; Nq > Nk and causal: skipped and partial tiles
+    q, k, v = _inputs(1, 2, 1, 3 * plan.block_n + 9, 3 * plan.block_n - 5, D - 16, dt, seed=D)
+    _check(be, q, k, v, causal=True, expect_plan=plan)
+
+
+# -- the swizzle ------------------------------------------------------------------------------
+
+SWIZZLE_PROBE = r"""
+#include "tc_tile.cuh"
+using Tr = cuflash::TcTileTraits<__half, PROBE_D, 64, 16, 4, 2>;
+// out[row][chunk] = the physical chunk of logical (row, chunk), from tile_offset.
+extern "C" __global__ void probe(int* out) {
+    for (int i = threadIdx.x; i < 16 * Tr::kChunksPerRow; i += blockDim.x) {
+        const int row = i / Tr::kChunksPerRow, chunk = i % Tr::kChunksPerRow;
+        const int off = cuflash::tile_offset<Tr>(row, chunk * 8 + 3);
+        out[i] = (off - row * PROBE_D - 3) / 8;
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_swizzle_is_a_row_permutation_without_bank_conflicts(D):
+    out = np.full((16, D // 8), -1, np.int32)
+    emulator.RawModule(code=SWIZZLE_PROBE, options=(*compiler.nvrtc_options(), f"-DPROBE_D={D}")
+                       ).get_function("probe")((1,), (32,), (out,))
+    for row in range(16):   # each row's chunks are permuted in place
+        assert sorted(out[row]) == list(range(D // 8)), row
+    # the 8 rows one ldmatrix phase reads (rows r..r+7, one logical chunk) hit 8 distinct
+    # 16-byte bank groups (rows are multiples of 128 bytes, so the group is chunk % 8)
+    for r0 in (0, 8):
+        for chunk in range(D // 8):
+            assert len({out[r0 + i, chunk] % 8 for i in range(8)}) == 8, (r0, chunk)
+    # and 8 neighbouring threads storing 8 consecutive chunks of a row do too
+    for row in range(16):
+        for c0 in range(0, D // 8, 8):
+            assert len({x % 8 for x in out[row, c0:c0 + 8]}) == 8
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+
+def test_forward_path_and_its_reasons():
+    big = 227 * 1024
+
+    def path(d=64, dtype=F16, cc=(8, 0), aligned=True, max_smem=big, algorithm="fa2"):
+        return tiling.forward_path(d, dtype, cc, aligned, max_smem=max_smem, algorithm=algorithm)
+
+    for dt, cc in ((F16, (7, 5)), (F16, (9, 0)), (BF16, (8, 6))):
+        for d in (8, 64, 72, 128, 136, 256):
+            plan, why = path(d, dt, cc)
+            assert plan.kernel == "flash_fwd_tc" and d <= plan.head_dim and "tensor cores" in why
+    assert "m16n8k8" in path(cc=(7, 5))[1] and "m16n8k16" in path(cc=(8, 0))[1]
+    fallbacks = [
+        (path(dtype=F32), "float32"),
+        (path(dtype=np.float64), "float64"),
+        (path(cc=(7, 0)), "sm_70"),
+        (path(dtype=BF16, cc=(7, 5)), "sm_80"),
+        (path(d=59), "multiple of 8"),
+        (path(d=264), "> 256"),
+        (path(aligned=False), "16-byte aligned"),
+        (path(algorithm="fa1"), "fa1"),
+        (path(cc=None), "unknown"),
+        (path(d=256, max_smem=60 * 1024), "fits"),
+    ]
+    for (plan, why), word in fallbacks:
+        assert plan.kernel != "flash_fwd_tc" and why.startswith("SIMT") and word in why, why
+    # plan_forward is forward_path's plan; SIMT plans are what they were
+    assert tiling.plan_forward(64, F16, max_smem=big, cc=(8, 0)) == path()[0]
+    assert tiling.plan_forward(64, F16, max_smem=big).kernel == "flash_fwd"
+    # the emulator's default arch (sm_80) takes tensor cores for 16-bit inputs
+    assert tiling.plan_forward(64, BF16, **kernels.emulator_limits()).kernel == "flash_fwd_tc"
+
+
+def test_tc_plans_fit_and_are_listed():
+    specs = tiling.specializations()["flash_fwd_tc.cu"]
+    for plan in tiling.all_tc_plans():
+        assert plan.name_expression in specs
+        assert plan.block_m == 16 * plan.num_warps and plan.stages >= 2
+    for dt in (F16, BF16):      # every head dim has a tile within sm_75's 64 KB
+        for D in tiling.TC_HEAD_DIMS:
+            assert min(p.smem_bytes for p in tiling.all_tc_plans()
+                       if p.dtype == dt.name and p.head_dim == D) <= 64 * 1024
+
+
+# -- the shared-memory formula, through ptxas -------------------------------------------------
+
+def _have_toolchain():
+    try:
+        from cupy.cuda import nvrtc
+        from cuflash import compile_gate
+        nvrtc.getVersion()
+        compile_gate.ptxas_path()
+        return True
+    except Exception:
+        return False
+
+
+SMEM_PROBE = r"""
+#include "tc_tile.cuh"
+// The kernel's shared memory is dynamic, so ptxas cannot see it: this probe declares a
+// quarter of TcTileTraits::kSmemBytes statically (the whole may exceed 48 KB).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES>
+__global__ void smem_probe(unsigned char* out) {
+    constexpr int kBytes = cuflash::TcTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+                                                 STAGES>::kSmemBytes;
+    __shared__ unsigned char s[kBytes / 4];
+    s[threadIdx.x] = (unsigned char)threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
+}
+"""
+
+
+@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+def test_smem_formula_matches_ptxas():
+    """tiling.tc_smem_bytes is what TcTileTraits::kSmemBytes declares."""
+    from cuflash import compile_gate
+    probes = {p.name_expression.replace("flash_fwd_tc_kernel", "smem_probe", 1): p
+              for p in tiling.all_tc_plans()}
+    rows = compile_gate.run_gate({"tc_smem_probe.cu": list(probes)}, archs=["sm_80"],
+                                 sources={"tc_smem_probe.cu": SMEM_PROBE})
+    for r in rows:
+        assert r.ok, r.error
+        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
