@@ -68,9 +68,10 @@ def cmd_info(args):
     for dtype in _dtypes.SUPPORTED:
         for d in (64, 128, 256):
             try:
-                fwd = tiling.plan_forward(d, dtype, **limits)
+                fwd, why = tiling.forward_path(d, dtype, limits["cc"], max_smem=limits["max_smem"])
                 dkdv, dq = tiling.plan_backward(d, dtype, **limits)
-                print(f"  {str(dtype):9s} d={d:<4d} forward {fwd}\n{'':19s}backward {dkdv}; {dq}")
+                print(f"  {str(dtype):9s} d={d:<4d} forward {fwd}\n{'':19s}path: {why}"
+                      f"\n{'':19s}backward {dkdv}; {dq}")
             except ValueError as exc:
                 print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
     return 0

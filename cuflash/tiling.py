@@ -309,7 +309,7 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     for plan in _tc_candidates(dt, D):
         if plan.smem_bytes <= max_smem:
             instr = "mma.m16n8k16" if cc >= (8, 0) else "2 x mma.m16n8k8"
-            return plan, f"tensor cores ({instr}, sm_{cc[0]}{cc[1]}): {plan}"
+            return plan, f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}"
     return simt(), (f"SIMT: no tensor-core tile for D={D} fits {max_smem} bytes of shared "
                     f"memory per block")
 
