@@ -10,15 +10,20 @@ emulator that runs the very same kernels on the CPU.
 """
 from .api import flash_attention, flash_attention_backward, online_softmax
 from .variants import dropout_mask
+from .serving import (flash_attention_varlen, flash_attention_varlen_backward,
+                      flash_attention_with_kvcache, merge_states)
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_backward", "online_softmax",
-           "dropout_mask", "reference", "tiling", "emulator"]
+           "dropout_mask", "flash_attention_varlen", "flash_attention_varlen_backward",
+           "flash_attention_with_kvcache", "merge_states",
+           "reference", "tiling", "emulator", "dask"]
 
 
 def __getattr__(name):
-    # Submodules load on first use: `emulator` needs g++, `tiling` may query CuPy.
-    if name in ("reference", "tiling", "emulator"):
+    # Submodules load on first use: `emulator` needs g++, `tiling` may query CuPy,
+    # `dask` needs the optional dask extra.
+    if name in ("reference", "tiling", "emulator", "dask"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cuflash' has no attribute {name!r}")
