@@ -55,6 +55,7 @@ class Row:
     spill_stores: int = -1
     spill_loads: int = -1
     error: str = ""
+    sass: dict | None = None   # opcode counts (SASS_OPCODES) when built with sass=True
 
     @property
     def ok(self):
@@ -91,6 +92,43 @@ def ptxas_path():
                            f"({'nvidia-cuda-nvcc-cu12' if major <= 12 else 'nvidia-cuda-nvcc'}) "
                            "or put CUDA's bin directory on PATH")
     return exe
+
+
+# Instructions counted in the disassembly (nvdisasm) of a sass=True build: tensor-core
+# mma, ldmatrix, cp.async, and local memory (which must stay absent).
+SASS_OPCODES = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL")
+
+
+def nvdisasm_path():
+    """nvdisasm from a CUDA wheel (`nvidia-cuda-nvdisasm`: nvidia/cu13/bin; CUDA 12:
+    nvidia/cuda_nvdisasm/bin) or PATH; None when there is none. It reads cubins of older
+    toolkits' ptxas; CUDA 13's no longer disassembles sm_70."""
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            for sub in ("cuda_nvdisasm/bin", *sorted((p.name + "/bin" for p in
+                                                       pathlib.Path(base).glob("cu[0-9]*")),
+                                                      reverse=True)):
+                exe = pathlib.Path(base) / sub / "nvdisasm"
+                if exe.exists():
+                    return str(exe)
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+_SASS_FUNCTION = re.compile(r"^//-+ \.text\.(\S+) -+$", re.M)
+_SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def parse_sass(text):
+    """{mangled name: {opcode: count}} of nvdisasm's listing, for SASS_OPCODES."""
+    out = {}
+    parts = _SASS_FUNCTION.split(text)
+    for name, body in zip(parts[1::2], parts[2::2]):
+        ops = _SASS_OPCODE.findall(body)
+        out[name] = {op: ops.count(op) for op in SASS_OPCODES}
+    return out
 
 
 def gate_options(arch):
@@ -140,8 +178,9 @@ def parse_ptxas(log):
 
 
 def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
-                options=None):
-    """One NVRTC program with all `name_expressions`, for `arch`, then ptxas -v.
+                options=None, sass=False):
+    """One NVRTC program with all `name_expressions`, for `arch`, then ptxas -v (and, with
+    `sass`, nvdisasm of the cubin: `Row.sass`).
 
     Returns a list of Row (one per name expression). Runs in a worker process.
     """
@@ -179,16 +218,24 @@ def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
         proc = subprocess.run(
             [ptxas_path(), f"-arch={arch}", "-v", str(ptx_file), "-o", str(pathlib.Path(tmp) / "k.cubin")],
             capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        return [Row(source_name, n, arch, error=f"ptxas failed:\n{log}") for n in name_expressions]
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            return [Row(source_name, n, arch, error=f"ptxas failed:\n{log}") for n in name_expressions]
+        counts = {}
+        if sass:
+            dis = subprocess.run([nvdisasm_path() or "nvdisasm", "-c", str(pathlib.Path(tmp) / "k.cubin")],
+                                 capture_output=True, text=True)
+            if dis.returncode != 0:
+                return [Row(source_name, n, arch, error=f"nvdisasm failed:\n{dis.stderr}")
+                        for n in name_expressions]
+            counts = parse_sass(dis.stdout)
     info = parse_ptxas(log)
     for n in name_expressions:
         k = info.get(lowered[n])
         if k is None:
             rows.append(Row(source_name, n, arch, error=f"no ptxas report for {lowered[n]}"))
         else:
-            rows.append(Row(source_name, n, arch, **k))
+            rows.append(Row(source_name, n, arch, **k, sass=counts.get(lowered[n]) if sass else None))
     return rows
 
 
@@ -198,9 +245,11 @@ def _cache_dir():
     return compiler.cache_dir("compile_gate")
 
 
-def _key(source_text, names, arch, options):
+def _key(source_text, names, arch, options, sass=False):
     h = hashlib.sha256()
     h.update(f"v{CACHE_VERSION}\0{arch}\0".encode())
+    if sass:
+        h.update(f"sass\0{nvdisasm_path()}\0".encode())
     h.update("\0".join(options).encode() + b"\1")
     h.update("\0".join(names).encode() + b"\1")
     h.update(source_text.encode())
@@ -256,8 +305,9 @@ def collect_specializations():
     return tiling.specializations()
 
 
-def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None):
-    """Compile every specialization for every arch; returns a list of Row.
+def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None, sass=False):
+    """Compile every specialization for every arch; returns a list of Row (with `sass`,
+    each with its SASS opcode counts: nvdisasm must be installed).
 
     specs: {filename: [name expressions]} (default: everything cuflash can launch).
     sources: optional {filename: source text} overriding `compiler.read_source`
@@ -275,7 +325,7 @@ def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None)
             text = compiler.read_source(filename)
         for arch in archs:
             options = gate_options(arch)
-            key = _key(text, names, arch, options)
+            key = _key(text, names, arch, options, sass)
             cached = _load(key) if use_cache else None
             if cached is not None:
                 results[(filename, arch)] = cached
@@ -285,7 +335,7 @@ def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None)
         # NVRTC holds the GIL only briefly, but ptxas and NVRTC are CPU-bound: processes.
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
             futs = {pool.submit(compile_one, text, names, arch, source_name=filename,
-                                options=options): (filename, arch, key)
+                                options=options, sass=sass): (filename, arch, key)
                     for filename, arch, text, names, options, key in todo}
             for fut in concurrent.futures.as_completed(futs):
                 filename, arch, key = futs[fut]

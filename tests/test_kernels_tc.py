@@ -278,3 +278,33 @@ def test_smem_formula_matches_ptxas():
     for r in rows:
         assert r.ok, r.error
         assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
+
+
+# -- the machine code: tensor-core instructions present, local memory absent ----------------
+
+@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
+    """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75:
+    two m16n8k8 per k16 step), ldmatrix (LDSM), cp.async (LDGSTS, sm_80+; plain loads on
+    sm_75) and no local memory (LDL/STL); bfloat16 on sm_75 is a trap."""
+    from cuflash import compile_gate
+    if compile_gate.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    plans = {p.name_expression: p for p in tiling.all_tc_plans()}
+    archs = [a for a in compiler.GATE_ARCHS if a != "sm_70"]   # CUDA 13's nvdisasm has no sm_70
+    rows = compile_gate.run_gate({"flash_fwd_tc.cu": list(plans)}, archs=archs, sass=True)
+    assert len(rows) == len(plans) * len(archs)
+    for r in rows:
+        assert r.ok and r.sass is not None, (r.kernel, r.arch, r.error)
+        p, n = plans[r.kernel], r.sass
+        if p.dtype == "bfloat16" and r.arch == "sm_75":
+            assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
+            continue
+        D, bn = p.head_dim, p.block_n
+        mma = (D // 16) * (bn // 8) + (bn // 16) * (D // 8)          # Q Kᵀ + P̃ V per tile
+        ldsm = (D // 16) * (bn // 16) + (bn // 16) * (D // 16)       # K and V fragments
+        ldsm += D // 16                                               # Q (once, or per tile)
+        assert n["HMMA"] >= mma * (2 if r.arch == "sm_75" else 1), (r.kernel, r.arch, n)
+        assert n["LDSM"] >= ldsm, (r.kernel, r.arch, n)
+        assert (n["LDGSTS"] > 0) == (r.arch != "sm_75"), (r.kernel, r.arch, n)
+        assert n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
