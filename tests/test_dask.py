@@ -1,0 +1,133 @@
+"""cuflash.dask: attention on dask arrays equals the NumPy backend on the same data.
+
+Threaded scheduler for the chunking grid; one small problem on a distributed
+LocalCluster of two processes on loopback.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+import cuflash
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+import cuflash.dask as cdask  # noqa: E402
+
+# (q shape, k shape, q chunks, k chunks): batch, head (GQA), query and key chunking.
+CASES = [
+    ((2, 4, 37, 16), (2, 2, 53, 16), (1, 2, 10, 16), (1, 1, 11, 16)),
+    ((2, 4, 60, 16), (2, 2, 30, 16), (2, 4, 7, 16), (2, 2, 8, 16)),     # Nq > Nk
+    ((1, 2, 5, 8), (1, 2, 50, 8), (1, 1, 2, 8), (1, 1, 3, 8)),           # decode-like
+    ((40, 16), (40, 16), (13, 16), (9, 16)),                             # one head
+    ((2, 3, 24, 8), (2, 1, 24, 8), (1, 3, 24, 8), (1, 1, 24, 8)),        # no q/k split
+]
+
+
+def data(case, dtype=np.float32, seed=0):
+    qs, ks, qc, kc = case
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.uniform(-1, 1, s).astype(dtype) for s in (qs, ks, ks))
+    return (q, k, v), tuple(da.from_array(x, chunks=c) for x, c in ((q, qc), (k, kc), (v, kc)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q" + "x".join(map(str, c[2])))
+def test_forward_equals_numpy_backend(case, causal):
+    (q, k, v), (dq_, dk_, dv_) = data(case)
+    o, lse = cdask.flash_attention(dq_, dk_, dv_, causal=causal, return_lse=True,
+                                   split_every=3)
+    assert isinstance(o, da.Array) and o.chunks == dq_.chunks
+    assert lse.chunks == dq_.chunks[:-1]
+    with dask.config.set(scheduler="threads"):
+        o, lse = dask.compute(o, lse)
+    ro, rl = cuflash.flash_attention(q, k, v, causal=causal, return_lse=True,
+                                     backend="numpy")
+    np.testing.assert_allclose(o, ro, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(rl))
+    np.testing.assert_allclose(lse[np.isfinite(rl)], rl[np.isfinite(rl)], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_equals_numpy_backend(causal):
+    case = CASES[1]
+    (q, k, v), (dq_, dk_, dv_) = data(case)
+    do = np.random.default_rng(3).uniform(-1, 1, q.shape).astype(np.float32)
+    o, lse = cdask.flash_attention(dq_, dk_, dv_, causal=causal, return_lse=True)
+    with pytest.warns(UserWarning, match="rechunked to one chunk"):
+        grads = cdask.flash_attention_backward(da.from_array(do, chunks=case[2]), dq_, dk_,
+                                               dv_, o, lse, causal=causal, split_every=2)
+    assert grads[0].chunks == dq_.chunks and grads[1].chunks == dk_.chunks
+    with dask.config.set(scheduler="threads"):
+        grads = dask.compute(*grads)
+    ro, rl = cuflash.flash_attention(q, k, v, causal=causal, return_lse=True)
+    want = cuflash.flash_attention_backward(do, q, k, v, ro, rl, causal=causal)
+    for got, w in zip(grads, want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=2e-6)
+
+
+def test_softcap_and_single_chunk_position_options():
+    case = ((2, 4, 24, 8), (2, 2, 31, 8), (1, 2, 24, 8), (1, 1, 31, 8))
+    (q, k, v), arrs = data(case, np.float64)
+    slopes = np.linspace(0.1, 0.8, 4)
+    opts = dict(causal=True, softcap=2.0, window=(6, 0), alibi_slopes=slopes)
+    got = cdask.flash_attention(*arrs, **opts).compute(scheduler="threads")
+    np.testing.assert_allclose(got, cuflash.flash_attention(q, k, v, **opts),
+                               rtol=1e-12, atol=1e-13)
+    # softcap is position-free: key chunks merge exactly
+    (q, k, v), arrs = data(CASES[0], np.float64)
+    got = cdask.flash_attention(*arrs, causal=True, softcap=1.5).compute(scheduler="threads")
+    np.testing.assert_allclose(got, cuflash.flash_attention(q, k, v, causal=True, softcap=1.5),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_emulator_chunks():
+    pytest.importorskip("ml_dtypes")
+    (q, k, v), arrs = data(CASES[2])
+    got = cdask.flash_attention(*arrs, causal=True, backend="emulator")
+    np.testing.assert_allclose(got.compute(scheduler="threads"),
+                               cuflash.flash_attention(q, k, v, causal=True),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_errors():
+    x = np.zeros((2, 4, 16, 8), np.float32)
+    kv = np.zeros((2, 2, 16, 8), np.float32)
+    q = da.from_array(x, chunks=(1, 2, 8, 8))
+    k = da.from_array(kv, chunks=(1, 1, 8, 8))
+    with pytest.raises(ValueError, match=r"chunked alike along the batch axes .* got q "
+                                         r"\(\(1, 1\),\), k \(\(2,\),\)"):
+        cdask.flash_attention(q, da.from_array(kv, chunks=(2, 1, 8, 8)),
+                              da.from_array(kv, chunks=(2, 1, 8, 8)))
+    with pytest.raises(ValueError, match=r"head chunks of q must be those of k times "
+                                         r"Hq/Hkv = 2, .*; got q \(2, 2\), k \(2,\)"):
+        cdask.flash_attention(q, da.from_array(kv, chunks=(1, 2, 8, 8)),
+                              da.from_array(kv, chunks=(1, 2, 8, 8)))
+    with pytest.raises(ValueError, match="k and v must have the same chunks"):
+        cdask.flash_attention(q, k, da.from_array(kv, chunks=(1, 1, 4, 8)))
+    with pytest.raises(ValueError, match="dropout_p, seed are not supported by cuflash.dask"):
+        cdask.flash_attention(q, k, k, dropout_p=0.1, seed=1)
+    with pytest.raises(ValueError, match="window needs q in one chunk along the queries"):
+        cdask.flash_attention(q, k, k, window=(3, 0))
+    with pytest.raises(TypeError, match="must be a dask.array.Array"):
+        cdask.flash_attention(x, k, k)
+    with pytest.warns(UserWarning, match="head dim is never split"):
+        cdask.flash_attention(da.from_array(x, chunks=(1, 2, 8, 4)), k, k)
+
+
+def test_local_cluster_of_processes():
+    distributed = pytest.importorskip("distributed")
+    case = CASES[0]
+    (q, k, v), arrs = data(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cluster's own start-up notices
+        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                      host="127.0.0.1", dashboard_address=None,
+                                      worker_dashboard_address=None) as cluster, \
+                distributed.Client(cluster, timeout=60) as client:
+            o = cdask.flash_attention(*arrs, causal=True)
+            got = client.compute(o).result(timeout=120)
+            workers = client.run(lambda: 1)
+    assert len(workers) == 2
+    np.testing.assert_allclose(got, cuflash.flash_attention(q, k, v, causal=True),
+                               rtol=2e-6, atol=2e-6)
