@@ -220,11 +220,11 @@ def check_cache_rows(o, lse, q, keys, values, *, causal, dtype=np.float32, **opt
 @pytest.mark.parametrize("nq,causal", [(1, True), (3, True), (2, False)])
 def test_kvcache_contiguous_every_split(backend, nq, causal):
     rng = np.random.default_rng(11 + nq)
-    B, hq, hkv, N, d = 5, 4, 2, 300, 16
+    B, hq, hkv, N, d = 6, 4, 2, 300, 16
     kc = rng.uniform(-1, 1, (B, hkv, N, d)).astype(np.float32)
     vc = rng.uniform(-1, 1, (B, hkv, N, d)).astype(np.float32)
     q = rng.uniform(-1, 1, (B, hq, nq, d)).astype(np.float32)
-    lens = np.array([0, 1, 299, 37, 300], np.int32)
+    lens = np.array([0, 1, 299, 37, 300, 5], np.int32)   # 5: cuts near the end
     keys = [kc[b, :, :lens[b]] for b in range(B)]
     values = [vc[b, :, :lens[b]] for b in range(B)]
     outs = {}
@@ -257,7 +257,7 @@ def random_pages(rng, B, max_pages, num_blocks, shared):
 @pytest.mark.parametrize("nq,nnew", [(1, 1), (4, 4), (2, 0)])
 def test_kvcache_paged_append_and_attend(backend, nq, nnew):
     rng = np.random.default_rng(21 + nq + nnew)
-    B, hq, hkv, d, page, max_pages = 4, 4, 1, 16, 16, 9
+    B, hq, hkv, d, page, max_pages = 4, 4, 2, 16, 16, 9
     shared = 2                                            # a 32-key shared prefix
     num_blocks = shared + B * (max_pages - shared) + 3
     table = random_pages(rng, B, max_pages, num_blocks, shared)
