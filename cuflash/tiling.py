@@ -179,13 +179,14 @@ def _plan_simt(d: int, dtype, *, max_smem: int, algorithm: str) -> KernelPlan:
 
 
 def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
-                 algorithm: str = "fa2", aligned: bool = True):
+                 algorithm: str = "fa2", aligned: bool = True, plain: bool = True):
     """The plan for head dim d and dtype on a device with `max_smem` bytes per block and
     compute capability `cc` ((major, minor); None: unknown, SIMT only): a `TcPlan` where
     tensor cores apply, else a SIMT `KernelPlan` (see `forward_path`, which also says why).
-    `aligned`: the inputs allow 16-byte loads (base pointers and strides)."""
+    `aligned`: the inputs allow 16-byte loads (base pointers and strides). `plain`: no
+    attention variant (`cuflash.variants.Variants.is_plain`)."""
     return forward_path(d, dtype, cc, aligned, max_smem=max_smem, sm_count=sm_count,
-                        algorithm=algorithm)[0]
+                        algorithm=algorithm, plain=plain)[0]
 
 
 # ── tensor-core forward (flash_fwd_tc.cu) ─────────────────────────────────────────────
@@ -277,7 +278,7 @@ def all_tc_plans() -> tuple[TcPlan, ...]:
 
 
 def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                 sm_count=None, algorithm: str = "fa2"):
+                 sm_count=None, algorithm: str = "fa2", plain: bool = True):
     """(plan, reason): the forward kernel a call takes, and why, in words.
 
     Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+) or
@@ -288,6 +289,9 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     simt = functools.partial(_plan_simt, d, dt, max_smem=max_smem, algorithm=algorithm)
     if algorithm != "fa2":
         return simt(), f"SIMT: algorithm={algorithm!r} runs the FA1 loop order (SIMT only)"
+    if not plain:  # the score chain of kernels/variants.cuh is in the SIMT kernels only
+        return simt(), ("SIMT: attention variants (window, softcap, ALiBi, bias, mask, "
+                        "dropout) run on the SIMT kernel; the tensor-core kernel takes none")
     if dt.name not in TC_DTYPES:
         return simt(), f"SIMT: {dt.name} has no tensor-core path (float16 and bfloat16 do)"
     if cc is None:

@@ -14,13 +14,17 @@ import cuflash
 from cuflash import reference, variants
 from conftest import to_backend, to_host
 
-# The options each kernel backend takes so far (the NumPy backend takes all of them).
-KERNEL_OPTIONS = set()
+# The options the kernel backends take so far, forward and backward (the NumPy backend
+# takes all of them).
+ALL_OPTIONS = {"window", "softcap", "alibi_slopes", "bias", "mask", "dropout_p"}
+KERNEL_FORWARD_OPTIONS = ALL_OPTIONS
+KERNEL_BACKWARD_OPTIONS = set()
 
 
-def supported(backend, opts):
+def supported(backend, opts, *, backward=False):
     names = {n for n in opts if n not in ("causal", "seed")}
-    return backend == "numpy" or names <= KERNEL_OPTIONS
+    kernel = KERNEL_BACKWARD_OPTIONS if backward else KERNEL_FORWARD_OPTIONS
+    return backend == "numpy" or names <= kernel
 
 
 def rand(rng, shape, dtype=np.float64):
@@ -75,9 +79,12 @@ CASES = [
 
 
 def check_unsupported(backend, args, opts):
-    """A backend without an option raises a ValueError naming it, computing nothing."""
-    with pytest.raises(ValueError, match="not supported by backend"):
-        cuflash.flash_attention(*args, backend=backend, **opts)
+    """A backend without an option raises a ValueError naming it, computing nothing:
+    the forward (args q, k, v) or the backward (args do, q, k, v, o, lse)."""
+    fn = cuflash.flash_attention if len(args) == 3 else cuflash.flash_attention_backward
+    names = [n for n in opts if n not in ("causal", "seed")]
+    with pytest.raises(ValueError, match=f"{names[0]}.*not supported by backend"):
+        fn(*args, backend=backend, **opts)
 
 
 def forward_both(backend, q, k, v, opts):
@@ -113,16 +120,32 @@ def test_forward_matches_reference(backend, names, dtype):
     assert_lse_close(lse, ref_lse, tol)
 
 
+@pytest.mark.parametrize("names", [["causal", "window", "bias_pair", "dropout"],
+                                   ["softcap", "alibi_batch", "mask_batch", "window_left"]],
+                         ids="+".join)
+def test_fa1_takes_the_variants(backend, names):
+    rng = np.random.default_rng(9)
+    q, k, v = (rand(rng, s) for s in (Q_SHAPE, K_SHAPE, K_SHAPE))
+    opts = make_options(rng, names)
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), return_lse=True,
+                                     algorithm="fa1", backend=backend,
+                                     **to_options(backend, opts))
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    np.testing.assert_allclose(to_host(o), ref_o, rtol=1e-10, atol=1e-10)
+    assert_lse_close(to_host(lse), ref_lse, 1e-10)
+
+
 @pytest.mark.parametrize("names", CASES, ids="+".join)
 def test_backward_matches_reference(backend, names):
     rng = np.random.default_rng(1)
     q, k, v, = (rand(rng, s) for s in (Q_SHAPE, K_SHAPE, K_SHAPE))
     do = rand(rng, Q_SHAPE)
     opts = make_options(rng, names)
-    if not supported(backend, opts):
-        return check_unsupported(backend, to_backend(backend, q, k, v), to_options(backend, opts))
-    with_bias = "bias" in opts
     ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    if not supported(backend, opts, backward=True):
+        return check_unsupported(backend, to_backend(backend, do, q, k, v, ref_o, ref_lse),
+                                 to_options(backend, opts))
+    with_bias = "bias" in opts
     grads = cuflash.flash_attention_backward(
         *to_backend(backend, do, q, k, v, ref_o, ref_lse), backend=backend,
         return_dbias=with_bias, **to_options(backend, opts))
@@ -147,8 +170,9 @@ def test_gradients_match_finite_differences(backend):
     opts = dict(window=(4, 2), softcap=0.7, alibi_slopes=np.array([0.3, 0.1]),
                 bias=rand(rng, (2, 1, 9)), mask=rng.random((6, 9)) > 0.2,
                 dropout_p=0.25, seed=99)
-    if not supported(backend, opts):
-        return check_unsupported(backend, to_backend(backend, q, k, v), to_options(backend, opts))
+    if not supported(backend, opts, backward=True):
+        return check_unsupported(backend, to_backend(backend, w, q, k, v, *reference.naive_attention(
+            q, k, v, return_lse=True, **opts)), to_options(backend, opts))
 
     def loss(q, k, v, bias):
         o = cuflash.flash_attention(*to_backend(backend, q, k, v), backend=backend,
@@ -235,10 +259,10 @@ def test_dropout_backward_redraws_the_forward_mask(backend):
     rng = np.random.default_rng(4)
     q, k, v, do = (rand(rng, (1, 2, 33, 16)) for _ in range(4))
     opts = dict(dropout_p=0.5, seed=5)
-    if not supported(backend, opts):
-        return check_unsupported(backend, to_backend(backend, q, k, v), opts)
     o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), return_lse=True,
                                      backend=backend, **opts)
+    if not supported(backend, opts, backward=True):
+        return check_unsupported(backend, (*to_backend(backend, do, q, k, v), o, lse), opts)
     ref = reference.attention_backward(do, q, k, v, to_host(o), to_host(lse), **opts)
     got = cuflash.flash_attention_backward(*to_backend(backend, do, q, k, v), o, lse,
                                            backend=backend, **opts)
@@ -265,6 +289,9 @@ def test_fully_masked_rows_and_defaults(backend):
                                      backend=backend, **to_options(backend, opts))
     o, lse = to_host(o), to_host(lse)
     assert np.all(o[:, 4] == 0) and np.all(lse[:, 4] == -np.inf)
+    if not supported(backend, opts, backward=True):
+        return check_unsupported(backend, to_backend(backend, do, q, k, v, o, lse),
+                                 to_options(backend, opts))
     grads = cuflash.flash_attention_backward(*to_backend(backend, do, q, k, v, o, lse),
                                              backend=backend, **to_options(backend, opts))
     assert all(np.isfinite(to_host(g)).all() for g in grads)
@@ -396,6 +423,8 @@ def check_property(p, backend):
     ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
     np.testing.assert_allclose(o, ref_o, rtol=1e-9, atol=1e-11)
     assert_lse_close(lse, ref_lse, 1e-9)
+    if not supported(backend, {n: 1 for n in ALL_OPTIONS}, backward=True):
+        return
     with_bias = "bias" in opts
     grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend=backend,
                                              return_dbias=with_bias, **opts)
@@ -411,8 +440,18 @@ def test_numpy_backend_any_options(p):
     check_property(p, "numpy")
 
 
-@pytest.mark.skipif(not KERNEL_OPTIONS, reason="the kernels take no variant yet")
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(option_sets)
 def test_emulated_kernels_any_options(p):
     check_property(p, "emulator")
+
+
+def test_variants_take_the_simt_kernel():
+    """Where tensor cores would run a plain call, a call with variants gets the SIMT
+    kernel (the score chain is in the SIMT kernels only), and the planner says why."""
+    from cuflash import tiling
+    limits = dict(max_smem=163 * 1024, sm_count=108)
+    tc, _ = tiling.forward_path(64, np.float16, (8, 0), **limits)
+    simt, why = tiling.forward_path(64, np.float16, (8, 0), plain=False, **limits)
+    assert tc.kernel != simt.kernel == "flash_fwd"
+    assert "variants" in why

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _dtypes, tiling
 from ..families import FLASH_FWD_TC, FORWARD_ALGORITHMS
-from ..variants import unsupported
+from .kernel_variants import variant_args
 from .marshal import elem_strides, i32, prepare
 
 
@@ -29,15 +29,15 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d): o in q's dtype, lse (B, Hq,
     Nq) in the accumulation dtype. `variants` (cuflash.variants.Variants): the options;
     None or plain for none."""
-    if variants is not None and not variants.is_plain():
-        raise unsupported(variants, backend.name)
+    plain = variants is None or variants.is_plain()
     xp = backend.xp
     q, k, v = (prepare(xp, a) for a in (q, k, v))
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     acc = _dtypes.accum_dtype(q.dtype)
     plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm,
-                               aligned=loads_16b_aligned(q, k, v), **backend.limits())
+                               aligned=loads_16b_aligned(q, k, v), plain=plain,
+                               **backend.limits())
     num_d_chunks = -(-d // plan.head_dim_bucket)
     o = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
     lse = xp.empty((B, Hq, Nq), dtype=acc)
@@ -55,14 +55,14 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
         num_m_blocks = -(-Nq // plan.block_m)
         grid = num_m_blocks * num_d_chunks * Hq * B
         args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks),
-                np.int32(num_d_chunks))
+                np.int32(num_d_chunks), *variant_args(xp, variants, acc))
     else:  # FA1: O, ℓ, m in global memory, one set per head-dim chunk for ℓ and m
         o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
         l_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
         m_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
         grid = num_d_chunks * Hq * B
         args = (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(B, "batch"), *sizes, *strides,
-                *flags, np.int32(num_d_chunks))
+                *flags, np.int32(num_d_chunks), *variant_args(xp, variants, acc))
     i32(grid, "grid size (blocks = query blocks x heads x batch)")
     backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
     return o, lse

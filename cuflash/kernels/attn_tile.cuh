@@ -20,6 +20,7 @@
 
 #include "common.cuh"
 #include "mask.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -149,7 +150,8 @@ __device__ __forceinline__ void gemm_pv(typename Tr::A (&acc)[Tr::kRowsPerThread
     }
 }
 
-// S_ij = Q_i K_jᵀ over all head-dim chunks, then scaled by scale·log2(e) and masked.
+// S_ij = Q_i K_jᵀ over all head-dim chunks, then scaled by scale·log2(e) and masked;
+// with variants, the score chain of variants.cuh runs in natural units first.
 // With one chunk Q_i stays resident in sQ (loaded in the prologue); with more, each chunk
 // of Q_i and K_j is staged in turn. On return sK/sQ are free only after a barrier.
 // Precondition: K chunk 0 (and Q chunk 0 when n_chunks > 1) loaded and synced.
@@ -158,7 +160,7 @@ __device__ __forceinline__ void compute_scores(
     typename Tr::A (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], typename Tr::A* sQ,
     typename Tr::A* sK, const T* q_bh, long long q_sr, const T* k_bh, long long k_sr,
     int m0, int n0, int Nq, int Nk, int d, int n_chunks, typename Tr::A scale_log2,
-    const CausalMask& mask, const ThreadCoord<Tr>& tc) {
+    const CausalMask& mask, const Variants<T>& var, const ThreadCoord<Tr>& tc) {
     using A = typename Tr::A;
     constexpr int D = Tr::kHeadDim;
 #pragma unroll
@@ -176,6 +178,22 @@ __device__ __forceinline__ void compute_scores(
     // Fold softmax_scale · log2(e) into one multiply: P̃ = exp2(S' − m) with S' in log2
     // units is exp(scale · S − m) at the cost of exp2 (one MUFU op) instead of exp.
     const bool needs_mask = mask.tile_needs_mask(m0, n0, Tr::kBlockN);
+    if (var.scores()) {
+        // softcap, ALiBi and bias act on the natural score scale·q·k; the chain runs
+        // before the log2 units, and only on (row, key) pairs in range and not hidden.
+        const A scale = scale_log2 * MathConst<A>::ln2;
+#pragma unroll
+        for (int i = 0; i < Tr::kRowsPerThread; ++i)
+#pragma unroll
+            for (int j = 0; j < Tr::kColsPerThread; ++j) {
+                const int gi = m0 + tc.row(i), gj = n0 + tc.col(j);
+                A x = neg_inf<A>(), t;
+                if (gi < Nq && !(needs_mask && mask.masked(gi, gj)))
+                    x = var.score(s[i][j] * scale, gi, gj, t) * MathConst<A>::log2e;
+                s[i][j] = x;
+            }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < Tr::kRowsPerThread; ++i)
 #pragma unroll

@@ -16,6 +16,7 @@
 // chunk of Q and K, and blockIdx selects which D columns of V (and O) this block owns.
 #include "common.cuh"
 #include "mask.cuh"
+#include "variants.cuh"
 #include "attn_tile.cuh"
 
 using namespace cuflash;
@@ -31,7 +32,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long k_sb, long long k_sh, long long k_sr,
                  long long v_sb, long long v_sh, long long v_sr,
                  long long o_sb, long long o_sh, long long o_sr,
-                 accum_t<T> scale, int causal, int num_m_blocks, int num_d_chunks) {
+                 accum_t<T> scale, int causal, int num_m_blocks, int num_d_chunks,
+                 CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     using A = typename Tr::A;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread, TD = Tr::kDimPerThread;
@@ -59,11 +61,15 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     A* sP = sV + Tr::kSmemV;
 
     const ThreadCoord<Tr> tc;
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    var.bind(b, h, Nq, Nk);
     const int m0 = m_block * BLOCK_M;
     const int m1 = min(m0 + BLOCK_M, Nq);
     const int dv0 = d_chunk * HEAD_DIM;  // first V/O column this block owns
-    // Causal block skipping: tiles entirely above the diagonal are never visited.
+    // Block skipping: tiles entirely above the diagonal, or outside the window, are never
+    // visited (the first tile starts on a BLOCK_N boundary, as without a window).
+    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m1);
     const A scale_log2 = softmax_scale_log2(scale);  // scores in log2 units: P̃ = exp2(S − m)
 
@@ -80,7 +86,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
 
     // -- main loop over K_j, V_j
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         if (num_d_chunks > 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
         load_tile<Tr, BLOCK_N>(sK, k_bh, k_sr, n0, Nk, 0, d);
         load_tile<Tr, BLOCK_N>(sV, v_bh, v_sr, n0, Nk, dv0, d);
@@ -89,7 +95,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked
         A s[TR][TC];
         compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
-                           scale_log2, mask, tc);
+                           scale_log2, mask, var, tc);
 
         // -- update m_i and l_i; P̃ = exp2(S − m_i) into sP
 #pragma unroll
@@ -104,8 +110,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
             for (int j = 0; j < TC; ++j) {
                 const A p = fast_exp2(s[i][j] - shift);
-                rowsum += p;
-                sP[tc.row(i) * Tr::kPStride + tc.col(j)] = p;
+                rowsum += p;  // ℓ sums the undropped P̃: lse is the pre-dropout one
+                // dropout: P̃ ∘ keep/(1 − p) enters acc only
+                sP[tc.row(i) * Tr::kPStride + tc.col(j)] =
+                    var.dropout() ? p * var.keep(m0 + tc.row(i), n0 + tc.col(j)) : p;
             }
             // ℓ stays a per-lane partial sum (alpha is the same on all 8 lanes of the
             // row): the butterfly sum runs once in the epilogue, not once per tile.

@@ -20,6 +20,7 @@
 // The epilogue converts O to the output dtype and writes lse = m + log ℓ.
 #include "common.cuh"
 #include "mask.cuh"
+#include "variants.cuh"
 #include "attn_tile.cuh"
 
 using namespace cuflash;
@@ -38,7 +39,8 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      long long k_sb, long long k_sh, long long k_sr,
                      long long v_sb, long long v_sh, long long v_sr,
                      long long o_sb, long long o_sh, long long o_sr,
-                     accum_t<T> scale, int causal, int num_d_chunks) {
+                     accum_t<T> scale, int causal, int num_d_chunks,
+                     CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     using A = typename Tr::A;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread, TD = Tr::kDimPerThread;
@@ -66,7 +68,9 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     A* sP = sV + Tr::kSmemV;
 
     const ThreadCoord<Tr> tc;
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    var.bind(b, h, Nq, Nk);
     const int dv0 = d_chunk * HEAD_DIM;
     const int dv1 = min(dv0 + HEAD_DIM, d);
     const A scale_log2 = softmax_scale_log2(scale);  // scores in log2 units: P̃ = exp2(S − m)
@@ -97,8 +101,9 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
         // -- line 7: inner loop over Q_i
         for (int m0 = 0; m0 < Nq; m0 += BLOCK_M) {
             const int m1 = min(m0 + BLOCK_M, Nq);
-            // Causal block skipping: K_j lies entirely above the diagonal for this Q_i.
-            if (n0 >= mask.key_end(m1)) continue;
+            // Block skipping: K_j lies entirely above the diagonal, or outside the
+            // window, for this Q_i.
+            if (n0 >= mask.key_end(m1) || n0 + BLOCK_N <= mask.key_begin(m0)) continue;
             load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
             if (num_d_chunks > 1 && m0 > 0)  // compute_scores left sK at the last chunk
                 load_tile<Tr, BLOCK_N>(sK, k_bh, k_sr, n0, Nk, 0, d);
@@ -107,7 +112,7 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
             // -- line 9: S_ij = Q_i K_jᵀ (scaled by scale·log2 e, masked)
             A s[TR][TC];
             compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh, k_sr, m0, n0, Nq, Nk, d,
-                               num_d_chunks, scale_log2, mask, tc);
+                               num_d_chunks, scale_log2, mask, var, tc);
             A o_scale[TR];  // diag(ℓ_i) e^{m_i − m_new}: the weight of the old O_i
             A inv_l_new[TR];
 
@@ -146,10 +151,13 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 o_scale[i] = l_old * alpha;
                 inv_l_new[i] = st.inv_l();  // ℓ_new = 0 only if the row saw no key yet: O = 0
 
-                // P̃ enters line 12 multiplied by e^{m̃ − m_new}: fold it in here.
+                // P̃ enters line 12 multiplied by e^{m̃ − m_new}: fold it in here, with
+                // dropout's keep/(1 − p) (ℓ above summed the undropped P̃).
 #pragma unroll
                 for (int j = 0; j < TC; ++j)
-                    sP[tc.row(i) * Tr::kPStride + tc.col(j)] = s[i][j] * beta;
+                    sP[tc.row(i) * Tr::kPStride + tc.col(j)] =
+                        var.dropout() ? s[i][j] * beta * var.keep(gi, n0 + tc.col(j))
+                                      : s[i][j] * beta;
 
                 if (tc.lane_col == 0 && gi < Nq) {  // -- line 13: write ℓ_new, m_new
                     l_bh[gi] = st.l_i;

@@ -1,0 +1,51 @@
+"""The variants' kernel arguments: `cuflash.variants.Variants` as the run-time parameters
+every attention kernel takes (`CUFLASH_VARIANT_PARAMS` in kernels/variants.cuh, in the
+same order). One specialization serves every combination of options: they are flags
+and pointers, not template parameters, so the compile gate's list does not grow.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..variants import PLAIN
+
+# Bits of VariantFlag (kernels/variants.cuh).
+SOFTCAP, ALIBI, BIAS, BIAS_F32, MASK, DROPOUT = 1, 2, 4, 8, 16, 32
+
+
+def _strides4(a):
+    """Element strides of a compact 4-D bias or mask: 0 along its size-1 (broadcast) axes."""
+    return tuple(np.int64(0 if n == 1 else s // a.itemsize) for n, s in zip(a.shape, a.strides))
+
+
+def variant_args(xp, variants, acc) -> tuple:
+    """The arguments after a kernel's own: flags, softcap, ALiBi slopes, bias, mask,
+    dropout's threshold and key, 1/(1 − p), window. Absent arrays are a 1-element dummy
+    (never read: their flag is off)."""
+    var = variants or PLAIN
+    acc = np.dtype(acc)
+    flags = 0
+    dummy = xp.zeros(1, dtype=acc)
+    zeros4 = (np.int64(0),) * 4
+    if var.softcap is not None:
+        flags |= SOFTCAP
+    alibi, alibi_sb = dummy, np.int64(0)
+    if var.alibi is not None:
+        flags |= ALIBI
+        alibi = xp.ascontiguousarray(var.alibi, dtype=acc)
+        alibi_sb = np.int64(0 if alibi.shape[0] == 1 else alibi.shape[1])
+    bias, bias_st = dummy, zeros4
+    if var.bias is not None:
+        flags |= BIAS | (BIAS_F32 if var.bias.dtype == np.float32 else 0)
+        bias, bias_st = var.bias, _strides4(var.bias)
+    mask, mask_st = xp.zeros(1, dtype=np.bool_), zeros4
+    if var.mask is not None:
+        flags |= MASK
+        mask, mask_st = var.mask, _strides4(var.mask)
+    if var.dropout_p > 0:
+        flags |= DROPOUT
+    left, right = var.window if var.window is not None else (-1, -1)
+    return (np.int32(flags), acc.type(var.softcap or 1.0), alibi, alibi_sb, bias, *bias_st,
+            mask, *mask_st, np.uint32(var.threshold), np.uint32(var.seed & 0xFFFFFFFF),
+            np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(left),
+            np.int32(right))

@@ -1,0 +1,110 @@
+// variants.cuh — the score chain of every attention variant, in one place.
+//
+// In the order of cuflash.variants (and docs/api.md):
+//     s = scale·q·kᵀ → softcap·tanh(s/softcap) → − slope·|i + Nk − Nq − j| + bias
+//       → causal / window (mask.cuh) / bool mask → softmax → dropout → ·V
+// A kernel receives the options as run-time arguments (no template flag: one
+// specialization serves every combination), binds them to its (batch, head) once with
+// bind(), and calls score() on each score in natural units and keep() on each P̃.
+// bias and mask are read in place with four element strides (0 along a broadcast axis).
+#pragma once
+
+#include "common.cuh"
+#include "philox.cuh"
+
+namespace cuflash {
+
+// Bits of Variants::flags (cuflash/backends/kernel_variants.py sets them).
+enum VariantFlag : int {
+    kSoftcap = 1,   // softcap·tanh(s/softcap)
+    kAlibi = 2,     // − slope_bh·|i + Nk − Nq − j|
+    kBias = 4,      // + bias[b, h, i, j]
+    kBiasF32 = 8,   // bias is float (else the input type T)
+    kMask = 16,     // a bool mask: False hides the key
+    kDropout = 32,  // P̃ ∘ keep / (1 − p)
+};
+
+__device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_(double x) { return tanh(x); }
+
+template <typename T> struct Variants {
+    using A = accum_t<T>;
+    int flags;
+    A softcap;
+    const A* alibi;       // (B or 1, Hq) slopes
+    long long alibi_sb;   // 0 when shared by the batch
+    const void* bias;     // T or float, (b, h, i, j) at b·sb + h·sh + i·sr + j·sc
+    long long bias_sb, bias_sh, bias_sr, bias_sc;
+    const unsigned char* mask;
+    long long mask_sb, mask_sh, mask_sr, mask_sc;
+    unsigned int drop_threshold, seed_lo, seed_hi;
+    A keep_scale;         // 1 / (1 − p)
+    int off;              // Nk − Nq: the bottom-right alignment of ALiBi's distance
+    // bound by bind():
+    int b, h;
+    A slope;
+    long long bias_bh, mask_bh;
+
+    __device__ __forceinline__ void bind(int b_, int h_, int Nq, int Nk) {
+        b = b_;
+        h = h_;
+        off = Nk - Nq;
+        slope = (flags & kAlibi) ? alibi[b * alibi_sb + h] : A(0);
+        bias_bh = b * bias_sb + h * bias_sh;
+        mask_bh = b * mask_sb + h * mask_sh;
+    }
+
+    // Any option that changes the scores (the plain path skips score() altogether).
+    __device__ __forceinline__ bool scores() const {
+        return (flags & (kSoftcap | kAlibi | kBias | kMask)) != 0;
+    }
+    __device__ __forceinline__ bool dropout() const { return (flags & kDropout) != 0; }
+
+    // The biased score of query i, key j (both in range) from x = scale·q_i·k_j, in
+    // natural units; −inf where the mask hides the key. t gets tanh(x/softcap) (the
+    // backward's 1 − t² factor), 0 without softcap.
+    __device__ __forceinline__ A score(A x, int i, int j, A& t) const {
+        t = A(0);
+        if (flags & kSoftcap) {
+            t = tanh_(x / softcap);
+            x = softcap * t;
+        }
+        if (flags & kAlibi) {
+            const int dist = i + off - j;
+            x -= slope * A(dist < 0 ? -dist : dist);
+        }
+        if (flags & kBias) {
+            const long long at = bias_bh + i * bias_sr + j * bias_sc;
+            x += (flags & kBiasF32) ? A(static_cast<const float*>(bias)[at])
+                                    : A(to_float(static_cast<const T*>(bias)[at]));
+        }
+        if ((flags & kMask) && !mask[mask_bh + i * mask_sr + j * mask_sc]) x = neg_inf<A>();
+        return x;
+    }
+
+    // Dropout's multiplier of P̃_ij: keep/(1 − p) (the Philox map of philox.cuh).
+    __device__ __forceinline__ A keep(int i, int j) const {
+        const unsigned int w = philox4x32_10((unsigned int)j >> 2, (unsigned int)i,
+                                             (unsigned int)h, (unsigned int)b, seed_lo,
+                                             seed_hi, j & 3);
+        return w >= drop_threshold ? keep_scale : A(0);
+    }
+};
+
+}  // namespace cuflash
+
+// The variants' kernel parameters, appended to every attention kernel's list (the order
+// of cuflash/backends/kernel_variants.py:variant_args), and the record built from them.
+#define CUFLASH_VARIANT_PARAMS(T)                                                          \
+    int var_flags, cuflash::accum_t<T> var_softcap, const cuflash::accum_t<T>* var_alibi,  \
+        long long alibi_sb, const void* var_bias, long long bias_sb, long long bias_sh,    \
+        long long bias_sr, long long bias_sc, const unsigned char* var_mask,               \
+        long long mask_sb, long long mask_sh, long long mask_sr, long long mask_sc,        \
+        unsigned int drop_threshold, unsigned int seed_lo, unsigned int seed_hi,           \
+        cuflash::accum_t<T> keep_scale, int win_left, int win_right
+#define CUFLASH_VARIANTS(T)                                                                \
+    cuflash::Variants<T> {                                                                 \
+        var_flags, var_softcap, var_alibi, alibi_sb, var_bias, bias_sb, bias_sh, bias_sr,  \
+            bias_sc, var_mask, mask_sb, mask_sh, mask_sr, mask_sc, drop_threshold,         \
+            seed_lo, seed_hi, keep_scale                                                   \
+    }
