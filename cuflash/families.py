@@ -28,11 +28,14 @@ FLASH_FWD_TC = KernelFamily("flash_fwd_tc", "flash_fwd_tc.cu")           # FA2 f
 FLASH_BWD_PREPROCESS = KernelFamily("flash_bwd_preprocess", "flash_bwd.cu")  # D = rowsum(dO∘O)
 FLASH_BWD_DKDV = KernelFamily("flash_bwd_dkdv", "flash_bwd.cu")
 FLASH_BWD_DQ = KernelFamily("flash_bwd_dq", "flash_bwd.cu")
+FLASH_BWD_DKDV_TC = KernelFamily("flash_bwd_dkdv_tc", "flash_bwd_tc.cu")  # dK, dV on mma.sync
+FLASH_BWD_DQ_TC = KernelFamily("flash_bwd_dq_tc", "flash_bwd_tc.cu")      # dQ on mma.sync
 SOFTMAX_ROWS = KernelFamily("softmax_rows", "online_softmax.cu")         # one block per line
 SOFTMAX_COLS = KernelFamily("softmax_cols", "online_softmax.cu")         # one thread per line
 
 FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_BWD_PREPROCESS,
-                                FLASH_BWD_DKDV, FLASH_BWD_DQ, SOFTMAX_ROWS, SOFTMAX_COLS)}
+                                FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC,
+                                SOFTMAX_ROWS, SOFTMAX_COLS)}
 
 # The public API's `algorithm=` values and the forward family each one runs. "fa2" runs
 # FLASH_FWD_TC instead where tensor cores apply (`tiling.forward_path`).

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from . import _dtypes
+from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC
 from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROCESS,
                        FLASH_FWD_TC, FORWARD_ALGORITHMS, SOFTMAX_COLS, SOFTMAX_ROWS)
 
@@ -484,6 +485,145 @@ def all_bwd_plans() -> tuple[BwdPlan | BwdPreprocessPlan, ...]:
     return tuple(plans)
 
 
+# ── backward on tensor cores (flash_bwd_tc.cu) ────────────────────────────────────────
+#
+# FA2's backward on mma.sync for float16 (sm_75+) and bfloat16 (sm_80+): each warp owns 16
+# rows of its block (keys in the dK/dV kernel, queries in the dQ kernel) and the other
+# operand pair streams through a `stages`-deep cp.async ring in tiles of `tile_rows` rows;
+# the dK/dV kernel computes Sᵀ = K Qᵀ, so Pᵀ and dSᵀ are already the A fragments of
+# dV += Pᵀ dO and dK += dSᵀ Q. D = rowsum(dO ∘ O) stays flash_bwd.cu's preprocess kernel.
+# See `TcBwdTraits` in kernels/tc_bwd_tile.cuh and docs/kernels.md.
+TC_BWD_HEAD_DIMS = (64, 128)   # HEAD_DIM buckets; d a multiple of 8 up to 128 runs in one
+
+# Candidate (block_rows, tile_rows, num_warps, stages, own_in_regs) per (kernel, HEAD_DIM),
+# best first; every one fits 64 KB (sm_75's opt-in limit). `own_in_regs`: the warp's own
+# operands (K_j, V_j | Q_i, dO_i) as A fragments in registers, else re-read from shared
+# memory at every k16 step. ptxas registers (sm_80 / sm_75): dK/dV D=64 237 / 244,
+# D=128 217 / 224; dQ D=64 241 / 227, D=128 242 / 250. Tried and rejected: dK/dV D=128
+# with 32-row Q tiles (ptxas spills 16 bytes on sm_75 at 255 registers). D = 256 has no
+# tile: dK_j and dV_j alone are 2 · D/2 = 256 accumulator registers per thread.
+_TC_BWD_CANDIDATES = {
+    (FLASH_BWD_DKDV_TC.name, 64): ((64, 64, 4, 2, True),),
+    (FLASH_BWD_DKDV_TC.name, 128): ((64, 16, 4, 2, False),),
+    (FLASH_BWD_DQ_TC.name, 64): ((64, 64, 4, 2, True),),
+    (FLASH_BWD_DQ_TC.name, 128): ((64, 32, 4, 2, True),),
+}
+TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
+
+
+def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: int,
+                      tile_rows: int, stages: int) -> int:
+    """Dynamic shared memory of one tensor-core backward block: mirrors
+    `TcBwdTraits::kSmemBytes` (kernels/tc_bwd_tile.cuh) term for term.
+
+    own pair    2 · block_rows · D            K_j, V_j (dK/dV) | Q_i, dO_i (dQ), in T
+    ring pair   2 · stages · tile_rows · D    Q_i, dO_i (dK/dV) | K_j, V_j (dQ), in T
+    row stats   2 · stages · tile_rows        lse_i, D_i in float32 (dK/dV only)
+    """
+    tiles = (2 * block_rows * head_dim + 2 * stages * tile_rows * head_dim) * elem_bytes
+    stats = 2 * stages * tile_rows * 4 if kernel == FLASH_BWD_DKDV_TC.name else 0
+    return tiles + stats
+
+
+@dataclasses.dataclass(frozen=True)
+class TcBwdPlan(_Plan):
+    """One launchable specialization of a tensor-core backward kernel; the fields after
+    `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_ROWS,
+    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS in flash_bwd_tc.cu)."""
+
+    dynamic_smem = True
+
+    kernel: str            # one of TC_BWD_KERNELS
+    dtype: str             # "float16" or "bfloat16"
+    head_dim: int          # HEAD_DIM: runs any d <= head_dim that is a multiple of 8
+    block_rows: int        # rows the block owns (Bc keys | Br queries) = 16 · num_warps
+    tile_rows: int         # rows of each streamed tile (Q_i | K_j)
+    num_warps: int
+    stages: int            # depth of the cp.async ring
+    own_in_regs: bool      # the own operands' A fragments held in registers
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def head_dim_bucket(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        return tc_bwd_smem_bytes(self.kernel, np.dtype(self.dtype).itemsize, self.head_dim,
+                                 self.block_rows, self.tile_rows, self.stages)
+
+    def __str__(self) -> str:
+        return (f"{self.kernel} {self.dtype} D={self.head_dim} rows={self.block_rows} "
+                f"tile={self.tile_rows} warps={self.num_warps} stages={self.stages} "
+                f"{'regs' if self.own_in_regs else 'smem'} smem={self.smem_bytes} B")
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate(self.head_dim, self.block_rows, self.tile_rows, self.num_warps,
+                                 self.stages, "true" if self.own_in_regs else "false")
+
+
+def _tc_bwd_candidates(kernel, dtype, head_dim):
+    return [TcBwdPlan(kernel, np.dtype(dtype).name, head_dim, *c)
+            for c in _TC_BWD_CANDIDATES[(kernel, head_dim)]]
+
+
+@functools.cache
+def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
+    """Every tensor-core backward specialization the library can launch (for the gate)."""
+    return tuple(p for dt in TC_DTYPES for D in TC_BWD_HEAD_DIMS for kernel in TC_BWD_KERNELS
+                 for p in _tc_bwd_candidates(kernel, dt, D))
+
+
+def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
+                  sm_count=None, plain: bool = True):
+    """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
+
+    Tensor cores (two `TcBwdPlan`s) where there is no attention variant (`plain`), the
+    dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple of 8 up to 128, q, k,
+    v and dO allow 16-byte loads (`aligned`) and both tiles fit `max_smem`; otherwise the
+    SIMT kernels of `plan_backward`. `cc` is (major, minor), or None when unknown (SIMT)."""
+    dt = np.dtype(dtype)
+
+    def simt():
+        return plan_backward(d, dt, max_smem=max_smem, sm_count=sm_count, cc=cc)
+
+    if not plain:
+        return simt(), ("SIMT: attention variants (window, softcap, ALiBi, bias, mask, "
+                        "dropout) run on the SIMT backward; the tensor-core kernels take none")
+    if dt.name not in TC_DTYPES:
+        return simt(), (f"SIMT: {dt.name} has no tensor-core backward (float16 and bfloat16 "
+                        f"do)")
+    if cc is None:
+        return simt(), "SIMT: the device's compute capability is unknown"
+    cc = tuple(cc)
+    need = TC_MIN_CC[dt.name]
+    if cc < need:
+        return simt(), (f"SIMT: {dt.name} tensor cores need sm_{need[0]}{need[1]}; "
+                        f"the device is sm_{cc[0]}{cc[1]}")
+    if d % TC_D_MULTIPLE:
+        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TC_D_MULTIPLE} "
+                        f"(tensor-core rows are whole 16-byte chunks)")
+    if d > TC_BWD_HEAD_DIMS[-1]:
+        return simt(), (f"SIMT: head dim d={d} > {TC_BWD_HEAD_DIMS[-1]}: the tensor-core "
+                        f"backward keeps dK_j and dV_j in mma accumulators, d registers per "
+                        f"thread, and the 256-wide tile's would fill all 255")
+    if not aligned:
+        return simt(), ("SIMT: q, k, v or dO is not 16-byte aligned (a base pointer, or a "
+                        "batch, head or row stride that is not a multiple of 8 elements)")
+    D = next(b for b in TC_BWD_HEAD_DIMS if d <= b)
+    fits = [next((p for p in _tc_bwd_candidates(kernel, dt, D) if p.smem_bytes <= max_smem),
+                 None) for kernel in TC_BWD_KERNELS]
+    if None in fits:
+        return simt(), (f"SIMT: no tensor-core backward tile for D={D} fits {max_smem} bytes "
+                        f"of shared memory per block")
+    instr = "mma.m16n8k16" if cc >= (8, 0) else "2 x mma.m16n8k8"
+    return tuple(fits), f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}"
+
+
 # ── online softmax (online_softmax.cu) ─────────────────────────────────────────────────
 
 SOFTMAX_THREADS = 128
@@ -526,7 +666,7 @@ def specializations() -> dict[str, list[str]]:
     """Every kernel specialization the library can launch, {source: [name expression]}:
     finite (every plan of every family, dtype and head-dim bucket), for the compile gate."""
     out: dict[str, list[str]] = {}
-    for plan in (*all_plans(), *all_tc_plans(), *all_bwd_plans(), *all_softmax_plans()):
+    for plan in (*all_plans(), *all_tc_plans(), *all_bwd_plans(), *all_tc_bwd_plans(), *all_softmax_plans()):
         names = out.setdefault(plan.source, [])
         if plan.name_expression not in names:
             names.append(plan.name_expression)

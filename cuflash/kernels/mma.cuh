@@ -157,6 +157,18 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 #endif
 }
 
+// 4 bytes global → shared (a float of the backward's row statistics, whose rows are not
+// 16-byte aligned): .ca, the variant that has sizes below 16; `valid` false zero-fills.
+// Below sm_80 a plain synchronous copy.
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
+#if CUFLASH_ARCH >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(valid ? 4u : 0u) : "memory");
+#else
+    *reinterpret_cast<unsigned*>(smem_dst) = valid ? *reinterpret_cast<const unsigned*>(gmem_src) : 0u;
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if CUFLASH_ARCH >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -1,0 +1,340 @@
+// flash_bwd_tc.cu — FlashAttention-2 backward on tensor cores (f16 on sm_75+, bf16 on sm_80+).
+//
+// The algorithm of flash_bwd.cu (FA2, Algorithm 2, P recomputed from lse), with every
+// product on mma.sync and P, dS on the mma accumulators:
+//     D   = rowsum(dO ∘ O)          flash_bwd.cu's preprocess kernel (a bandwidth-bound
+//                                   row sum: nothing for tensor cores to do)
+//     dV  = Pᵀ dO,  dK = dSᵀ Q · scale     flash_bwd_dkdv_tc_kernel
+//     dQ  = dS K · scale                   flash_bwd_dq_tc_kernel
+// with dP = dO Vᵀ and dS = P ∘ (dP − D) recomputed in both. dQ stays a kernel of its own:
+// writing it from the dK/dV blocks would need atomics (every key block adds to every dQ
+// row); as in flash_bwd.cu every output element has one writer and a fixed order, so
+// runs are bitwise reproducible.
+//
+//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, K/V head, batch)
+//     prologue   K_j, V_j → shared (cp.async) → A fragments in registers (D = 64; for
+//                D = 128 they stay in shared memory beside dK_j, dV_j's 128 registers)
+//                start copying the first STAGES − 1 (Q_i, dO_i, lse_i, D_i) tiles
+//     main loop  for each query head of the GQA group, each Q_i tile below the diagonal
+//                  wait for tile i; barrier; start copying tile i + STAGES − 1
+//                  Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ          (keys as rows: tc_bwd_tile.cuh)
+//                  Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
+//                  dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i        (C fragments as A fragments)
+//     epilogue   dK_j · scale, dV_j → T in shared → 16-byte stores
+//   dQ: one block per (Q block of BLOCK_ROWS queries, query head, batch)
+//     prologue   Q_i, dO_i → A fragments; lse_i, D_i of the thread's rows g, g + 8
+//     main loop  for each K_j, V_j tile below the diagonal (the same ring)
+//                  S = Q_i K_jᵀ, dP = dO_i V_jᵀ, P, dS as above, dQ_i += dS K_j
+//     epilogue   dQ_i · scale → T → 16-byte stores
+//
+// The ring follows flash_fwd_tc.cu: tile i lives in slot i % STAGES; at iteration i a
+// thread waits until its copies of tile i landed (cp.async.wait_group STAGES − 2), one
+// barrier makes everyone's copies visible and proves every warp is done with tile i − 1,
+// whose slot then receives tile i + STAGES − 1; one group is committed per iteration, even
+// empty. Padding rows and head-dim columns ≥ d are zero-filled; padding keys and queries
+// are masked (P = 0), and a row with lse = −inf (it saw no key) gets P = 0: zero
+// gradients, no NaN.
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "tc_tile.cuh"
+#include "tc_bwd_tile.cuh"
+
+using namespace cuflash;
+
+// ─────────────────────────────────────────────────────────────────────────────────────
+// dK_j, dV_j: the block's keys own the rows of every product; Q_i, dO_i tiles streamed.
+// ─────────────────────────────────────────────────────────────────────────────────────
+template <class Tr, typename T>
+__device__ __forceinline__ void flash_bwd_dkdv_tc(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dO, const float* __restrict__ lse, const float* __restrict__ Delta,
+    T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq, int Nk, int d,
+    long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
+    long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
+    long long do_sr, long long dk_sb, long long dk_sh, long long dk_sr, long long dv_sb,
+    long long dv_sh, long long dv_sr, float scale, int causal) {
+    constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
+
+    // Block → (key block, K/V head, batch). Key blocks first-first: under causal masking
+    // the first keys are seen by the most queries, so the longest blocks start first.
+    const int n0 = blockIdx.x * BN;
+    const int h_kv = blockIdx.y;
+    const long long b = blockIdx.z;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);
+    T* sV = sK + Tr::kSmemOwn;
+    T* sQ = sV + Tr::kSmemOwn;
+    T* sdO = sQ + Tr::kSmemRing;
+    float* sL = reinterpret_cast<float*>(sdO + Tr::kSmemRing);  // lse_i (raw, natural log)
+    float* sD = sL + Tr::kSmemStats;                             // D_i
+    constexpr int kSlot = BM * Tr::kHeadDim;  // elements of one ring slot
+
+    const int lane = threadIdx.x % 32;
+    const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
+    const int g = lane >> 2, t = lane % 4;
+    const CausalMask mask{Nq, Nk, causal != 0};
+    const float scale_log2 = softmax_scale_log2(scale);
+
+    // The tiles: every query head h of the group, and its Q_i tiles from the first row
+    // that sees key n0 (causal block skipping, rounded down to a whole tile).
+    const int m_begin = mask.first_row(n0) / BM * BM;
+    const int m_tiles = m_begin < Nq ? (Nq - m_begin + BM - 1) / BM : 0;
+    const int n_tiles = group * m_tiles;
+    auto issue = [&](int i) {  // copy tile i into its ring slot (one commit group per tile)
+        if (i < n_tiles) {
+            const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
+            const int slot = i % STAGES;
+            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr, m0, Nq, d);
+            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr, m0, Nq, d);
+            const long long row_bh = (b * Hq + h) * (long long)Nq;  // lse, D: (B, Hq, Nq)
+            copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
+            copy_stats_async<Tr, BM>(sD + slot * BM, Delta + row_bh, m0, Nq);
+        }
+        cp_async_commit();
+    };
+
+    // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
+    copy_tile_async<Tr, BN>(sK, k_bh, k_sr, n0, Nk, d);
+    copy_tile_async<Tr, BN>(sV, v_bh, v_sr, n0, Nk, d);
+    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) issue(st);
+    cp_async_wait<STAGES - 1>();  // K_j, V_j have landed (this thread's part)
+    __syncthreads();
+    FragA kf[Tr::kQFrags], vf[Tr::kQFrags];
+    load_q_fragments<Tr>(kf, sK, warp_row0, lane);
+    load_q_fragments<Tr>(vf, sV, warp_row0, lane);
+
+    FragC dk_acc[Tr::kOTiles], dv_acc[Tr::kOTiles];
+#pragma unroll
+    for (int j = 0; j < Tr::kOTiles; ++j) {
+        dk_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+        dv_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+    }
+
+    // -- main loop over the group's query heads and their Q_i, dO_i tiles
+    for (int i = 0; i < n_tiles; ++i) {
+        cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies)
+        __syncthreads();              // ... everyone's; and everyone is done with tile i − 1
+        issue(i + STAGES - 1);        // into the slot tile i − 1 used
+        const int slot = i % STAGES;
+        const T* sQi = sQ + slot * kSlot;
+        const T* sdOi = sdO + slot * kSlot;
+        const float* sLi = sL + slot * BM;
+        const float* sDi = sD + slot * BM;
+        const int m0 = m_begin + (i % m_tiles) * BM;
+
+        // -- Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ (rows: the warp's 16 keys; columns: queries)
+        FragC s[Tr::kSTiles], dp[Tr::kSTiles];
+#pragma unroll
+        for (int j = 0; j < Tr::kSTiles; ++j) {
+            s[j] = FragC{0.f, 0.f, 0.f, 0.f};
+            dp[j] = FragC{0.f, 0.f, 0.f, 0.f};
+        }
+        gemm_qk_tc<Tr>(s, kf, sK, warp_row0, sQi, lane);
+        gemm_qk_tc<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
+
+        // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
+        // D_i are per column (query), from the tile's row statistics
+        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
+        const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
+#pragma unroll
+        for (int j = 0; j < Tr::kSTiles; ++j) {
+            const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
+            const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
+            const float d0 = sDi[c], d1 = sDi[c + 1];
+            const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
+            bool m00 = false, m01 = false, m10 = false, m11 = false;
+            if (needs_mask) {  // a padding query (i >= Nq) is masked like a padding key
+                m00 = i0 >= Nq || mask.masked(i0, key_top);
+                m01 = i1 >= Nq || mask.masked(i1, key_top);
+                m10 = i0 >= Nq || mask.masked(i0, key_bottom);
+                m11 = i1 >= Nq || mask.masked(i1, key_bottom);
+            }
+            p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, m00);
+            p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, m01);
+            p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, m10);
+            p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, m11);
+        }
+
+        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in registers)
+        gemm_pv_tc<Tr>(dv_acc, s, sdOi, lane);
+        gemm_pv_tc<Tr>(dk_acc, dp, sQi, lane);
+    }
+
+    // -- epilogue: dK_j = (Σ dSᵀ Q_i) · scale, dV_j, through the warp's own rows of sK, sV
+    store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh, dk_sr, dk_acc, scale, sK, warp_row0, n0,
+                       Nk, d, lane);
+    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dv_acc, 1.f, sV, warp_row0, n0, Nk,
+                       d, lane);
+}
+
+// ─────────────────────────────────────────────────────────────────────────────────────
+// dQ_i: the block's queries own the rows; K_j, V_j tiles streamed.
+// ─────────────────────────────────────────────────────────────────────────────────────
+template <class Tr, typename T>
+__device__ __forceinline__ void flash_bwd_dq_tc(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dO, const float* __restrict__ lse, const float* __restrict__ Delta,
+    T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
+    long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
+    long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
+    long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal) {
+    constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
+
+    // Block → (query block, query head, batch); query blocks last-first (the causal tail,
+    // as flash_fwd_tc.cu). GQA/MQA: query head h reads K/V head h / group.
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int h = blockIdx.y;
+    const long long b = blockIdx.z;
+    const int h_kv = h / group;
+    const T* q_bh = q + b * q_sb + h * q_sh;
+    const T* do_bh = dO + b * do_sb + h * do_sh;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sdO = sQ + Tr::kSmemOwn;
+    T* sK = sdO + Tr::kSmemOwn;
+    T* sV = sK + Tr::kSmemRing;
+    constexpr int kSlot = BN * Tr::kHeadDim;
+
+    const int lane = threadIdx.x % 32;
+    const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
+    const int g = lane >> 2, t = lane % 4;
+    const CausalMask mask{Nq, Nk, causal != 0};
+    const float scale_log2 = softmax_scale_log2(scale);
+    const int n_end = mask.key_end(min(m0 + BM, Nq));  // causal block skipping
+    const int n_tiles = (n_end + BN - 1) / BN;
+    auto issue = [&](int j) {
+        if (j < n_tiles) {
+            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, j * BN, Nk, d);
+            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, j * BN, Nk, d);
+        }
+        cp_async_commit();
+    };
+
+    // -- prologue: Q_i, dO_i (group 0), tiles 0 .. STAGES − 2; lse_i, D_i of rows g, g + 8
+    copy_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
+    copy_tile_async<Tr, BM>(sdO, do_bh, do_sr, m0, Nq, d);
+    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) issue(st);
+    const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
+    const float* lse_bh = lse + (b * Hq + h) * (long long)Nq;
+    const float* delta_bh = Delta + (b * Hq + h) * (long long)Nq;
+    // padding rows act as rows that saw no key: lse = −inf → P = 0
+    const float lse2_top = lse_log2(r_top < Nq ? lse_bh[r_top] : neg_inf<float>());
+    const float lse2_bottom = lse_log2(r_bottom < Nq ? lse_bh[r_bottom] : neg_inf<float>());
+    const float d_top = r_top < Nq ? delta_bh[r_top] : 0.f;
+    const float d_bottom = r_bottom < Nq ? delta_bh[r_bottom] : 0.f;
+    cp_async_wait<STAGES - 1>();  // Q_i, dO_i have landed (this thread's part)
+    __syncthreads();
+    FragA qf[Tr::kQFrags], dof[Tr::kQFrags];
+    load_q_fragments<Tr>(qf, sQ, warp_row0, lane);
+    load_q_fragments<Tr>(dof, sdO, warp_row0, lane);
+
+    FragC dq_acc[Tr::kOTiles];
+#pragma unroll
+    for (int j = 0; j < Tr::kOTiles; ++j) dq_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+
+    // -- main loop over K_j, V_j
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        issue(j + STAGES - 1);
+        const T* sKj = sK + (j % STAGES) * kSlot;
+        const T* sVj = sV + (j % STAGES) * kSlot;
+        const int n0 = j * BN;
+
+        // -- S = Q_i K_jᵀ, dP = dO_i V_jᵀ
+        FragC s[Tr::kSTiles], dp[Tr::kSTiles];
+#pragma unroll
+        for (int i = 0; i < Tr::kSTiles; ++i) {
+            s[i] = FragC{0.f, 0.f, 0.f, 0.f};
+            dp[i] = FragC{0.f, 0.f, 0.f, 0.f};
+        }
+        gemm_qk_tc<Tr>(s, qf, sQ, warp_row0, sKj, lane);
+        gemm_qk_tc<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
+
+        // -- P = exp2(S·scale·log2 e − lse_i·log2 e), dS = P ∘ (dP − D_i)
+        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
+#pragma unroll
+        for (int i = 0; i < Tr::kSTiles; ++i) {
+            const int c = n0 + i * 8 + 2 * t;
+            const bool m00 = needs_mask && mask.masked(r_top, c);
+            const bool m01 = needs_mask && mask.masked(r_top, c + 1);
+            const bool m10 = needs_mask && mask.masked(r_bottom, c);
+            const bool m11 = needs_mask && mask.masked(r_bottom, c + 1);
+            p_ds(s[i].c0, dp[i].c0, scale_log2, lse2_top, d_top, m00);
+            p_ds(s[i].c1, dp[i].c1, scale_log2, lse2_top, d_top, m01);
+            p_ds(s[i].c2, dp[i].c2, scale_log2, lse2_bottom, d_bottom, m10);
+            p_ds(s[i].c3, dp[i].c3, scale_log2, lse2_bottom, d_bottom, m11);
+        }
+
+        // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of K_j)
+        gemm_pv_tc<Tr>(dq_acc, dp, sKj, lane);
+    }
+
+    // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
+    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dq_acc, scale, sQ, warp_row0, m0, Nq,
+                       d, lane);
+}
+
+// A block of NUM_WARPS · 32 threads per (key block | query block, head, batch) in
+// blockIdx (x, y, z). minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers
+// it needs (up to 255) rather than aim at an occupancy that spills.
+template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
+          bool OWN_IN_REGS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                         const T* __restrict__ v, const T* __restrict__ dO,
+                         const float* __restrict__ lse, const float* __restrict__ Delta,
+                         T* __restrict__ dk, T* __restrict__ dv,
+                         int Hq, int group, int Nq, int Nk, int d,
+                         long long q_sb, long long q_sh, long long q_sr,
+                         long long k_sb, long long k_sh, long long k_sr,
+                         long long v_sb, long long v_sh, long long v_sr,
+                         long long do_sb, long long do_sh, long long do_sr,
+                         long long dk_sb, long long dk_sh, long long dk_sr,
+                         long long dv_sb, long long dv_sh, long long dv_sr,
+                         float scale, int causal) {
+    using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
+                           /*ROW_STATS=*/true>;
+    if constexpr (TensorCores<T>::value) {
+        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
+                              q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
+                              dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal);
+    } else {
+        __trap();  // no tensor cores for T on this architecture: the launch path never picks it
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
+          bool OWN_IN_REGS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                       const T* __restrict__ v, const T* __restrict__ dO,
+                       const float* __restrict__ lse, const float* __restrict__ Delta,
+                       T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
+                       long long q_sb, long long q_sh, long long q_sr,
+                       long long k_sb, long long k_sh, long long k_sr,
+                       long long v_sb, long long v_sh, long long v_sr,
+                       long long do_sb, long long do_sh, long long do_sr,
+                       long long dq_sb, long long dq_sh, long long dq_sr,
+                       float scale, int causal) {
+    using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
+                           /*ROW_STATS=*/false>;
+    if constexpr (TensorCores<T>::value) {
+        flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
+                            k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
+                            dq_sr, scale, causal);
+    } else {
+        __trap();
+    }
+}

@@ -1,0 +1,136 @@
+// tc_bwd_tile.cuh — the tensor-core backward's traits and the pieces its two kernels share
+// (flash_bwd_tc.cu): P and dS on mma fragments, the row statistics' copies.
+//
+// Both kernels give each warp 16 rows of the block ("own" rows: keys in the dK/dV kernel,
+// queries in the dQ kernel) and stream the other operand pair in tiles of TILE_ROWS rows.
+// Every product then has the warp's own rows as its M dimension:
+//
+//   dK/dV kernel (own: K_j, V_j; streamed: Q_i, dO_i)
+//     Sᵀ  = K_j Q_iᵀ        A: K_j (own)       B: Q_i rows (ldmatrix)
+//     dPᵀ = V_j dO_iᵀ       A: V_j (own)       B: dO_i rows (ldmatrix)
+//     dV_j += Pᵀ dO_i       A: Pᵀ (C → A)      B: dO_i (ldmatrix.trans)
+//     dK_j += dSᵀ Q_i       A: dSᵀ (C → A)     B: Q_i (ldmatrix.trans)
+//   dQ kernel (own: Q_i, dO_i; streamed: K_j, V_j)
+//     S   = Q_i K_jᵀ        A: Q_i (own)       B: K_j rows (ldmatrix)
+//     dP  = dO_i V_jᵀ       A: dO_i (own)      B: V_j rows (ldmatrix)
+//     dQ_i += dS K_j        A: dS (C → A)      B: K_j (ldmatrix.trans)
+//
+// So the dK/dV kernel computes the *transposed* scores Sᵀ (keys as rows): Pᵀ and dSᵀ land
+// in C fragments whose rows are the warp's keys, which are exactly the A fragments that
+// dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i need (tc_tile.cuh's p_fragment) — no transpose
+// through shared memory, no second copy of P. The price is that lse_i and D_i belong to
+// the fragment's *columns*: they come with each Q_i tile into shared memory (cp.async, 4
+// bytes each) and every thread reads those of its columns 8j + 2t, 8j + 2t + 1.
+//
+// The four products are tc_tile.cuh's gemm_qk_tc (own A × streamed rows) and gemm_pv_tc
+// (C fragments as A × streamed tile), which read these traits by the forward's names:
+// kQInRegs / kQFrags are the own operands' A fragments (held in registers, or re-read from
+// shared memory at every k16 step), kSTiles the n-tiles of S (TILE_ROWS / 8), kPVSteps the
+// k16 steps over the streamed rows, kOTiles the n-tiles of an accumulator (D / 8).
+//
+// Shared memory (dynamic, tiles in T, swizzled as in tc_tile.cuh):
+//   own pair     2 x [BLOCK_ROWS][D]            K_j, V_j  |  Q_i, dO_i   (then: the
+//                                               epilogue's staging of dK_j, dV_j | dQ_i)
+//   ring pair    2 x [STAGES][TILE_ROWS][D]     Q_i, dO_i |  K_j, V_j
+//   row stats    2 x [STAGES][TILE_ROWS] float  lse_i, D_i (dK/dV kernel only)
+// cuflash/tiling.py:tc_bwd_smem_bytes mirrors kSmemBytes term for term.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "tc_tile.cuh"
+
+namespace cuflash {
+
+template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
+          bool OWN_IN_REGS, bool ROW_STATS>
+struct TcBwdTraits {
+    static constexpr int kHeadDim = HEAD_DIM;
+    static constexpr int kBlockRows = BLOCK_ROWS;       // own rows: Bc keys | Br queries
+    static constexpr int kTileRows = TILE_ROWS;         // streamed rows per tile
+    static constexpr int kStages = STAGES;
+    static constexpr int kThreads = NUM_WARPS * 32;
+    static constexpr int kWarpRows = 16;                // one mma row tile per warp
+    static constexpr int kChunkElems = 16 / (int)sizeof(T);
+    static constexpr int kChunksPerRow = HEAD_DIM / kChunkElems;
+    static constexpr int kKSteps = HEAD_DIM / 16;       // k16 steps of S (over the head dim)
+    static constexpr int kSTiles = TILE_ROWS / 8;       // n-tiles of S, dP (streamed rows)
+    static constexpr int kPVSteps = TILE_ROWS / 16;     // k16 steps of P·X (streamed rows)
+    static constexpr int kOTiles = HEAD_DIM / 8;        // n-tiles of dK, dV, dQ
+    static constexpr bool kQInRegs = OWN_IN_REGS;       // own A fragments in registers
+    static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
+    static constexpr int kSmemOwn = BLOCK_ROWS * HEAD_DIM;           // elements, each of 2
+    static constexpr int kSmemRing = STAGES * TILE_ROWS * HEAD_DIM;  // elements, each of 2
+    static constexpr int kSmemStats = ROW_STATS ? STAGES * TILE_ROWS : 0;  // floats, each of 2
+    static constexpr int kSmemBytes =
+        (2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) + 2 * kSmemStats * (int)sizeof(float);
+
+    static_assert(sizeof(T) == 2, "tensor-core tiles hold f16 or bf16");
+    static_assert(BLOCK_ROWS == kWarpRows * NUM_WARPS,
+                  "each warp owns one 16-row mma tile: BLOCK_ROWS = 16 * NUM_WARPS");
+    static_assert(TILE_ROWS % 16 == 0,
+                  "TILE_ROWS must be a multiple of 16 (k16 steps of P·X, ldmatrix.x4 pairs)");
+    static_assert(HEAD_DIM % 64 == 0,
+                  "HEAD_DIM must be a multiple of 64: the swizzle permutes 8 chunks of 16 bytes");
+    static_assert(STAGES >= 2, "the cp.async pipeline needs at least two stages");
+    static_assert((2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) % 16 == 0,
+                  "the row statistics start 16-byte aligned");
+    static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
+};
+
+// Rows [row0, row0 + ROWS) of a contiguous float vector (lse or D of one head) into s by
+// 4-byte cp.async (the rows are not 16-byte aligned); rows >= n_rows are zero-filled.
+template <class Tr, int ROWS>
+__device__ __forceinline__ void copy_stats_async(float* __restrict__ s, const float* __restrict__ g,
+                                                 int row0, int n_rows) {
+    for (int i = threadIdx.x; i < ROWS; i += Tr::kThreads) {
+        const bool valid = row0 + i < n_rows;
+        cp_async_4(s + i, valid ? g + row0 + i : g, valid);
+    }
+}
+
+// One element of Algorithm 2, lines 11-14, on a C-fragment register pair (s, dp):
+//   P = exp2(S · scale·log2 e − lse · log2 e)   (lse2 = lse_log2(lse): +inf for a row that
+//                                                saw no key, so P = 0 rather than NaN)
+//   dS = P ∘ (dP − D)
+// in place: s becomes P, dp becomes dS. A masked element (causal, a padding key or query)
+// gets P = dS = 0.
+__device__ __forceinline__ void p_ds(float& s, float& dp, float scale_log2, float lse2, float Di,
+                                     bool masked) {
+    float p = fast_exp2(s * scale_log2 - lse2);
+    if (masked) p = 0.f;
+    dp = p * (dp - Di);
+    s = p;
+}
+
+// The epilogue of both kernels: acc · factor (the warp's 16 own rows x D) packed to T into
+// the warp's own rows of the swizzled tile s (no other warp touches them), then whole
+// 16-byte chunks of rows < n and columns < d to out (row stride sr).
+template <class Tr, typename T>
+__device__ __forceinline__ void store_rows_16b(T* __restrict__ out, long long sr,
+                                               const FragC (&acc)[Tr::kOTiles], float factor,
+                                               T* s, int warp_row0, int row0, int n, int d,
+                                               int lane) {
+    const int g = lane >> 2, t = lane % 4;
+    __syncwarp();  // the warp's own reads of these rows (ldmatrix) precede the writes
+#pragma unroll
+    for (int j = 0; j < Tr::kOTiles; ++j) {
+        const int col = j * 8 + 2 * t;
+        *reinterpret_cast<unsigned*>(s + tile_offset<Tr>(warp_row0 + g, col)) =
+            pack2<T>(acc[j].c0 * factor, acc[j].c1 * factor);
+        *reinterpret_cast<unsigned*>(s + tile_offset<Tr>(warp_row0 + g + 8, col)) =
+            pack2<T>(acc[j].c2 * factor, acc[j].c3 * factor);
+    }
+    __syncwarp();
+    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
+#pragma unroll
+    for (int i = lane; i < Tr::kWarpRows * CPR; i += 32) {
+        const int r = i / CPR, c = i % CPR;
+        const int gi = row0 + warp_row0 + r;
+        if (gi < n && c * C < d)
+            *reinterpret_cast<uint4*>(out + (long long)gi * sr + c * C) =
+                *reinterpret_cast<const uint4*>(s + tile_offset<Tr>(warp_row0 + r, c * C));
+    }
+}
+
+}  // namespace cuflash
