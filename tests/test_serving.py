@@ -220,15 +220,16 @@ def check_cache_rows(o, lse, q, keys, values, *, causal, dtype=np.float32, **opt
 @pytest.mark.parametrize("nq,causal", [(1, True), (3, True), (2, False)])
 def test_kvcache_contiguous_every_split(backend, nq, causal):
     rng = np.random.default_rng(11 + nq)
-    B, hq, hkv, N, d = 6, 4, 2, 300, 16
+    # the emulator runs a 300-key call in about a second: shorter rows there
+    B, hq, hkv, N, d = 6, 4, 2, 300 if backend == "numpy" else 80, 16
     kc = rng.uniform(-1, 1, (B, hkv, N, d)).astype(np.float32)
     vc = rng.uniform(-1, 1, (B, hkv, N, d)).astype(np.float32)
     q = rng.uniform(-1, 1, (B, hq, nq, d)).astype(np.float32)
-    lens = np.array([0, 1, 299, 37, 300, 5], np.int32)   # 5: cuts near the end
+    lens = np.array([0, 1, N - 1, 37, N, 5], np.int32)   # 5: cuts near the end
     keys = [kc[b, :, :lens[b]] for b in range(B)]
     values = [vc[b, :, :lens[b]] for b in range(B)]
     outs = {}
-    for ns in ([1, 2, 3, 16] if backend != "numpy" else range(1, 17)):
+    for ns in ([1, 3] if backend != "numpy" else range(1, 17)):  # the emulator is slow
         o, lse = cuflash.flash_attention_with_kvcache(
             *to_backend(backend, q, kc, vc, lens), causal=causal, num_splits=ns,
             return_lse=True, backend=backend)
