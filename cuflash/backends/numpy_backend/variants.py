@@ -17,6 +17,7 @@ broadcast as a stride-0 view): nothing of size Nq × Nk is made. dbias is summed
 accumulator of the bias's own compact shape (under a lock: tasks of other heads or key
 tiles may add to the same entries when the bias is broadcast).
 """
+import functools
 import threading
 
 import numpy as np
@@ -29,7 +30,7 @@ from .schedule import NEG_INF
 
 # Rows (per query head) and keys of a score tile. Smaller than the default forward's: the
 # chain adds several passes per tile, and a window's band is visited in these steps.
-_ROWS, _KEYS, _WINDOW_BLOCK = 128, 256, 64
+_ROWS, _KEYS, _WINDOW_BLOCK = 128, 256, 128
 
 
 def _bounds(Nq, Nk, causal, window):
@@ -64,6 +65,25 @@ def variant_schedule(Nq, Nk, Br, Bc, *, causal, window, outer="q"):
                            for r0 in range(lo, hi, Br)]
 
 
+# A block's index predicates depend only on its shape and its offset t from the diagonal,
+# and a loop meets a few (shape, t) over and over: cached, read-only.
+@functools.lru_cache(maxsize=512)
+def _outside_band(rows, cols, t, L, R):
+    """True where key y of the block is outside row x's band: y − x < t − L or > t + R."""
+    d = np.arange(cols)[None, :] - np.arange(rows)[:, None]
+    out = (d < t - L) | (d > t + R)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def _distance(rows, cols, t, dtype):
+    """|i + Nk − Nq − j| over the block: |t + x − y|."""
+    d = np.abs(t + np.arange(rows)[:, None] - np.arange(cols)[None, :]).astype(dtype)
+    d.flags.writeable = False
+    return d
+
+
 class ScoreChain:
     """The score chain of one call, applied tile by tile (see module docstring)."""
 
@@ -92,16 +112,15 @@ class ScoreChain:
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(np.multiply(S, 1.0 / var.softcap, out=S), out=S)
             S = np.multiply(T, var.softcap, out=np.empty_like(T))
-        i = np.arange(a0, a1)[:, None] + (self.Nk - self.Nq)
-        j = np.arange(c0, c1)[None, :]
+        t = a0 + self.Nk - self.Nq - c0  # key c0 + y sits t + x − y from row a0 + x's diagonal
         if self.alibi is not None:                           # − slope·|i + Nk − Nq − j|
             slopes = self.alibi[b, hs].astype(self.acc_t)[:, None, None]
-            S -= slopes * np.abs(i - j).astype(self.acc_t)
+            S -= slopes * _distance(a1 - a0, c1 - c0, t, self.acc_t)
         if self.bias is not None:                            # + bias
             S += self.bias[b, hs, a0:a1, c0:c1]
         hidden = None
         if pred:                                             # causal / window
-            hidden = (j < i - self.L) | (j > i + self.R)
+            hidden = _outside_band(a1 - a0, c1 - c0, t, self.L, self.R)
         if self.mask is not None:                            # / mask (True = may attend)
             m = ~self.mask[b, hs, a0:a1, c0:c1]
             hidden = m if hidden is None else hidden | m
