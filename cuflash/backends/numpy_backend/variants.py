@@ -10,7 +10,9 @@ The default forward's frozen max needs |S| bounded by the norms of Q and K (Cauc
 Schwarz), which a bias or ALiBi breaks, so the variants run the running max throughout.
 Each pool task is one Q tile (forward) or one K/V tile (backward) of one K/V head and its
 G query heads; the block schedule (`variant_schedule`) visits only the blocks the causal
-and window bands reach, so a window of w keys costs about w/Nk of the full square.
+and window bands reach: at N = 8192 with a causal window of 256 keys (3.1% of the
+square), 4.6% of the scores, in 9.8% of the full square's time (the rest is the fixed
+cost of the NumPy calls of each step; measured on 2 shared cores).
 
 bias and mask are read tile by tile from their compact 4-D form (a size-1 axis
 broadcast as a stride-0 view): nothing of size Nq × Nk is made. dbias is summed in one
