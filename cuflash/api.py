@@ -145,7 +145,8 @@ def _option_arrays(alibi_slopes, bias, mask):
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
                     algorithm="fa2", backend="auto", window=None, softcap=None,
-                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
+                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None,
+                    allow_tf32=False):
     """Exact attention softmax(scale · Q Kᵀ) V without building the N×N score matrix.
 
     q: (..., Nq, d); k, v: (..., Nk, d). Leading axes are batch axes and must match,
@@ -162,9 +163,14 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     window=(left, right) and the bool mask (True = may attend) → softmax → dropout
     (dropout_p, seed: Philox keyed by (seed, b, h, i, j)) → ·v. bias and mask broadcast
     to (..., Hq, Nq, Nk) and are never expanded in memory.
+
+    allow_tf32: float32 inputs on tensor cores (sm_80+) take one tf32 mma per product
+    (10-bit mantissas) instead of the default split tf32 (3 mma, about fp32 accuracy);
+    no effect elsewhere (other dtypes, the SIMT kernels, the NumPy backend).
     """
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
+    allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
     algorithm = _checks.check_algorithm(algorithm)
     options = _option_arrays(alibi_slopes, bias, mask)
     arrays = {"q": q, "k": k, "v": v, **options}
@@ -191,6 +197,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
         var = _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed,
                              alibi_slopes, bias, mask)
         extra = {} if var.is_plain() else {"variants": var}
+        if allow_tf32:
+            extra["allow_tf32"] = True
         o, lse = be.forward(_as_4d(q, batch, hq), _as_4d(k, batch, hkv),
                             _as_4d(v, batch, hkv), causal=causal, scale=scale,
                             algorithm=algorithm, **extra)
@@ -202,7 +210,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
                              backend="auto", window=None, softcap=None, alibi_slopes=None,
                              bias=None, mask=None, dropout_p=0.0, seed=None,
-                             return_dbias=False):
+                             return_dbias=False, allow_tf32=False):
     """Gradients (dq, dk, dv) of attention from its output gradient do.
 
     o and lse are what flash_attention(q, k, v, return_lse=True) returned. dq, dk, dv
@@ -213,8 +221,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     dropout is redrawn from the seed. With return_dbias=True (needs bias) it returns
     (dq, dk, dv, dbias): dbias, in bias's shape and dtype, is the gradient with respect
     to the biased score, summed over bias's broadcast axes.
+
+    allow_tf32 is accepted for symmetry with flash_attention and checked, but the backward
+    runs float32 in full fp32 precision whatever its value.
     """
     causal = _checks.check_flag("causal", causal)
+    _checks.check_flag("allow_tf32", allow_tf32)
     return_dbias = _checks.check_return_dbias(return_dbias, bias)
     options = _option_arrays(alibi_slopes, bias, mask)
     arrays = {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, **options}

@@ -25,6 +25,7 @@ class KernelFamily:
 FLASH_FWD = KernelFamily("flash_fwd", "flash_fwd.cu")                    # FA2 forward
 FLASH_FWD_FA1 = KernelFamily("flash_fwd_fa1", "flash_fwd_fa1.cu")        # FA1 forward
 FLASH_FWD_TC = KernelFamily("flash_fwd_tc", "flash_fwd_tc.cu")           # FA2 forward, mma.sync
+FLASH_FWD_TF32 = KernelFamily("flash_fwd_tf32", "flash_fwd_tf32.cu")     # FA2 forward, float32 on tf32 mma
 FLASH_BWD_PREPROCESS = KernelFamily("flash_bwd_preprocess", "flash_bwd.cu")  # D = rowsum(dO∘O)
 FLASH_BWD_DKDV = KernelFamily("flash_bwd_dkdv", "flash_bwd.cu")
 FLASH_BWD_DQ = KernelFamily("flash_bwd_dq", "flash_bwd.cu")
@@ -33,10 +34,12 @@ FLASH_BWD_DQ_TC = KernelFamily("flash_bwd_dq_tc", "flash_bwd_tc.cu")      # dQ o
 SOFTMAX_ROWS = KernelFamily("softmax_rows", "online_softmax.cu")         # one block per line
 SOFTMAX_COLS = KernelFamily("softmax_cols", "online_softmax.cu")         # one thread per line
 
-FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_BWD_PREPROCESS,
+FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_FWD_TF32,
+                                FLASH_BWD_PREPROCESS,
                                 FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC,
                                 SOFTMAX_ROWS, SOFTMAX_COLS)}
 
 # The public API's `algorithm=` values and the forward family each one runs. "fa2" runs
-# FLASH_FWD_TC instead where tensor cores apply (`tiling.forward_path`).
+# FLASH_FWD_TC (16-bit) or FLASH_FWD_TF32 (float32) instead where tensor cores apply
+# (`tiling.forward_path`).
 FORWARD_ALGORITHMS = {"fa2": FLASH_FWD, "fa1": FLASH_FWD_FA1}

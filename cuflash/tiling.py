@@ -23,7 +23,8 @@ import numpy as np
 from . import _dtypes
 from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC
 from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROCESS,
-                       FLASH_FWD_TC, FORWARD_ALGORITHMS, SOFTMAX_COLS, SOFTMAX_ROWS)
+                       FLASH_FWD_TC, FLASH_FWD_TF32, FORWARD_ALGORITHMS, SOFTMAX_COLS,
+                       SOFTMAX_ROWS)
 
 # Head-dim buckets: a kernel is compiled for a bucket D and runs any d <= D, the columns
 # d..D-1 zero-padded in shared memory. Larger d is split into D-wide chunks of the
@@ -180,14 +181,16 @@ def _plan_simt(d: int, dtype, *, max_smem: int, algorithm: str) -> KernelPlan:
 
 
 def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
-                 algorithm: str = "fa2", aligned: bool = True, plain: bool = True):
+                 algorithm: str = "fa2", aligned: bool = True, plain: bool = True,
+                 allow_tf32: bool = False):
     """The plan for head dim d and dtype on a device with `max_smem` bytes per block and
     compute capability `cc` ((major, minor); None: unknown, SIMT only): a `TcPlan` where
     tensor cores apply, else a SIMT `KernelPlan` (see `forward_path`, which also says why).
     `aligned`: the inputs allow 16-byte loads (base pointers and strides). `plain`: no
-    attention variant (`cuflash.variants.Variants.is_plain`)."""
+    attention variant (`cuflash.variants.Variants.is_plain`). `allow_tf32`: float32 may
+    run one-pass tf32 (else split tf32; see `forward_path`)."""
     return forward_path(d, dtype, cc, aligned, max_smem=max_smem, sm_count=sm_count,
-                        algorithm=algorithm, plain=plain)[0]
+                        algorithm=algorithm, plain=plain, allow_tf32=allow_tf32)[0]
 
 
 # ── tensor-core forward (flash_fwd_tc.cu) ─────────────────────────────────────────────
@@ -279,12 +282,15 @@ def all_tc_plans() -> tuple[TcPlan, ...]:
 
 
 def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                 sm_count=None, algorithm: str = "fa2", plain: bool = True):
+                 sm_count=None, algorithm: str = "fa2", plain: bool = True,
+                 allow_tf32: bool = False):
     """(plan, reason): the forward kernel a call takes, and why, in words.
 
     Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+) or
     bfloat16 (sm_80+), d is a multiple of 8 up to 256, the inputs allow 16-byte loads
-    (`aligned`) and a tile fits `max_smem`; the SIMT kernel (`KernelPlan`) otherwise.
+    (`aligned`) and a tile fits `max_smem`; float32 on sm_80+ takes the tf32 kernel
+    (`Tf32Plan`: split tf32 by default, one-pass with `allow_tf32`; see `_tf32_path`);
+    the SIMT kernel (`KernelPlan`) otherwise.
     `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
     simt = functools.partial(_plan_simt, d, dt, max_smem=max_smem, algorithm=algorithm)
@@ -293,11 +299,14 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     if not plain:  # the score chain of kernels/variants.cuh is in the SIMT kernels only
         return simt(), ("SIMT: attention variants (window, softcap, ALiBi, bias, mask, "
                         "dropout) run on the SIMT kernel; the tensor-core kernel takes none")
-    if dt.name not in TC_DTYPES:
-        return simt(), f"SIMT: {dt.name} has no tensor-core path (float16 and bfloat16 do)"
+    if dt.name not in TC_DTYPES + (TF32_DTYPE,):
+        return simt(), (f"SIMT: {dt.name} has no tensor-core path (float16, bfloat16 and "
+                        f"float32 do)")
     if cc is None:
         return simt(), "SIMT: the device's compute capability is unknown"
     cc = tuple(cc)
+    if dt.name == TF32_DTYPE:
+        return _tf32_path(d, cc, aligned, max_smem=max_smem, allow_tf32=allow_tf32, simt=simt)
     need = TC_MIN_CC[dt.name]
     if cc < need:
         return simt(), (f"SIMT: {dt.name} tensor cores need sm_{need[0]}{need[1]}; "
@@ -318,6 +327,121 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     return simt(), (f"SIMT: no tensor-core tile for D={D} fits {max_smem} bytes of shared "
                     f"memory per block")
 
+
+# ── float32 forward on tensor cores (flash_fwd_tf32.cu) ───────────────────────────────
+#
+# The tensor-core forward's tiles with float32 in shared memory and m16n8k8 .tf32 mma
+# (sm_80+). Split tf32 (the default): each operand split into two tf32 parts, 3 mma per
+# product, about fp32 accuracy; one-pass (allow_tf32=True): one tf32 mma per product,
+# 10-bit mantissas. See `Tf32TileTraits` in kernels/tf32_tile.cuh and docs/kernels.md.
+TF32_DTYPE = "float32"
+TF32_MIN_CC = (8, 0)             # mma.m16n8k8 .tf32, cvt.rna.tf32.f32, cp.async
+TF32_HEAD_DIMS = (64, 128, 256)  # HEAD_DIM buckets; d a multiple of 4 up to 256
+TF32_D_MULTIPLE = 4              # d % 4 == 0: a row of floats is whole 16-byte chunks
+
+# Candidate (block_m, block_n, num_warps, stages) per (HEAD_DIM, split), best first; each
+# list ends with a tile within 99 KB, the opt-in limit of sm_86/sm_89 (A10, L4): float32
+# tiles take twice the bytes of the 16-bit kernel's. Split tf32 holds hi/lo temporaries
+# beside every mma: ptxas spilled (sm_80) at D=64 128x64 (32 bytes), D=128 128x32 and
+# 64x32 (88), D=256 64x16 (48); the split lists keep to the spill-free Bc.
+_TF32_CANDIDATES = {
+    (64, False): ((128, 64, 8, 2),),
+    (128, False): ((128, 32, 8, 2), (64, 32, 4, 2)),
+    (256, False): ((64, 16, 4, 2), (64, 8, 4, 2)),
+    (64, True): ((128, 32, 8, 2),),
+    (128, True): ((128, 16, 8, 2),),
+    (256, True): ((64, 8, 4, 2),),
+}
+
+
+def tf32_smem_bytes(head_dim: int, block_m: int, block_n: int, stages: int) -> int:
+    """Dynamic shared memory of one float32 tensor-core forward block: mirrors
+    `Tf32TileTraits::kSmemBytes` (kernels/tf32_tile.cuh) term for term.
+
+    sQ  block_m · D                 Q_i (then the O tile's staging)
+    sK  stages · block_n · D        the K_j ring
+    sV  stages · block_n · D        the V_j ring
+    all float32 (4 bytes), no padding (the tiles are swizzled).
+    """
+    q = block_m * head_dim
+    k = stages * block_n * head_dim
+    v = stages * block_n * head_dim
+    return (q + k + v) * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Tf32Plan(_Plan):
+    """One launchable specialization of the float32 tensor-core forward; the fields after
+    `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_M, BLOCK_N,
+    NUM_WARPS, STAGES, SPLIT in flash_fwd_tf32.cu)."""
+
+    kernel: str            # "flash_fwd_tf32"
+    dtype: str             # "float32"
+    head_dim: int          # HEAD_DIM: runs any d <= head_dim that is a multiple of 4
+    block_m: int           # Br = 16 · num_warps
+    block_n: int           # Bc
+    num_warps: int
+    stages: int            # depth of the K/V cp.async ring
+    split: bool            # True: split tf32 (3 mma per product); False: one-pass tf32
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    @property
+    def head_dim_bucket(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        return tf32_smem_bytes(self.head_dim, self.block_m, self.block_n, self.stages)
+
+    def __str__(self) -> str:
+        mode = "split" if self.split else "one-pass"
+        return (f"{self.kernel} {self.dtype} {mode} D={self.head_dim} Br={self.block_m} "
+                f"Bc={self.block_n} warps={self.num_warps} stages={self.stages} "
+                f"smem={self.smem_bytes} B")
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate(self.head_dim, self.block_m, self.block_n, self.num_warps,
+                                 self.stages, "true" if self.split else "false")
+
+
+def _tf32_candidates(head_dim, *, split):
+    return [Tf32Plan(FLASH_FWD_TF32.name, TF32_DTYPE, head_dim, bm, bn, w, st, split)
+            for bm, bn, w, st in _TF32_CANDIDATES[(head_dim, split)]]
+
+
+@functools.cache
+def all_tf32_plans() -> tuple[Tf32Plan, ...]:
+    """Every float32 tensor-core specialization the library can launch (for the gate)."""
+    return tuple(p for split in (True, False) for D in TF32_HEAD_DIMS
+                 for p in _tf32_candidates(D, split=split))
+
+
+def _tf32_path(d, cc, aligned, *, max_smem, allow_tf32, simt):
+    """forward_path for float32 on a device of known compute capability `cc`."""
+    if cc < TF32_MIN_CC:
+        return simt(), (f"SIMT: float32 tensor cores (tf32) need sm_{TF32_MIN_CC[0]}"
+                        f"{TF32_MIN_CC[1]}; the device is sm_{cc[0]}{cc[1]}")
+    if d % TF32_D_MULTIPLE:
+        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TF32_D_MULTIPLE} "
+                        f"(float32 tensor-core rows are whole 16-byte chunks)")
+    if d > TF32_HEAD_DIMS[-1]:
+        return simt(), (f"SIMT: head dim d={d} > {TF32_HEAD_DIMS[-1]}, the largest float32 "
+                        f"tensor-core tile")
+    if not aligned:
+        return simt(), ("SIMT: q, k or v is not 16-byte aligned (a base pointer, or a batch, "
+                        "head or row stride that is not a multiple of 4 elements)")
+    D = next(b for b in TF32_HEAD_DIMS if d <= b)
+    mode = ("one-pass tf32 (allow_tf32=True)" if allow_tf32
+            else "split tf32, 3 mma per product (allow_tf32=True: one)")
+    for plan in _tf32_candidates(D, split=not allow_tf32):
+        if plan.smem_bytes <= max_smem:
+            return plan, f"tensor cores: mma.m16n8k8.tf32 on sm_{cc[0]}{cc[1]}, {mode}"
+    return simt(), (f"SIMT: no float32 tensor-core tile for D={D} fits {max_smem} bytes of "
+                    f"shared memory per block")
 
 # ── backward (flash_bwd.cu) ────────────────────────────────────────────────────────────
 #
@@ -666,7 +790,8 @@ def specializations() -> dict[str, list[str]]:
     """Every kernel specialization the library can launch, {source: [name expression]}:
     finite (every plan of every family, dtype and head-dim bucket), for the compile gate."""
     out: dict[str, list[str]] = {}
-    for plan in (*all_plans(), *all_tc_plans(), *all_bwd_plans(), *all_tc_bwd_plans(), *all_softmax_plans()):
+    for plan in (*all_plans(), *all_tc_plans(), *all_tf32_plans(), *all_bwd_plans(),
+                 *all_tc_bwd_plans(), *all_softmax_plans()):
         names = out.setdefault(plan.source, [])
         if plan.name_expression not in names:
             names.append(plan.name_expression)

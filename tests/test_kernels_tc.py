@@ -207,7 +207,7 @@ def test_forward_path_and_its_reasons():
             assert plan.kernel == "flash_fwd_tc" and d <= plan.head_dim and "tensor cores" in why
     assert "m16n8k8" in path(cc=(7, 5))[1] and "m16n8k16" in path(cc=(8, 0))[1]
     fallbacks = [
-        (path(dtype=F32), "float32"),
+        (path(dtype=F32, cc=(7, 5)), "float32"),   # tf32 needs sm_80 (test_kernels_tf32.py)
         (path(dtype=np.float64), "float64"),
         (path(cc=(7, 0)), "sm_70"),
         (path(dtype=BF16, cc=(7, 5)), "sm_80"),

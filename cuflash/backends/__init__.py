@@ -4,7 +4,7 @@ Every backend is an object with
 
     name: str                      # "numpy", "cuda", "emulator"
     xp: module                     # the array module its arrays live in (numpy or cupy)
-    forward(q, k, v, *, causal, scale, algorithm) -> (o, lse)
+    forward(q, k, v, *, causal, scale, algorithm, allow_tf32=False) -> (o, lse)
     backward(do, q, k, v, o, lse, *, causal, scale) -> (dq, dk, dv)
     softmax(x) -> p
 
@@ -13,6 +13,8 @@ q is (B, Hq, Nq, d), k and v are (B, Hkv, Nk, d) with Hq % Hkv == 0, all of one
 supported dtype, any strides, every size >= 1. o has q's shape and dtype; lse is
 (B, Hq, Nq) in the accumulation dtype; dk and dv sum over the query heads of their
 group. softmax takes x of shape (P, n, Q) and normalises over axis 1.
+`allow_tf32=True` (passed only when set) lets float32 run one-pass tf32 on tensor cores;
+a backend without them (numpy: float32 on the CPU is exact fp32) accepts and ignores it.
 """
 NAMES = ("numpy", "cuda", "emulator")
 

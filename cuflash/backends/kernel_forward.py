@@ -10,6 +10,9 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 * FA2 on tensor cores (`flash_fwd_tc_kernel`, `flash_fwd_tc.cu`): the default for FA2
   where `tiling.forward_path` allows it (float16/bfloat16, sm_75/sm_80+, d a multiple of
   8 up to 256, 16-byte aligned rows); one block per (query block, head, batch).
+* float32 FA2 on tensor cores (`flash_fwd_tf32_kernel`, `flash_fwd_tf32.cu`): the same
+  launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
+  with `allow_tf32=True`.
 
 Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
 plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
@@ -20,15 +23,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes, tiling
-from ..families import FLASH_FWD_TC, FORWARD_ALGORITHMS
+from ..families import FLASH_FWD_TC, FLASH_FWD_TF32, FORWARD_ALGORITHMS
 from .kernel_variants import variant_args
 from .marshal import elem_strides, i32, prepare
 
 
-def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
+def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False):
     """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d): o in q's dtype, lse (B, Hq,
     Nq) in the accumulation dtype. `variants` (cuflash.variants.Variants): the options;
-    None or plain for none."""
+    None or plain for none. `allow_tf32`: float32 may run one-pass tf32 (else split)."""
     plain = variants is None or variants.is_plain()
     xp = backend.xp
     q, k, v = (prepare(xp, a) for a in (q, k, v))
@@ -37,7 +40,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     acc = _dtypes.accum_dtype(q.dtype)
     plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm,
                                aligned=loads_16b_aligned(q, k, v), plain=plain,
-                               **backend.limits())
+                               allow_tf32=allow_tf32, **backend.limits())
     num_d_chunks = -(-d // plan.head_dim_bucket)
     o = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
     lse = xp.empty((B, Hq, Nq), dtype=acc)
@@ -47,7 +50,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None):
     strides = [s for a in (q, k, v, o) for s in elem_strides(a)[:3]]  # batch, head, row
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)))
-    if plan.kernel == FLASH_FWD_TC.name:  # d <= plan.head_dim: one chunk
+    if plan.kernel in (FLASH_FWD_TC.name, FLASH_FWD_TF32.name):  # d <= head_dim: one chunk
         num_m_blocks = -(-Nq // plan.block_m)
         grid = num_m_blocks * Hq * B
         args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks))

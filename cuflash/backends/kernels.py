@@ -67,13 +67,16 @@ class KernelBackend:
                 fn.max_dynamic_shared_size_bytes = plan.smem_bytes
         return fn
 
-    def plan(self, d, dtype, algorithm="fa2") -> tiling.KernelPlan:
+    def plan(self, d, dtype, algorithm="fa2", allow_tf32=False) -> tiling.KernelPlan:
         """The forward plan this backend's device gets for head dim d and dtype."""
-        return tiling.plan_forward(d, dtype, algorithm=algorithm, **self.limits())
+        return tiling.plan_forward(d, dtype, algorithm=algorithm, allow_tf32=allow_tf32,
+                                   **self.limits())
 
-    def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None):
+    def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
+                allow_tf32=False):
         return kernel_forward.forward(self, q, k, v, causal=causal, scale=scale,
-                                      algorithm=algorithm, variants=variants)
+                                      algorithm=algorithm, variants=variants,
+                                      allow_tf32=allow_tf32)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
                  return_dbias=False):

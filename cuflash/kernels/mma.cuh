@@ -209,4 +209,44 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
 #endif
 }
 
+
+// ---------------------------------------------------------------------------------
+// tf32 (sm_80+): float32 operands on tensor cores. A tf32 value is an fp32 register whose
+// low 13 bits are zero (10 fraction bits); the mma reads only the upper 19 bits.
+//
+// Fragments of mma.m16n8k8 .tf32 (PTX ISA 9.7.13.4.7): one element per .b32 register,
+// the k index is t or t + 4 (not 2t, 2t + 1 as for 16-bit types):
+//   A 16x8:  a0 = A[g][t]   a1 = A[g + 8][t]   a2 = A[g][t + 4]   a3 = A[g + 8][t + 4]
+//   B 8x8:   b0 = B[t][g]   b1 = B[t + 4][g]            (k = t, t + 4; column n = g)
+//   C, D:    as m16n8k16 above (c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g + 8][2t, 2t+1])
+// FragA and FragB carry them (4 and 2 .b32 registers, the same counts).
+// ---------------------------------------------------------------------------------
+template <typename T> struct TensorCoresTf32 { static constexpr bool value = false; };
+template <> struct TensorCoresTf32<float> { static constexpr bool value = CUFLASH_ARCH >= 800; };
+
+// D = A·B + D, tf32 inputs (sm_80+), A 16x8 and B 8x8 in the tf32 layout above.
+__device__ __forceinline__ void mma_m16n8k8_tf32(FragC& d, const FragA& a, const FragB& b) {
+#if CUFLASH_ARCH >= 800
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d.c0), "+f"(d.c1), "+f"(d.c2), "+f"(d.c3)
+                 : "r"(a.a0), "r"(a.a1), "r"(a.a2), "r"(a.a3), "r"(b.b0), "r"(b.b1));
+#else
+    __trap();
+#endif
+}
+
+// fp32 → tf32, round to nearest, ties away from zero (cvt.rna.tf32.f32, PTX ISA 9.7.9.21):
+// the .b32 result is an fp32 bit pattern with its low 13 bits cleared.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+#if CUFLASH_ARCH >= 800
+    unsigned d;
+    asm volatile("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(d) : "f"(x));
+    return d;
+#else
+    __trap();
+    return 0u;
+#endif
+}
+
 }  // namespace cuflash

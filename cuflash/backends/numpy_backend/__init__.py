@@ -58,7 +58,9 @@ class NumpyBackend:
             raise TypeError(f"config must be a CpuConfig; got {type(config).__name__}")
         self.config = config
 
-    def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None):
+    def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
+                allow_tf32=False):
+        # allow_tf32 is ignored: float32 on the CPU is computed in exact fp32 already.
         if variants is not None and not variants.is_plain():
             # Both algorithms: the variants run in FA2's loop order (variants.py).
             return variant_loops.forward(q, k, v, causal, scale, self.config, variants)

@@ -1,0 +1,197 @@
+// flash_fwd_tf32.cu — FlashAttention-2 forward for float32 on tensor cores (sm_80+):
+// split tf32 (SPLIT = true, 3 mma per product, about fp32 accuracy; the default) or
+// one-pass tf32 (SPLIT = false, allow_tf32=True: 10-bit mantissas, like fp16's 10).
+//
+// flash_fwd_tc.cu's algorithm and pipeline, step for step, with float32 tiles and
+// m16n8k8 .tf32 products (tf32_tile.cuh):
+//
+//   prologue   Q_i → shared (cp.async) → fp32 A fragments in registers (D ≤ 64)   (line 4)
+//              start copying the first STAGES − 1 K_j, V_j tiles
+//   main loop  for each K_j, V_j tile below the causal diagonal               (lines 6-10)
+//                wait for tile j; barrier; start copying tile j + STAGES − 1
+//                S = Q_i K_jᵀ · scale·log2 e      (operands rounded/split to tf32)
+//                m_new = max(m_i, rowmax S)       (quad shuffles)
+//                P̃ = exp2(S − m_new);  ℓ_i = exp2(m_i − m_new) ℓ_i + rowsum P̃
+//                acc = exp2(m_i − m_new) acc + P̃ V_j   (P̃ from S's registers, keys
+//                                                      permuted within each k8 step)
+//   epilogue   O_i = acc / ℓ_i → shared → 16-byte stores; lse_i           (lines 12-13)
+//
+// The pipeline (ring slot j % STAGES, wait_group STAGES − 2, one commit per iteration) is
+// flash_fwd_tc.cu's; see the comment there.
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "tc_tile.cuh"
+#include "tf32_tile.cuh"
+
+using namespace cuflash;
+
+template <class Tr, bool SPLIT>
+__device__ __forceinline__ void flash_fwd_tf32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    float* __restrict__ o, float* __restrict__ lse, int Hq, int group, int Nq, int Nk, int d,
+    long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
+    long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,
+    float scale, int causal, int num_m_blocks) {
+    constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
+
+    // Block → (m_block, h, b); query blocks last-first (the causal tail, as flash_fwd.cu).
+    int bid = blockIdx.x;
+    const int m_block = num_m_blocks - 1 - bid % num_m_blocks;
+    bid /= num_m_blocks;
+    const int h = bid % Hq;
+    const int b = bid / Hq;
+    const int h_kv = h / group;  // GQA/MQA
+    const float* q_bh = q + b * q_sb + h * q_sh;
+    const float* k_bh = k + b * k_sb + h_kv * k_sh;
+    const float* v_bh = v + b * v_sb + h_kv * v_sh;
+    float* o_bh = o + b * o_sb + h * o_sh;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);
+    float* sK = sQ + Tr::kSmemQ;
+    float* sV = sK + Tr::kSmemK;
+    constexpr int kSlot = BN * Tr::kHeadDim;  // floats of one ring slot
+
+    const int lane = threadIdx.x % 32;
+    const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
+    const int g = lane >> 2, t = lane % 4;
+    const CausalMask mask{Nq, Nk, causal != 0};
+    const int m0 = m_block * BM;
+    const int n_end = mask.key_end(min(m0 + BM, Nq));  // causal block skipping
+    const int n_tiles = (n_end + BN - 1) / BN;
+    const float scale_log2 = softmax_scale_log2(scale);
+
+    // -- prologue: Q_i (group 0), then tiles 0 .. STAGES − 2 (one group each)
+    copy_tile_async_rolled<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
+    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_tiles) {
+            copy_tile_async_rolled<Tr, BN>(sK + st * kSlot, k_bh, k_sr, st * BN, Nk, d);
+            copy_tile_async_rolled<Tr, BN>(sV + st * kSlot, v_bh, v_sr, st * BN, Nk, d);
+        }
+        cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();  // Q_i has landed (this thread's part)
+    __syncthreads();
+    Tf32A qf[Tr::kQFrags];
+    load_q_fragments_tf32<Tr>(qf, sQ, warp_row0, g, t);
+
+    OnlineSoftmax<float> row_top, row_bottom;  // rows g and g + 8 of the warp's tile
+    row_top.init();  // ℓ here is this thread's partial row sum (the quad sums it at the end)
+    row_bottom.init();
+    FragC acc[Tr::kOTiles];
+#pragma unroll
+    for (int j = 0; j < Tr::kOTiles; ++j) acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+
+    // -- main loop over K_j, V_j
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
+        __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
+        {
+            const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
+            if (jn < n_tiles) {
+                copy_tile_async_rolled<Tr, BN>(sK + (jn % STAGES) * kSlot, k_bh, k_sr, jn * BN, Nk, d);
+                copy_tile_async_rolled<Tr, BN>(sV + (jn % STAGES) * kSlot, v_bh, v_sr, jn * BN, Nk, d);
+            }
+            cp_async_commit();
+        }
+        const float* sKj = sK + (j % STAGES) * kSlot;
+        const float* sVj = sV + (j % STAGES) * kSlot;
+        const int n0 = j * BN;
+
+        // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
+        FragC s[Tr::kSTiles];
+#pragma unroll
+        for (int i = 0; i < Tr::kSTiles; ++i) s[i] = FragC{0.f, 0.f, 0.f, 0.f};
+        gemm_qk_tf32<Tr, SPLIT>(s, qf, sQ, warp_row0, sKj, g, t);
+        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
+        const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
+#pragma unroll
+        for (int i = 0; i < Tr::kSTiles; ++i) {
+            s[i].c0 *= scale_log2;
+            s[i].c1 *= scale_log2;
+            s[i].c2 *= scale_log2;
+            s[i].c3 *= scale_log2;
+            if (needs_mask) {
+                const int c = n0 + i * 8 + 2 * t;
+                if (mask.masked(r_top, c)) s[i].c0 = neg_inf<float>();
+                if (mask.masked(r_top, c + 1)) s[i].c1 = neg_inf<float>();
+                if (mask.masked(r_bottom, c)) s[i].c2 = neg_inf<float>();
+                if (mask.masked(r_bottom, c + 1)) s[i].c3 = neg_inf<float>();
+            }
+        }
+
+        // -- update m_i and l_i: m_new = max(m_i, rowmax S), α = exp2(m_i − m_new)
+        float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+        tile_row_max(s, max_top, max_bottom);
+        const float alpha_top = row_top.update(row_max_quad(max_top));  // also ℓ_i *= α
+        const float alpha_bottom = row_bottom.update(row_max_quad(max_bottom));
+        float sum_top = 0.f, sum_bottom = 0.f;
+        exp2_rows(s, row_top.shift(), row_bottom.shift(), sum_top, sum_bottom);  // S → P̃
+        row_top.l_i += sum_top;
+        row_bottom.l_i += sum_bottom;
+        rescale_acc(acc, alpha_top, alpha_bottom);
+
+        // -- acc += P̃ V_j
+        gemm_pv_tf32<Tr, SPLIT>(acc, s, sVj, g, t);
+    }
+
+    // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
+    row_top.l_i = row_sum_quad(row_top.l_i);
+    row_bottom.l_i = row_sum_quad(row_bottom.l_i);
+    const float inv_top = row_top.inv_l(), inv_bottom = row_bottom.inv_l();
+    // O goes through the warp's own 16 rows of sQ (no other warp reads them after the
+    // prologue), so that each thread then stores whole 16-byte chunks.
+    float* sO = sQ;
+    __syncwarp();  // the warp's reads of Q_i precede these writes
+#pragma unroll
+    for (int j = 0; j < Tr::kOTiles; ++j) {
+        const int col = j * 8 + 2 * t;  // cols 2t, 2t+1 share a 16-byte chunk
+        *reinterpret_cast<float2*>(sO + tile_offset<Tr>(warp_row0 + g, col)) =
+            make_float2(acc[j].c0 * inv_top, acc[j].c1 * inv_top);
+        *reinterpret_cast<float2*>(sO + tile_offset<Tr>(warp_row0 + g + 8, col)) =
+            make_float2(acc[j].c2 * inv_bottom, acc[j].c3 * inv_bottom);
+    }
+    __syncwarp();
+    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
+#pragma unroll
+    for (int i = lane; i < Tr::kWarpRows * CPR; i += 32) {
+        const int r = i / CPR, c = i % CPR;
+        const int gi = m0 + warp_row0 + r;
+        if (gi < Nq && c * C < d)
+            *reinterpret_cast<float4*>(o_bh + (long long)gi * o_sr + c * C) =
+                *reinterpret_cast<const float4*>(sO + tile_offset<Tr>(warp_row0 + r, c * C));
+    }
+    if (t == 0) {  // one writer per row
+        float* lse_bh = lse + ((long long)b * Hq + h) * Nq;
+        const int r_top = m0 + warp_row0 + g;
+        if (r_top < Nq) lse_bh[r_top] = row_top.lse();
+        if (r_top + 8 < Nq) lse_bh[r_top + 8] = row_bottom.lse();
+    }
+}
+
+// A block of NUM_WARPS · 32 threads per (query block, head, batch), flattened into
+// blockIdx.x; T is float (the name expression's first argument, as for every family).
+// minBlocksPerSM = 1: ptxas may take the registers it needs rather than spill.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_fwd_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      T* __restrict__ o, float* __restrict__ lse,
+                      int Hq, int group, int Nq, int Nk, int d,
+                      long long q_sb, long long q_sh, long long q_sr,
+                      long long k_sb, long long k_sh, long long k_sr,
+                      long long v_sb, long long v_sh, long long v_sr,
+                      long long o_sb, long long o_sh, long long o_sr,
+                      float scale, int causal, int num_m_blocks) {
+    static_assert(sizeof(T) == 4, "flash_fwd_tf32 runs float32 inputs");
+    using Tr = Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>;
+    if constexpr (TensorCoresTf32<T>::value) {
+        flash_fwd_tf32<Tr, SPLIT>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb,
+                                  k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal,
+                                  num_m_blocks);
+    } else {
+        __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
+    }
+}
