@@ -11,15 +11,22 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 
 Head dims above the largest bucket (d > 256) run the chunked specializations, one block
 per (row block, 256-wide head-dim chunk). No launch uses atomics, so results are bitwise
-reproducible. The tile plans come from `tiling.plan_backward`; inputs are as
+reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
+
+Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
+128, 16-byte aligned q, k, v, dO, no attention variant), launches 2 and 3 are the
+`flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
+the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import _dtypes, tiling
+from ..families import FLASH_BWD_DKDV_TC
 from ..variants import unsupported
+from .kernel_forward import loads_16b_aligned
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
@@ -34,7 +41,10 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     acc = _dtypes.accum_dtype(q.dtype)
-    p_dkdv, p_dq = tiling.plan_backward(d, q.dtype, **backend.limits())
+    plain = variants is None or variants.is_plain()
+    (p_dkdv, p_dq), _why = tiling.backward_path(d, q.dtype, aligned=loads_16b_aligned(q, k, v, do),
+                                                plain=plain, **backend.limits())
+    tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 128, one chunk
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)
     lse = xp.ascontiguousarray(lse, dtype=acc)
@@ -60,12 +70,16 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
                               (do, o, Dvec, sizes[0], sizes[2], sizes[4], np.int64(rows),
                                *s3(do), *s3(o)))
+    # The tensor-core kernels take no chunk count, and their tiles are dynamic shared memory.
+    kflags = flags[:2] if tc else flags
     # 2. dK, dV
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  (q, k, v, do, lse, Dvec, dk, dv, *sizes, *strides_in,
-                                  *s3(dk), *s3(dv), *flags))
+                                  *s3(dk), *s3(dv), *kflags),
+                                 shared_mem=p_dkdv.smem_bytes if tc else 0)
     # 3. dQ
     backend.get_function(p_dq)((grid_q, Hq, B), (p_dq.num_threads,),
                                (q, k, v, do, lse, Dvec, dq, *sizes, *strides_in, *s3(dq),
-                                *flags))
+                                *kflags),
+                               shared_mem=p_dq.smem_bytes if tc else 0)
     return dq, dk, dv

@@ -1,0 +1,279 @@
+"""The tensor-core backward (flash_bwd_tc.cu) in the emulator, on every emulated tensor-core
+arch, against the float64 reference backward with FlashAttention's rule for gradients
+(conftest.assert_close_to_reference with factor 3 over a plain 16-bit backward); its
+dispatch (`tiling.backward_path`); its shared-memory formula through ptxas; its machine code.
+
+Each (dtype, head dim) picks one dK/dV and one dQ specialization; each is built once per
+arch it runs on (a g++ build of a few seconds), so the matrix runs every specialization on
+an sm_80+ arch, every float16 one on sm_75 too (two m16n8k8 per k16 step, synchronous
+copies), and reuses those builds for the features (causal, GQA/MQA, Nq != Nk, odd sizes,
+fully masked rows, strides).
+"""
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import _dtypes, compiler, emulator, reference, tiling
+from cuflash.backends import kernel_backward, kernel_forward, kernels
+
+from conftest import HAS_GXX, assert_close_to_reference, plain_backward
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
+TC_BWD = set(tiling.TC_BWD_KERNELS)
+
+
+def _backend(arch, *, checked=False, schedule="round-robin"):
+    if schedule == "round-robin":
+        return kernels.emulator_backend(arch=arch, checked=checked)
+    lim = kernels.emulator_limits(arch)
+    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
+                                 limits=lambda: dict(lim),
+                                 module_options=dict(checked=checked, schedule=schedule, seed=5,
+                                                     arch=arch))
+
+
+def _problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, seed=0):
+    """do, q, k, v, o, lse with o and lse from the float64 forward (rounded), so the errors
+    measured are the backward's own."""
+    rng = np.random.default_rng(seed)
+    q, do = (rng.standard_normal((B, Hq, Nq, d)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, Hkv, Nk, d)).astype(dtype) for _ in range(2))
+    scale = 1.0 / math.sqrt(d)
+    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    return [do, q, k, v, o.astype(dtype), lse.astype(np.float32)], scale
+
+
+def _check(be, args, scale, *, causal, expect=None):
+    """The backward on `be`, each gradient within the FlashAttention rule; returns the
+    plans' kernels, dq, dk, dv."""
+    do, q, k, v, o, lse = args
+    lim = be.limits()
+    plans, why = tiling.backward_path(q.shape[-1], q.dtype, lim["cc"],
+                                      kernel_forward.loads_16b_aligned(q, k, v, do),
+                                      max_smem=lim["max_smem"])
+    if expect is not None:
+        assert plans == expect, why
+    grads = be.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=q.dtype)
+    for name, out, r, p, like in zip(("dq", "dk", "dv"), grads, ref, plain, (q, k, v)):
+        assert out.shape == like.shape and out.dtype == like.dtype, name
+        assert_close_to_reference(out, r, p, q.dtype, factor=3.0, what=f"{name} ({why})")
+    return {p.kernel for p in plans}, grads
+
+
+def _plans(dtype, D):
+    return tuple(p for k in tiling.TC_BWD_KERNELS for p in tiling.all_tc_bwd_plans()
+                 if p.kernel == k and p.dtype == np.dtype(dtype).name and p.head_dim == D)
+
+
+# -- every specialization, on the archs it targets --------------------------------------------
+SPECS = [(F16, 64, "sm_75"), (F16, 128, "sm_75"), (F16, 64, "sm_80"), (F16, 128, "sm_89"),
+         (BF16, 64, "sm_86"), (BF16, 128, "sm_90"), (BF16, 128, "sm_80"), (BF16, 64, "sm_90")]
+
+
+def test_the_matrix_covers_every_specialization_and_arch():
+    built = {(p, arch) for dt, D, arch in SPECS for p in _plans(dt, D)}
+    for plan in tiling.all_tc_bwd_plans():
+        archs = {a for p, a in built if p == plan}
+        assert archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
+        if plan.dtype == "float16":
+            assert "sm_75" in archs, f"{plan} never runs with m16n8k8 (sm_75)"
+    assert {a for _, a in built} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
+
+
+@pytest.mark.parametrize("dt,D,arch", SPECS, ids=lambda x: getattr(x, "name", str(x)))
+def test_specialization(dt, D, arch):
+    """Causal with Nq < Nk, partial key and query tiles, head-dim columns d..D-1 padded;
+    then the full-width head dim without the mask."""
+    be = _backend(arch)
+    args, scale = _problem(1, 2, 1, 37, 2 * 64 + 3, D - 8, dt, True, seed=D)
+    assert _check(be, args, scale, causal=True, expect=_plans(dt, D))[0] == TC_BWD
+    args, scale = _problem(1, 1, 1, 70, 17, D, dt, False, seed=D + 1)
+    _check(be, args, scale, causal=False, expect=_plans(dt, D))
+
+
+# -- features on the default tile of each arch -----------------------------------------------
+
+@pytest.mark.parametrize("arch,dt", [("sm_75", F16), ("sm_90", BF16)])
+@pytest.mark.parametrize("Hq,Hkv,Nq,Nk,d,causal", [
+    (4, 1, 33, 47, 64, False),     # MQA: each dK/dV block sums over 4 query heads
+    (6, 2, 113, 17, 56, True),     # GQA; Nq > Nk: the first 96 rows see no key (lse = −inf)
+    (2, 2, 1, 150, 8, True),       # decoding: one query, the smallest d
+    (1, 1, 150, 113, 40, True),    # odd sizes, several query and key blocks
+])
+def test_features(arch, dt, Hq, Hkv, Nq, Nk, d, causal):
+    args, scale = _problem(2, Hq, Hkv, Nq, Nk, d, dt, causal, seed=Nq * Nk + d)
+    kinds, (dq, dk, dv) = _check(_backend(arch), args, scale, causal=causal)
+    assert kinds == TC_BWD
+    for g in (dq, dk, dv):
+        assert not np.isnan(g.astype(np.float64)).any()
+    if causal and Nq > Nk:  # rows that see no key: zero dQ (and nothing added to dK, dV)
+        assert np.all(dq[..., :Nq - Nk, :].astype(np.float64) == 0)
+
+
+def test_strided_inputs_aligned_and_not():
+    """Views with 16-byte rows run on tensor cores; dO two bytes off falls back to SIMT;
+    both are right."""
+    args, scale = _problem(1, 2, 2, 37, 45, 48, F16, True, seed=9)
+    do, q, k, v, o, lse = args
+    q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)   # (B, N, H, d) memory
+    wide = np.zeros(k.shape[:-2] + (2 * k.shape[-2], k.shape[-1]), F16)
+    wide[:, :, ::2] = k
+    k = wide[:, :, ::2]                                                          # row stride 2d
+    be = _backend("sm_80")
+    assert kernel_forward.loads_16b_aligned(q, k, v, do)
+    assert _check(be, [do, q, k, v, o, lse], scale, causal=True)[0] == TC_BWD
+    buf = np.zeros(do.size + 1, F16)
+    do_off = buf[1:].reshape(do.shape)
+    do_off[...] = do
+    assert not kernel_forward.loads_16b_aligned(q, k, v, do_off)
+    kinds = _check(be, [do_off, q, k, v, o, lse], scale, causal=True)[0]
+    assert not kinds & TC_BWD
+
+
+# -- checked mode: no races, no out-of-bounds access, no read of a pending cp.async ----------
+
+@pytest.mark.parametrize("arch,dt,D,schedule", [
+    ("sm_80", F16, 64, "random"),      # K_j, V_j fragments in registers
+    ("sm_75", F16, 128, "reversed"),   # synchronous copies, K_j, V_j re-read from shared memory
+    ("sm_90", BF16, 128, "random"),
+])
+def test_checked(arch, dt, D, schedule):
+    # GQA (the dK/dV ring runs across two query heads), Nq > Nk and causal: skipped,
+    # partial and fully masked tiles; the rings wrap
+    args, scale = _problem(1, 2, 1, 100, 70, D - 16, dt, True, seed=D)
+    be = _backend(arch, checked=True, schedule=schedule)
+    assert _check(be, args, scale, causal=True, expect=_plans(dt, D))[0] == TC_BWD
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+
+def test_backward_path_and_its_reasons():
+    big = 227 * 1024
+
+    def path(d=64, dtype=F16, cc=(8, 0), aligned=True, max_smem=big, plain=True):
+        return tiling.backward_path(d, dtype, cc, aligned, max_smem=max_smem, plain=plain)
+
+    for dt, cc in ((F16, (7, 5)), (F16, (9, 0)), (BF16, (8, 6))):
+        for d in (8, 64, 72, 128):
+            plans, why = path(d, dt, cc)
+            assert [p.kernel for p in plans] == list(tiling.TC_BWD_KERNELS), why
+            assert all(d <= p.head_dim for p in plans) and "tensor cores" in why
+    assert "m16n8k8" in path(cc=(7, 5))[1] and "m16n8k16" in path(cc=(8, 0))[1]
+    fallbacks = [
+        (path(dtype=F32), "float32"),
+        (path(dtype=np.float64), "float64"),
+        (path(cc=(7, 0)), "sm_70"),
+        (path(dtype=BF16, cc=(7, 5)), "sm_80"),
+        (path(d=60), "multiple of 8"),
+        (path(d=136), "> 128"),
+        (path(d=256), "registers"),
+        (path(aligned=False), "16-byte aligned"),
+        (path(cc=None), "unknown"),
+        (path(plain=False), "variants"),
+        (path(d=128, max_smem=60 * 1024), "fits"),
+    ]
+    for (plans, why), word in fallbacks:
+        assert not {p.kernel for p in plans} & TC_BWD and why.startswith("SIMT") and word in why, why
+    # every emulated tensor-core arch takes the tensor-core backward for float16 by default
+    for arch in ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
+        lim = kernels.emulator_limits(arch)
+        assert {p.kernel for p in path(64, F16, lim["cc"], max_smem=lim["max_smem"])[0]} == TC_BWD
+
+
+def test_tc_bwd_plans_fit_and_are_listed():
+    specs = tiling.specializations()["flash_bwd_tc.cu"]
+    t4 = kernels.emulator_limits("sm_75")["max_smem"]
+    for plan in tiling.all_tc_bwd_plans():
+        assert plan.name_expression in specs
+        assert plan.block_rows == 16 * plan.num_warps and plan.stages >= 2
+        assert plan.tile_rows % 16 == 0 and plan.smem_bytes <= t4
+
+
+# -- the shared-memory formula, through ptxas -------------------------------------------------
+
+def _have_toolchain():
+    try:
+        from cupy.cuda import nvrtc
+        from cuflash import compile_gate
+        nvrtc.getVersion()
+        compile_gate.ptxas_path()
+        return True
+    except Exception:
+        return False
+
+
+SMEM_PROBE = r"""
+#include "tc_bwd_tile.cuh"
+// The kernels' shared memory is dynamic, so ptxas cannot see it: this probe declares a
+// quarter of TcBwdTraits::kSmemBytes statically (the whole may exceed 48 KB).
+template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
+          bool OWN_IN_REGS, bool ROW_STATS>
+__global__ void smem_probe(unsigned char* out) {
+    constexpr int kBytes = cuflash::TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS,
+                                                STAGES, OWN_IN_REGS, ROW_STATS>::kSmemBytes;
+    static_assert(kBytes % 4 == 0, "a quarter of the bytes");
+    __shared__ unsigned char s[kBytes / 4];
+    s[threadIdx.x] = (unsigned char)threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
+}
+"""
+
+
+@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+def test_smem_formula_matches_ptxas():
+    """tiling.tc_bwd_smem_bytes is what TcBwdTraits::kSmemBytes declares, for both kernels
+    (the dK/dV kernel's row statistics included)."""
+    from cuflash import compile_gate
+    probes = {}
+    for p in tiling.all_tc_bwd_plans():
+        stats = "true" if p.kernel == "flash_bwd_dkdv_tc" else "false"
+        name = p.name_expression.replace(f"{p.kernel}_kernel", "smem_probe", 1)
+        probes[name[:-1] + f", {stats}>"] = p
+    rows = compile_gate.run_gate({"tc_bwd_smem_probe.cu": list(probes)}, archs=["sm_80"],
+                                 sources={"tc_bwd_smem_probe.cu": SMEM_PROBE})
+    assert len(rows) == len(probes)
+    for r in rows:
+        assert r.ok, r.error
+        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
+
+
+# -- the machine code: tensor-core instructions present, local memory absent ----------------
+
+@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
+    """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75),
+    ldmatrix (LDSM), cp.async (LDGSTS, sm_80+) and no local memory; bfloat16 on sm_75 is a
+    trap."""
+    from cuflash import compile_gate
+    if compile_gate.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    plans = {p.name_expression: p for p in tiling.all_tc_bwd_plans()}
+    archs = [a for a in compiler.GATE_ARCHS if a != "sm_70"]   # CUDA 13's nvdisasm has no sm_70
+    rows = compile_gate.run_gate({"flash_bwd_tc.cu": list(plans)}, archs=archs, sass=True)
+    assert len(rows) == len(plans) * len(archs)
+    for r in rows:
+        assert r.ok and r.sass is not None, (r.kernel, r.arch, r.error)
+        p, n = plans[r.kernel], r.sass
+        if p.dtype == "bfloat16" and r.arch == "sm_75":
+            assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
+            continue
+        D, tr = p.head_dim, p.tile_rows
+        s_mma = (D // 16) * (tr // 8)          # S (or Sᵀ): k16 steps x n-tiles
+        x_mma = (tr // 16) * (D // 8)          # P·X: k16 steps x n-tiles of the accumulator
+        ldsm_s = (D // 16) * (tr // 16)        # B fragments of S, one ldmatrix.x4 per 2 n-tiles
+        ldsm_x = (tr // 16) * (D // 16)
+        if p.kernel == "flash_bwd_dkdv_tc":    # Sᵀ, dPᵀ, dV, dK
+            mma, ldsm = 2 * s_mma + 2 * x_mma, 2 * ldsm_s + 2 * ldsm_x
+        else:                                  # S, dP, dQ
+            mma, ldsm = 2 * s_mma + x_mma, 2 * ldsm_s + ldsm_x
+        ldsm += 2 * (D // 16)                  # the own operands' A fragments
+        assert n["HMMA"] >= mma * (2 if r.arch == "sm_75" else 1), (r.kernel, r.arch, n)
+        assert n["LDSM"] >= ldsm, (r.kernel, r.arch, n)
+        assert (n["LDGSTS"] > 0) == (r.arch != "sm_75"), (r.kernel, r.arch, n)
+        assert n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
