@@ -33,11 +33,9 @@ from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROC
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 _BUCKETS_BY_ACCUM = {4: HEAD_DIM_BUCKETS, 8: (32, 64, 128)}
 
-# Every forward kernel runs 4 warps laid out as 4 lane-rows x 8 lane-columns each
-# (see attn_tile.cuh); the traits static_assert the divisibility this implies.
+# Every SIMT forward kernel runs 4 warps laid out as 4 lane-rows x 8 lane-columns each
+# (AttnTileTraits in attn_tile.cuh, which static_asserts the divisibility this implies).
 NUM_WARPS = 4
-LANE_ROWS = 4
-LANE_COLS = 8
 SMEM_PAD = 1  # accumulator elements added to each shared row (bank-conflict padding)
 
 # Candidate (block_m, block_n) per (accumulator bytes, head-dim bucket), best first.
@@ -78,7 +76,10 @@ def attention_smem_bytes(accum_bytes: int, head_dim: int, block_m: int, block_n:
 class _Plan:
     """What every plan offers: the fields `kernel` (a name in `families.FAMILIES`) and
     `dtype`, and `num_threads`, `smem_bytes` (its family's formula), `source` and
-    `name_expression` for the launch and the gate."""
+    `name_expression` for the launch and the gate. `dynamic_smem`: whether smem_bytes is
+    the launch's dynamic shared memory (else the kernel's static arrays)."""
+
+    dynamic_smem = False
 
     @property
     def accum_bytes(self) -> int:
@@ -97,6 +98,8 @@ class _Plan:
 @dataclasses.dataclass(frozen=True)
 class KernelPlan(_Plan):
     """One launchable specialization of a forward attention kernel."""
+
+    dynamic_smem = True
 
     kernel: str            # a forward family: "flash_fwd" (FA2) or "flash_fwd_fa1"
     dtype: str             # NumPy dtype name: "float16", "bfloat16", "float32", "float64"
@@ -238,6 +241,8 @@ class TcPlan(_Plan):
     are the kernel's template parameters, in order (HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
     STAGES in flash_fwd_tc.cu)."""
 
+    dynamic_smem = True
+
     kernel: str            # "flash_fwd_tc"
     dtype: str             # "float16" or "bfloat16"
     head_dim: int          # HEAD_DIM: runs any d <= head_dim that is a multiple of 8
@@ -374,6 +379,8 @@ class Tf32Plan(_Plan):
     """One launchable specialization of the float32 tensor-core forward; the fields after
     `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_M, BLOCK_N,
     NUM_WARPS, STAGES, SPLIT in flash_fwd_tf32.cu)."""
+
+    dynamic_smem = True
 
     kernel: str            # "flash_fwd_tf32"
     dtype: str             # "float32"
@@ -786,16 +793,34 @@ def all_softmax_plans() -> tuple[SoftmaxPlan, ...]:
                  for f in (SOFTMAX_ROWS, SOFTMAX_COLS) for dt in _dtypes.SUPPORTED)
 
 
+def every_plan() -> dict:
+    """{name expression: plan} of every kernel specialization the library can launch:
+    finite (every plan of every family, dtype and head-dim bucket)."""
+    plans = (*all_plans(), *all_tc_plans(), *all_tf32_plans(), *all_bwd_plans(),
+             *all_tc_bwd_plans(), *all_softmax_plans())
+    return {p.name_expression: p for p in plans}
+
+
 def specializations() -> dict[str, list[str]]:
-    """Every kernel specialization the library can launch, {source: [name expression]}:
-    finite (every plan of every family, dtype and head-dim bucket), for the compile gate."""
+    """every_plan() as {source: [name expression]}, for the compile gate."""
     out: dict[str, list[str]] = {}
-    for plan in (*all_plans(), *all_tc_plans(), *all_tf32_plans(), *all_bwd_plans(),
-                 *all_tc_bwd_plans(), *all_softmax_plans()):
-        names = out.setdefault(plan.source, [])
-        if plan.name_expression not in names:
-            names.append(plan.name_expression)
+    for name, plan in every_plan().items():
+        out.setdefault(plan.source, []).append(name)
     return out
+
+
+def occupancy(limits, *, threads: int, smem_bytes: int, registers: int) -> int:
+    """Resident blocks per SM of a kernel, by the CUDA occupancy calculator's rules:
+    the fewest allowed by the SM's block slots, its warp slots, its registers (allocated
+    per warp in units of 256) and its shared memory (static + dynamic + the per-block
+    reserve, in units of 128 bytes). `limits` is a `cuflash.emulator.archs.GpuLimits`."""
+    warps = -(-threads // 32)
+    by_warps = limits.max_threads_per_sm // 32 // warps
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = limits.registers_per_sm // (regs_per_warp * warps) if registers > 0 else by_warps
+    smem = -(-(smem_bytes + limits.shared_reserved_per_block) // 128) * 128
+    by_smem = limits.shared_per_sm // smem if smem else by_warps
+    return max(0, min(limits.max_blocks_per_sm, by_warps, by_regs, by_smem))
 
 
 def device_limits():
