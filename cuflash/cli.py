@@ -56,6 +56,7 @@ def cmd_info(args):
     print(f"  emulator  {'available, g++ at ' + gxx if gxx else 'needs g++ (apt-get install g++)'}")
     if cupy is None:
         print(f"  cuda      unavailable: {dev}")
+        _plans_per_arch()
         return 0
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     free, total = cupy.cuda.runtime.memGetInfo()
@@ -75,6 +76,47 @@ def cmd_info(args):
             except ValueError as exc:
                 print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
     return 0
+
+
+def _plans_per_arch():
+    """The kernels each gate architecture would run, and their predicted occupancy."""
+    from . import compile_gate, compiler, tiling
+    from .emulator import archs
+    print("plans per architecture (forward and backward kernels, why, and blocks and warps "
+          "per SM by the occupancy calculator's rules with the compile gate's registers):")
+    unknown = False
+    for arch in compiler.GATE_ARCHS:
+        a = archs.get_arch(arch)
+        limits = {"max_smem": a.limits.shared_per_block_optin, "sm_count": a.limits.sm_count}
+        cc = divmod(a.cuda_arch // 10, 10)
+        registers = compile_gate.cached_registers(arch)
+
+        def occupancy(plan):
+            nonlocal unknown
+            regs = registers.get(plan.name_expression)
+            if regs is None:
+                unknown = True
+                return "occupancy ?"
+            blocks = tiling.occupancy(a.limits, threads=plan.num_threads,
+                                      smem_bytes=plan.smem_bytes, registers=regs)
+            warps = blocks * -(-plan.num_threads // 32)
+            return f"{blocks} block{'s' * (blocks != 1)}, {warps} warps per SM"
+
+        print(f"  {arch} ({a.limits.gpu}):")
+        for dtype in (dt for dt in _dtypes.SUPPORTED if dt.itemsize < 8):
+            for d in (64, 128, 256):
+                fwd, why = tiling.forward_path(d, dtype, cc, **limits)
+                bwd, bwd_why = tiling.backward_path(d, dtype, cc, **limits)
+                print(f"    {str(dtype):9s} d={d:<4d} forward  {fwd.name_expression:52s} "
+                      f"{occupancy(fwd)}\n{'':24s}{why}")
+                for plan in bwd:
+                    print(f"{'':20s}backward {plan.name_expression:52s} {occupancy(plan)}")
+                print(f"{'':24s}{bwd_why}")
+    if unknown:
+        print("  occupancy ?: registers not in the gate's cache; run "
+              "`python -m cuflash check-kernels` once")
+    print("  Blackwell (sm_100, sm_120) is not in the gate: CuPy compiles the sm_90 plans "
+          "for it where the installed NVRTC targets it (CUDA 12.8 and later).")
 
 
 # -- demo -------------------------------------------------------------------------------

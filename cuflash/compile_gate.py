@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -58,8 +59,14 @@ class Row:
     sass: dict | None = None   # opcode counts (SASS_OPCODES) when built with sass=True
 
     @property
+    def local_memory(self):
+        """LDL/STL in the disassembly (None when not disassembled)."""
+        return None if self.sass is None else self.sass["LDL"] + self.sass["STL"]
+
+    @property
     def ok(self):
-        return not self.error and self.spill_stores == 0 and self.spill_loads == 0
+        return (not self.error and self.spill_stores == 0 and self.spill_loads == 0
+                and not self.local_memory)
 
     @property
     def status(self):
@@ -67,6 +74,8 @@ class Row:
             return "ERROR: " + self.error.strip().splitlines()[0][:160] if self.error.strip() else "ERROR"
         if self.spill_stores or self.spill_loads:
             return "SPILL"
+        if self.local_memory:
+            return "LOCAL MEMORY"
         return "ok"
 
 
@@ -115,6 +124,20 @@ def nvdisasm_path():
     except ImportError:
         pass
     return shutil.which("nvdisasm")
+
+
+@functools.cache
+def _nvdisasm_major():
+    out = subprocess.run([nvdisasm_path() or "nvdisasm", "--version"], capture_output=True,
+                         text=True).stdout
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else 0
+
+
+def nvdisasm_reads(arch):
+    """Whether the installed nvdisasm disassembles `arch` (13.x dropped sm_70: those builds
+    are gated by ptxas alone)."""
+    return not (arch == "sm_70" and _nvdisasm_major() >= 13)
 
 
 _SASS_FUNCTION = re.compile(r"^//-+ \.text\.(\S+) -+$", re.M)
@@ -222,6 +245,7 @@ def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
         if proc.returncode != 0:
             return [Row(source_name, n, arch, error=f"ptxas failed:\n{log}") for n in name_expressions]
         counts = {}
+        sass = sass and nvdisasm_reads(arch)
         if sass:
             dis = subprocess.run([nvdisasm_path() or "nvdisasm", "-c", str(pathlib.Path(tmp) / "k.cubin")],
                                  capture_output=True, text=True)
@@ -354,10 +378,53 @@ def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None,
     return out
 
 
+def cached_registers(arch):
+    """{name expression: registers} of every specialization whose gate result for `arch`
+    is in the on-disk cache (from an earlier `check-kernels` or test run); compiles
+    nothing."""
+    out = {}
+    try:
+        options = gate_options(arch)
+        for filename, names in collect_specializations().items():
+            text = compiler.read_source(filename)
+            for sass in (True, False):
+                rows = _load(_key(text, names, arch, options, sass))
+                if rows:
+                    out.update((r.kernel, r.registers) for r in rows)
+                    break
+    except Exception:  # no toolchain: nothing is known
+        return {}
+    return out
+
+
+def blocks_per_sm(row):
+    """Predicted resident blocks per SM of `row`'s kernel on the GPU the emulator stands
+    for on `row.arch` (tiling.occupancy), or None for a kernel that is not a plan."""
+    from . import tiling
+    from .emulator import archs
+    plan = tiling.every_plan().get(row.kernel)
+    if plan is None or row.arch not in archs.ARCHS or row.registers < 0:
+        return None
+    smem = row.smem + (plan.smem_bytes if plan.dynamic_smem else 0)
+    return tiling.occupancy(archs.gpu_limits(row.arch), threads=plan.num_threads,
+                            smem_bytes=smem, registers=row.registers)
+
+
 def format_table(rows):
-    head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", "status")
-    body = [(r.kernel, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
-             str(r.spill_loads), r.status) for r in rows]
+    """One line per build: registers, shared memory, spills, the disassembly's counts
+    (where disassembled) and the predicted blocks and warps per SM."""
+    from . import tiling
+    plans = tiling.every_plan()
+    head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", *SASS_OPCODES,
+            "blocks/SM", "warps/SM", "status")
+    body = []
+    for r in rows:
+        counts = [str(r.sass[op]) if r.sass else "-" for op in SASS_OPCODES]
+        blocks = blocks_per_sm(r)
+        warps = "-" if blocks is None else str(blocks * -(-plans[r.kernel].num_threads // 32))
+        body.append((r.kernel, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
+                     str(r.spill_loads), *counts, "-" if blocks is None else str(blocks),
+                     warps, r.status))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head) - 1)]
     lines = []
     for x in [head] + body:
@@ -400,11 +467,15 @@ def check_kernels(argv=None) -> int:
                     + ", ".join(compiler.GATE_ARCHS))
     ap.add_argument("--no-cache", action="store_true", help="ignore the on-disk results cache")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compilations")
+    ap.add_argument("--no-sass", action="store_true",
+                    help="skip the disassembly (HMMA/LDSM/LDGSTS/LDL/STL counts)")
     args = ap.parse_args(argv)
+    sass = not args.no_sass and nvdisasm_path() is not None
     t0 = time.perf_counter()
     archs, skipped = split_archs(tuple(args.arch or compiler.GATE_ARCHS), nvrtc_archs(),
                                  nvrtc.getVersion())
-    rows = run_gate(archs=archs, jobs=args.jobs, use_cache=not args.no_cache) if archs else []
+    rows = (run_gate(archs=archs, jobs=args.jobs, use_cache=not args.no_cache, sass=sass)
+            if archs else [])
     if rows:
         print(format_table(rows))
     bad = [r for r in rows if not r.ok]
@@ -413,6 +484,9 @@ def check_kernels(argv=None) -> int:
           f"{time.perf_counter() - t0:.1f} s: {len(bad)} failed or spilled")
     for arch, why in skipped.items():
         print(f"skipped {arch}: {why}")
+    if not sass:
+        print("no disassembly: nvdisasm not found (the nvidia-cuda-nvdisasm wheel)"
+              if not args.no_sass else "no disassembly (--no-sass)")
     for r in bad:
         if r.error:
             print(f"\n{r.kernel} [{r.arch}]:\n{r.error}", file=sys.stderr)
