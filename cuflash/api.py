@@ -60,9 +60,16 @@ def _to_numpy(name, x, backend_name):
 
 
 def _bring(backend, arrays):
-    """The arrays as the backend's array type, zero-copy where possible."""
+    """The arrays as the backend's array type, zero-copy where possible; GPU arrays must
+    all live on one device (the one the kernels then run on)."""
     if backend.name == "cuda":
-        return [_to_cupy(n, x) for n, x in arrays.items()]
+        out = [_to_cupy(n, x) for n, x in arrays.items()]
+        devices = {n: x.device.id for n, x in zip(arrays, out)}
+        if len(set(devices.values())) > 1:
+            listing = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+            raise ValueError(f"{', '.join(devices)} must live on one GPU; got {listing}. "
+                             f"Move them with cupy.asarray inside `with cupy.cuda.Device(i)`")
+        return out
     return [_to_numpy(n, x, backend.name) for n, x in arrays.items()]
 
 

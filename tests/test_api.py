@@ -354,3 +354,48 @@ def test_foreign_gpu_arrays_are_taken_zero_copy():
         h = q.get()
         np.testing.assert_allclose(o.get(), reference.naive_attention(h, h, h, causal=True),
                                    rtol=1e-5, atol=2e-5)
+
+
+# -- GPU placement: the arrays' device, the current stream --------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+def test_runs_on_the_current_stream():
+    """Work goes to the current CuPy stream: on a non-blocking stream, synchronising that
+    stream alone makes the results ready."""
+    import cupy
+    rng = np.random.default_rng(11)
+    q, k, v = (rand(rng, (2, 4, 300, 64), np.float32) for _ in range(3))
+    qd, kd, vd = to_backend("cuda", q, k, v)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        o, lse = cuflash.flash_attention(qd, kd, vd, causal=True, return_lse=True)
+        grads = cuflash.flash_attention_backward(cupy.ones_like(o), qd, kd, vd, o, lse,
+                                                 causal=True)
+    stream.synchronize()
+    ref = reference.naive_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(to_host(o), ref, atol=2e-5)
+    assert all(np.isfinite(to_host(g)).all() for g in grads)
+
+
+def _gpu_count():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two CUDA devices")
+def test_runs_on_the_device_of_its_arrays():
+    import cupy
+    rng = np.random.default_rng(12)
+    q, k, v = (rand(rng, (1, 2, 100, 32), np.float32) for _ in range(3))
+    with cupy.cuda.Device(1):
+        q1, k1, v1 = to_backend("cuda", q, k, v)
+    o = cuflash.flash_attention(q1, k1, v1)          # current device: 0
+    assert o.device.id == 1
+    np.testing.assert_allclose(to_host(o), reference.naive_attention(q, k, v), atol=2e-5)
+    with pytest.raises(ValueError, match="one GPU"):
+        cuflash.flash_attention(q1, cupy.asarray(k), v1)

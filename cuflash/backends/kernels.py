@@ -14,6 +14,7 @@ take their plans from `cuflash.tiling` and marshal arguments with `marshal`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -32,13 +33,17 @@ class KernelBackend:
     `checked`, `schedule`, `seed`, `arch`).
     """
 
-    def __init__(self, name, xp, module_class, *, device_key, limits, module_options=None):
+    def __init__(self, name, xp, module_class, *, device_key, limits, module_options=None,
+                 device_of=None):
         self.name = name
         self.xp = xp
         self._module_class = module_class
         self._device_key = device_key    # () -> hashable id of the current device
         self._limits = limits            # () -> {"max_smem", "sm_count", "cc"}
         self.module_options = dict(module_options or {})
+        # array -> context manager making the array's device current, so the kernels
+        # launch, allocate and plan there (the emulator has one device: nothing to do)
+        self._device_of = device_of or (lambda a: contextlib.nullcontext())
         self._functions = {}
         self._lock = threading.Lock()
 
@@ -74,17 +79,21 @@ class KernelBackend:
 
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
                 allow_tf32=False):
-        return kernel_forward.forward(self, q, k, v, causal=causal, scale=scale,
-                                      algorithm=algorithm, variants=variants,
-                                      allow_tf32=allow_tf32)
+        with self._device_of(q):
+            return kernel_forward.forward(self, q, k, v, causal=causal, scale=scale,
+                                          algorithm=algorithm, variants=variants,
+                                          allow_tf32=allow_tf32)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
                  return_dbias=False):
-        return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal, scale=scale,
-                                        variants=variants, return_dbias=return_dbias)
+        with self._device_of(q):
+            return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal,
+                                            scale=scale, variants=variants,
+                                            return_dbias=return_dbias)
 
     def softmax(self, x):
-        return kernel_softmax.softmax(self, x)
+        with self._device_of(x):
+            return kernel_softmax.softmax(self, x)
 
 
 # -- the two backends ------------------------------------------------------------------
@@ -94,7 +103,8 @@ def _cuda_backend():
     import cupy
     return KernelBackend("cuda", cupy, cupy.RawModule,
                          device_key=lambda: cupy.cuda.Device().id,
-                         limits=lambda: _cuda_limits(cupy.cuda.Device().id))
+                         limits=lambda: _cuda_limits(cupy.cuda.Device().id),
+                         device_of=lambda a: a.device)
 
 
 @functools.cache
