@@ -18,13 +18,26 @@ from conftest import to_backend, to_host
 # takes all of them).
 ALL_OPTIONS = {"window", "softcap", "alibi_slopes", "bias", "mask", "dropout_p"}
 KERNEL_FORWARD_OPTIONS = ALL_OPTIONS
-KERNEL_BACKWARD_OPTIONS = set()
+KERNEL_BACKWARD_OPTIONS = ALL_OPTIONS
 
 
 def supported(backend, opts, *, backward=False):
     names = {n for n in opts if n not in ("causal", "seed")}
     kernel = KERNEL_BACKWARD_OPTIONS if backward else KERNEL_FORWARD_OPTIONS
     return backend == "numpy" or names <= kernel
+
+
+def dbias_supported(backend, bias, nq):
+    """The kernel backends write dbias from the dQ kernel, which owns query rows: a bias
+    broadcast over the query rows (its axis -2 of size 1, Nq > 1) raises a ValueError."""
+    return backend == "numpy" or not (np.ndim(bias) >= 2 and np.shape(bias)[-2] == 1 < nq)
+
+
+def check_dbias_unsupported(backend, args, opts):
+    with pytest.raises(ValueError, match=r"return_dbias with a bias broadcast over the query "
+                                         r"rows .* not supported by backend='emulator'"):
+        cuflash.flash_attention_backward(*args, backend=backend, return_dbias=True,
+                                         **to_options(backend, opts))
 
 
 def rand(rng, shape, dtype=np.float64):
@@ -146,6 +159,9 @@ def test_backward_matches_reference(backend, names):
         return check_unsupported(backend, to_backend(backend, do, q, k, v, ref_o, ref_lse),
                                  to_options(backend, opts))
     with_bias = "bias" in opts
+    if with_bias and not dbias_supported(backend, opts["bias"], Q_SHAPE[-2]):
+        check_dbias_unsupported(backend, to_backend(backend, do, q, k, v, ref_o, ref_lse), opts)
+        with_bias = False  # the gradients without dbias still run
     grads = cuflash.flash_attention_backward(
         *to_backend(backend, do, q, k, v, ref_o, ref_lse), backend=backend,
         return_dbias=with_bias, **to_options(backend, opts))
@@ -168,7 +184,9 @@ def test_gradients_match_finite_differences(backend):
     q, k, v = rand(rng, (1, 2, 6, 5)), rand(rng, (1, 1, 9, 5)), rand(rng, (1, 1, 9, 5))
     w = rand(rng, q.shape)
     opts = dict(window=(4, 2), softcap=0.7, alibi_slopes=np.array([0.3, 0.1]),
-                bias=rand(rng, (2, 1, 9)), mask=rng.random((6, 9)) > 0.2,
+                # query-broadcast dbias is the NumPy backend's only (dbias_supported)
+                bias=rand(rng, (2, 1, 9) if backend == "numpy" else (2, 6, 1)),
+                mask=rng.random((6, 9)) > 0.2,
                 dropout_p=0.25, seed=99)
     if not supported(backend, opts, backward=True):
         return check_unsupported(backend, to_backend(backend, w, q, k, v, *reference.naive_attention(
@@ -425,7 +443,7 @@ def check_property(p, backend):
     assert_lse_close(lse, ref_lse, 1e-9)
     if not supported(backend, {n: 1 for n in ALL_OPTIONS}, backward=True):
         return
-    with_bias = "bias" in opts
+    with_bias = "bias" in opts and dbias_supported(backend, opts["bias"], nq)
     grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend=backend,
                                              return_dbias=with_bias, **opts)
     refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=with_bias,
@@ -471,3 +489,60 @@ def test_window_edges_on_tile_boundaries(backend):
                 ref = reference.naive_attention(q, k, v, window=window, causal=causal)
                 np.testing.assert_allclose(to_host(o), ref, rtol=1e-10, atol=1e-12,
                                            err_msg=f"{window} {causal} {algorithm}")
+
+
+# -- the kernel backward with variants: dbias's layouts, chunks, checked mode ------------
+
+@pytest.mark.parametrize("bias_shape, d", [((2, 1, 21, 1), 24), ((1, 4, 21, 30), 300),
+                                           ((21, 30), 300)],
+                         ids=["key+head-broadcast", "batch-broadcast-chunked",
+                              "pair-chunked"])
+def test_emulated_backward_dbias_layouts(bias_shape, d):
+    """dbias summed over a broadcast key axis (one thread's running sum), over heads and
+    batch (the dQ block's loop over them), and with head-dim chunks (one chunk writes)."""
+    rng = np.random.default_rng(11)
+    q, do = rand(rng, (2, 4, 21, d)), rand(rng, (2, 4, 21, d))
+    k, v = rand(rng, (2, 2, 30, d)), rand(rng, (2, 2, 30, d))
+    opts = dict(bias=rand(rng, bias_shape), softcap=1.5, window=(9, 3), dropout_p=0.2,
+                seed=3)
+    o, lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    got = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="emulator",
+                                           return_dbias=True, **opts)
+    ref = reference.attention_backward(do, q, k, v, o, lse, return_dbias=True, **opts)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert g.shape == r.shape, name
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_emulated_backward_variants_checked_mode():
+    """Every option at once, GQA, bias shared by heads and batch, in checked mode: no race and
+    no out-of-bounds access in either kernel (dbias's read-modify-writes included)."""
+    from cuflash.backends import kernel_backward
+    from cuflash.backends.kernels import emulator_backend
+    rng = np.random.default_rng(12)
+    B, Hq, Hkv, Nq, Nk, d = 2, 2, 1, 19, 27, 20
+    q, do = rand(rng, (B, Hq, Nq, d)), rand(rng, (B, Hq, Nq, d))
+    k, v = rand(rng, (B, Hkv, Nk, d)), rand(rng, (B, Hkv, Nk, d))
+    bias, mask = rand(rng, (1, 1, Nq, Nk)), rng.random((B, 1, Nq, Nk)) > 0.2
+    slopes = rng.uniform(0.05, 0.5, (Hq,))
+    opts = dict(causal=True, window=(6, -1), softcap=0.9, alibi_slopes=slopes, bias=bias,
+                mask=mask, dropout_p=0.35, seed=77)
+    o, lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    var = variants.Variants(window=(6, -1), softcap=0.9, alibi=slopes[None], bias=bias,
+                            mask=mask, dropout_p=0.35, seed=77)
+    got = kernel_backward.backward(emulator_backend(checked=True), do, q, k, v, o, lse,
+                                   causal=True, scale=1 / math.sqrt(d), variants=var,
+                                   return_dbias=True)
+    ref = reference.attention_backward(do, q, k, v, o, lse, return_dbias=True, **opts)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_variants_take_the_simt_backward():
+    """The tensor-core backward takes no variant: backward_path gives the SIMT kernels."""
+    from cuflash import tiling
+    limits = dict(max_smem=163 * 1024, sm_count=108)
+    (tc, _), _ = tiling.backward_path(64, np.float16, (8, 0), **limits)
+    (simt, _), why = tiling.backward_path(64, np.float16, (8, 0), plain=False, **limits)
+    assert tc.kernel != simt.kernel and simt.kernel.startswith("flash_bwd_dkdv")
+    assert "variants" in why

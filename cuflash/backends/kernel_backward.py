@@ -18,6 +18,10 @@ Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of
 128, 16-byte aligned q, k, v, dO, no attention variant), launches 2 and 3 are the
 `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
 the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
+
+Attention variants run on the SIMT kernels (run-time arguments, `kernel_variants`). With
+`return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
+batch its blocks loop over them (the grid's y or z shrinks to 1): `dbias_launch`.
 """
 from __future__ import annotations
 
@@ -25,17 +29,17 @@ import numpy as np
 
 from .. import _dtypes, tiling
 from ..families import FLASH_BWD_DKDV_TC
-from ..variants import unsupported
 from .kernel_forward import loads_16b_aligned
+from .kernel_variants import dbias_launch, variant_args
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
-    the input shapes and dtypes, dk and dv summed over each GQA group."""
-    if variants is not None and not variants.is_plain():
-        raise unsupported(variants, backend.name)
+    the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
+    (cuflash.variants.Variants) run on the SIMT kernels; with `return_dbias` a fourth
+    result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     B, Hq, Nq, d = q.shape
@@ -66,6 +70,17 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
 
+    # Variants (SIMT only): the score chain's run-time arguments, and dbias's launch (the
+    # dQ blocks loop over the heads and batches sharing a bias row: see flash_bwd.cu).
+    heads_per_block = batch_per_block = 1
+    vflags = dq_extra = ()
+    if not tc:
+        vflags = variant_args(xp, variants, acc)
+        dbias, dbias_st, heads_per_block, batch_per_block = dbias_launch(
+            xp, variants if return_dbias else None, acc, backend.name, B=B, Hq=Hq, Nq=Nq)
+        dq_extra = (dbias, *dbias_st, np.int32(return_dbias), np.int32(heads_per_block),
+                    np.int32(batch_per_block))
+
     # 1. D = rowsum(dO ∘ O)
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
                               (do, o, Dvec, sizes[0], sizes[2], sizes[4], np.int64(rows),
@@ -75,11 +90,14 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # 2. dK, dV
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  (q, k, v, do, lse, Dvec, dk, dv, *sizes, *strides_in,
-                                  *s3(dk), *s3(dv), *kflags),
+                                  *s3(dk), *s3(dv), *kflags, *vflags),
                                  shared_mem=p_dkdv.smem_bytes if tc else 0)
     # 3. dQ
-    backend.get_function(p_dq)((grid_q, Hq, B), (p_dq.num_threads,),
+    backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
+                               (p_dq.num_threads,),
                                (q, k, v, do, lse, Dvec, dq, *sizes, *strides_in, *s3(dq),
-                                *kflags),
+                                *kflags, *dq_extra, *vflags),
                                shared_mem=p_dq.smem_bytes if tc else 0)
+    if return_dbias:
+        return dq, dk, dv, dbias
     return dq, dk, dv

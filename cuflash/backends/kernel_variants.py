@@ -49,3 +49,25 @@ def variant_args(xp, variants, acc) -> tuple:
             mask, *mask_st, np.uint32(var.threshold), np.uint32(var.seed & 0xFFFFFFFF),
             np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(left),
             np.int32(right))
+
+
+def dbias_launch(xp, variants, acc, backend_name, *, B, Hq, Nq):
+    """dbias's buffer and the dQ kernel's loop over the (head, batch) pairs sharing it:
+    (dbias, its four element strides, heads per block, batches per block).
+
+    dbias has the compact shape of variants.bias, zeroed (the dQ kernel adds dS into it,
+    one thread per element: flash_bwd.cu). A bias broadcast over heads (or batch) makes
+    each dQ block loop over all Hq heads (B batches) in turn instead of the grid spreading
+    them. A bias broadcast over query rows (Nq > 1) would need a sum across dQ blocks: a
+    ValueError. variants None (no dbias wanted): a 1-element dummy, never written."""
+    if variants is None:
+        return xp.zeros(1, dtype=acc), (np.int64(0),) * 4, 1, 1
+    bb, bh, bq, _ = variants.bias.shape
+    if bq == 1 and Nq > 1:
+        raise ValueError(
+            f"return_dbias with a bias broadcast over the query rows (compact shape "
+            f"{tuple(variants.bias.shape)}, Nq = {Nq}) is not supported by "
+            f"backend={backend_name!r} yet; give the bias its query axis, or use "
+            f"backend='numpy'")
+    dbias = xp.zeros(variants.bias.shape, dtype=acc)
+    return dbias, _strides4(dbias), (Hq if bh == 1 else 1), (B if bb == 1 else 1)

@@ -8,6 +8,10 @@
 //     dS  = P ∘ (dP − D)            both                                 (line 14)
 //     dK  = dSᵀ Q · scale           flash_bwd_dkdv_kernel                (line 16)
 //     dQ  = dS K · scale            flash_bwd_dq_kernel                  (line 15)
+// Attention variants (run-time CUFLASH_VARIANT_PARAMS, as in flash_fwd.cu; one
+// specialization for all) recompute P from the score chain of variants.cuh and scale by
+// the redrawn dropout Z: dV from P ∘ Z, dS = P ∘ (dP ∘ Z − D), dbias = dS (dQ kernel),
+// and dK, dQ from dS ∘ (1 − t²) under softcap (recompute_p_ds_variants, bwd_tile.cuh).
 //
 // Work split — every output element is written by exactly one thread, in a fixed order:
 // no atomics, so every run is bitwise identical.
@@ -45,6 +49,7 @@
 // registers and spilled.
 #include "common.cuh"
 #include "mask.cuh"
+#include "variants.cuh"
 #include "bwd_tile.cuh"
 
 using namespace cuflash;
@@ -93,7 +98,8 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long do_sb, long long do_sh, long long do_sr,
                       long long dk_sb, long long dk_sh, long long dk_sr,
                       long long dv_sb, long long dv_sh, long long dv_sr,
-                      accum_t<T> scale, int causal, int num_d_chunks) {
+                      accum_t<T> scale, int causal, int num_d_chunks,
+                      CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = BwdTileTraits<T, HEAD_DIM, LANES_PER_ROW, ROWS_PER_GROUP, NUM_WARPS, TILE_ROWS,
                              CHUNKED, /*QUERY_TILES=*/true>;
     using A = typename Tr::A;
@@ -107,7 +113,9 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     const int key0 = n0 + tc.row(0);              // first key of the lane's group
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    const bool plain = !var.scores() && !var.dropout();
     const A scale_log2 = softmax_scale_log2(scale);
 
     __shared__ A smem[Tr::kSmemElems];
@@ -126,9 +134,11 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     if (!CHUNKED) load_rows<Tr>(kr, vr, k_bh, k_sr, v_bh, v_sr, key0, Nk, 0, d, tc);
     zero_rows<Tr>(dkr);
     zero_rows<Tr>(dvr);
-    // Causal block skipping: query tiles entirely above the diagonal are never loaded
-    // (rounded down to a whole tile, so the tiles are the same with and without causal).
+    // Block skipping: query tiles entirely above the diagonal (causal, or a window's right
+    // edge) are never loaded (rounded down to a whole tile, so the tiles are the same with
+    // and without causal), nor those entirely below a window's left edge.
     const int m_begin = mask.first_row(n0) / BR * BR;
+    const int m_end = mask.row_end(min(n0 + BC, Nk));
 
     // -- main loop: the group's query heads, Q_i tiles, head-dim chunks (own last)
     for (int h = h_kv * group; h < (h_kv + 1) * group; ++h) {
@@ -136,7 +146,8 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
         const T* do_bh = dO + b * do_sb + h * do_sh;
         const A* lse_bh = lse + (b * Hq + h) * Nq;
         const A* delta_bh = Delta + (b * Hq + h) * Nq;
-        for (int m0 = m_begin; m0 < Nq; m0 += BR) {
+        var.bind((int)b, h, Nq, Nk);
+        for (int m0 = m_begin; m0 < m_end; m0 += BR) {
             const int m_rows = min(BR, Nq - m0);
             for (int c = 0; c < n_chunks; ++c) {
                 const int chunk = (own + 1 + c) % n_chunks;
@@ -163,10 +174,16 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                         if (!complete_scores<CHUNKED>(s, dp, sS, sdP, r, tc.row(t), c, last, tc.g))
                             continue;
                         // P_ij = exp2(S_ij·scale·log2 e − lse_i·log2 e), dS_ij = P_ij (dP_ij − D_i)
-                        recompute_p_ds(s, dp, scale_log2, lse2, Di,
-                                       mask.masked(m0 + r, key0 + t), p, ds);
-                        axpy<Tr>(p, dov, dvr[t]);  // dV_j += P_ijᵀ dO_i
-                        axpy<Tr>(ds, qv, dkr[t]);  // dK_j += dS_ijᵀ Q_i
+                        const bool hidden = mask.masked(m0 + r, key0 + t);
+                        if (plain) {
+                            recompute_p_ds(s, dp, scale_log2, lse2, Di, hidden, p, ds);
+                        } else {  // the variants' chain: dV from P ∘ Z, dK from dS_raw
+                            A ds_biased;
+                            recompute_p_ds_variants(s, dp, scale, lse2, Di, hidden, var, m0 + r,
+                                                    key0 + t, p, ds_biased, ds);
+                        }
+                        axpy<Tr>(p, dov, dvr[t]);  // dV_j += P_ijᵀ dO_i   (P ∘ Z)
+                        axpy<Tr>(ds, qv, dkr[t]);  // dK_j += dS_ijᵀ Q_i   (dS_raw)
                     }
                 }
             }
@@ -195,23 +212,33 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     long long v_sb, long long v_sh, long long v_sr,
                     long long do_sb, long long do_sh, long long do_sr,
                     long long dq_sb, long long dq_sh, long long dq_sr,
-                    accum_t<T> scale, int causal, int num_d_chunks) {
+                    accum_t<T> scale, int causal, int num_d_chunks,
+                    accum_t<T>* __restrict__ dbias, long long dbias_sb, long long dbias_sh,
+                    long long dbias_sr, long long dbias_sc, int want_dbias, int head_reps,
+                    int batch_reps,
+                    CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = BwdTileTraits<T, HEAD_DIM, LANES_PER_ROW, ROWS_PER_GROUP, NUM_WARPS, TILE_ROWS,
                              CHUNKED, /*QUERY_TILES=*/false>;
     using A = typename Tr::A;
     constexpr int DPL = Tr::kDimPerLane, BR = Tr::kBlockRows, BC = TILE_ROWS;
     const int n_chunks = CHUNKED ? num_d_chunks : 1;
 
-    // Block → (query block, own head-dim chunk, query head, batch).
+    // Block → (query block, own head-dim chunk, query head(s), batch(es)).
     const BwdThreadCoord<Tr> tc;
     const int own = blockIdx.x % n_chunks;       // the chunk of dQ this block owns
     const int m0 = (blockIdx.x / n_chunks) * BR;  // first query row of the block
     const int row0 = m0 + tc.row(0);              // first query row of the lane's group
-    const int h = blockIdx.y;
-    const long long b = blockIdx.z;
-    const int h_kv = h / group;  // GQA/MQA: `group` consecutive query heads share K/V
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    const bool plain = !var.scores() && !var.dropout();
     const A scale_log2 = softmax_scale_log2(scale);
+    // dbias = dS summed over bias's broadcast axes, with one writer per element and no
+    // atomics: the block owns dbias's rows [m0, m0 + BR) (the query axis is never
+    // broadcast here) and loops over the head_reps × batch_reps (head, batch) pairs that
+    // share them; lane 0 of the group owning row i adds dS_ij in a fixed order (keys, then
+    // heads, then batches; dbias starts at 0), so a key-broadcast column is one thread's
+    // running sum too. Only the chunk-0 block writes (every chunk sees the same dS).
+    const bool write_dbias = want_dbias && own == 0;
 
     __shared__ A smem[Tr::kSmemElems];
     A (*sK)[HEAD_DIM] = reinterpret_cast<A (*)[HEAD_DIM]>(smem);               // K_j
@@ -219,57 +246,81 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     A (*sS)[BC] = reinterpret_cast<A (*)[BC]>(smem + 2 * Tr::kSmemTile);  // Σ_c S_ij
     A (*sdP)[BC] = reinterpret_cast<A (*)[BC]>(smem + 2 * Tr::kSmemTile + Tr::kSmemScores);
 
-    // -- prologue: Q_i, dO_i (chunked: per chunk, below), lse_i, D_i into registers;
-    // dQ_i = 0
-    const T* q_bh = q + b * q_sb + h * q_sh;
-    const T* do_bh = dO + b * do_sb + h * do_sh;
-    const A* lse_bh = lse + (b * Hq + h) * Nq;
-    const A* delta_bh = Delta + (b * Hq + h) * Nq;
-    A qr[ROWS_PER_GROUP][DPL], dor[ROWS_PER_GROUP][DPL], dqr[ROWS_PER_GROUP][DPL];
-    A lse2[ROWS_PER_GROUP], Di[ROWS_PER_GROUP];
-    if (!CHUNKED) load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, 0, d, tc);
-    zero_rows<Tr>(dqr);
-#pragma unroll
-    for (int t = 0; t < ROWS_PER_GROUP; ++t)
-        load_row_stats(lse_bh, delta_bh, row0 + t, Nq, lse2[t], Di[t]);
-    // Causal block skipping: key tiles entirely above the diagonal are never loaded.
+    // Block skipping: key tiles entirely above the diagonal (causal, or a window's right
+    // edge) or left of a window are never loaded (the first on a BC boundary).
+    const int n_begin = mask.key_begin(m0) / BC * BC;
     const int n_end = mask.key_end(min(m0 + BR, Nq));
 
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
-    // -- main loop: K_j, V_j tiles, head-dim chunks (own last)
-    for (int n0 = 0; n0 < n_end; n0 += BC) {
-        const int n_cols = min(BC, n_end - n0);
-        for (int c = 0; c < n_chunks; ++c) {
-            const int chunk = (own + 1 + c) % n_chunks;
-            const bool last = c == n_chunks - 1;  // the own chunk
-            __syncthreads();  // every thread is done with the previous chunk / tile
-            load_tile_pair<Tr>(sK, sV, k_bh, k_sr, v_bh, v_sr, n0, Nk, chunk * HEAD_DIM, d);
-            if (CHUNKED)
-                load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, chunk * HEAD_DIM, d, tc);
-            __syncthreads();
+#pragma unroll 1
+    for (int rep = 0; rep < head_reps * batch_reps; ++rep) {
+        const int h = blockIdx.y * head_reps + rep % head_reps;
+        const long long b = (long long)blockIdx.z * batch_reps + rep / head_reps;
+        const int h_kv = h / group;  // GQA/MQA: `group` consecutive query heads share K/V
+        var.bind((int)b, h, Nq, Nk);
+        A* dbias_bh = dbias + b * dbias_sb + h * dbias_sh;  // stride 0 on a shared axis
+
+        // -- prologue: Q_i, dO_i (chunked: per chunk, below), lse_i, D_i into registers;
+        // dQ_i = 0
+        const T* q_bh = q + b * q_sb + h * q_sh;
+        const T* do_bh = dO + b * do_sb + h * do_sh;
+        const A* lse_bh = lse + (b * Hq + h) * Nq;
+        const A* delta_bh = Delta + (b * Hq + h) * Nq;
+        A qr[ROWS_PER_GROUP][DPL], dor[ROWS_PER_GROUP][DPL], dqr[ROWS_PER_GROUP][DPL];
+        A lse2[ROWS_PER_GROUP], Di[ROWS_PER_GROUP];
+        if (!CHUNKED) load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, 0, d, tc);
+        zero_rows<Tr>(dqr);
+#pragma unroll
+        for (int t = 0; t < ROWS_PER_GROUP; ++t)
+            load_row_stats(lse_bh, delta_bh, row0 + t, Nq, lse2[t], Di[t]);
+
+        const T* k_bh = k + b * k_sb + h_kv * k_sh;
+        const T* v_bh = v + b * v_sb + h_kv * v_sh;
+        // -- main loop: K_j, V_j tiles, head-dim chunks (own last)
+        for (int n0 = n_begin; n0 < n_end; n0 += BC) {
+            const int n_cols = min(BC, n_end - n0);
+            for (int c = 0; c < n_chunks; ++c) {
+                const int chunk = (own + 1 + c) % n_chunks;
+                const bool last = c == n_chunks - 1;  // the own chunk
+                __syncthreads();  // every thread is done with the previous chunk / tile
+                load_tile_pair<Tr>(sK, sV, k_bh, k_sr, v_bh, v_sr, n0, Nk, chunk * HEAD_DIM, d);
+                if (CHUNKED)
+                    load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, chunk * HEAD_DIM,
+                                  d, tc);
+                __syncthreads();
 
 #pragma unroll 1
-            for (int j = 0; j < n_cols; ++j) {
-                A kv[DPL], vv[DPL];
-                read_smem_row<Tr>(kv, vv, sK[j], sV[j], tc);
+                for (int j = 0; j < n_cols; ++j) {
+                    A kv[DPL], vv[DPL];
+                    read_smem_row<Tr>(kv, vv, sK[j], sV[j], tc);
 #pragma unroll
-                for (int t = 0; t < ROWS_PER_GROUP; ++t) {
-                    A s, dp, p, ds;
-                    // S_ij = Q_i K_jᵀ, dP_ij = dO_i V_jᵀ
-                    score_dots<Tr>(qr[t], kv, dor[t], vv, s, dp);
-                    if (!complete_scores<CHUNKED>(s, dp, sS, sdP, tc.row(t), j, c, last, tc.g))
-                        continue;
-                    // P_ij = exp2(S_ij·scale·log2 e − lse_i·log2 e), dS_ij = P_ij (dP_ij − D_i)
-                    recompute_p_ds(s, dp, scale_log2, lse2[t], Di[t],
-                                   mask.masked(row0 + t, n0 + j), p, ds);
-                    axpy<Tr>(ds, kv, dqr[t]);  // dQ_i += dS_ij K_j
+                    for (int t = 0; t < ROWS_PER_GROUP; ++t) {
+                        A s, dp, p, ds;
+                        // S_ij = Q_i K_jᵀ, dP_ij = dO_i V_jᵀ
+                        score_dots<Tr>(qr[t], kv, dor[t], vv, s, dp);
+                        if (!complete_scores<CHUNKED>(s, dp, sS, sdP, tc.row(t), j, c, last,
+                                                      tc.g))
+                            continue;
+                        const int i = row0 + t;
+                        // P_ij = exp2(S_ij·scale·log2 e − lse_i·log2 e), dS_ij = P_ij (dP_ij − D_i)
+                        const bool hidden = mask.masked(i, n0 + j);
+                        if (plain) {
+                            recompute_p_ds(s, dp, scale_log2, lse2[t], Di[t], hidden, p, ds);
+                        } else {  // the variants' chain: dbias from dS, dQ from dS_raw
+                            A ds_biased;
+                            recompute_p_ds_variants(s, dp, scale, lse2[t], Di[t],
+                                                    hidden || i >= Nq, var, i, n0 + j, p,
+                                                    ds_biased, ds);
+                            if (write_dbias && tc.g == 0 && i < Nq)
+                                dbias_bh[i * dbias_sr + (n0 + j) * dbias_sc] += ds_biased;
+                        }
+                        axpy<Tr>(ds, kv, dqr[t]);  // dQ_i += dS_ij K_j
+                    }
                 }
             }
         }
-    }
 
-    // -- epilogue: this block's chunk of dQ_i = (Σ dS_ij K_j) · scale
-    store_rows<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dqr, scale, row0, Nq, own * HEAD_DIM, d,
-                   tc);
+        // -- epilogue: this block's chunk of dQ_i = (Σ dS_ij K_j) · scale
+        store_rows<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dqr, scale, row0, Nq, own * HEAD_DIM,
+                       d, tc);
+    }
 }
