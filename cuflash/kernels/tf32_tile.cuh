@@ -119,23 +119,30 @@ template <bool SPLIT> __device__ __forceinline__ SplitB split_b(const Tf32B& x) 
     return s;
 }
 
-// d += a·b for one k8 step. One-pass: one mma into d. Split: the three mma go into a zeroed
-// fragment that is then added to d in fp32 (round to nearest): the tensor core truncates
+// d += a·b for one k8 step. One-pass: one mma into d. Split: the three mma go into zeroed
+// fragments that are then added to d in fp32 (round to nearest): the tensor core truncates
 // each block sum, accumulator included, to fp32, so chaining 3 mma per k8 step into a
 // long-lived accumulator would add 3 truncations of the *whole running sum* per step — a
 // bias that grows with the sum's length and makes it worse than fp32; here each truncation
-// is relative to one k8 step's own partial sum. The small terms go first.
+// is relative to one k8 step's own partial sum.
+// The hi·hi sum and the two small cross terms are kept apart for infinities: an infinite
+// operand (a key scoring −inf is a masked key) makes its lo = tf32(∞ − ∞) = NaN and its
+// cross terms ∞·0 = NaN, so where hi·hi is not finite it alone is the answer, as in fp32.
+__device__ __forceinline__ float split_sum(float big, float small) {
+    return isfinite(big) ? big + small : big;
+}
+
 template <bool SPLIT>
 __device__ __forceinline__ void mma_tf32(FragC& d, const SplitA& a, const SplitB& b) {
     if constexpr (SPLIT) {
-        FragC p{0.f, 0.f, 0.f, 0.f};
-        mma_m16n8k8_tf32(p, a.lo, b.hi);
-        mma_m16n8k8_tf32(p, a.hi, b.lo);
-        mma_m16n8k8_tf32(p, a.hi, b.hi);
-        d.c0 += p.c0;
-        d.c1 += p.c1;
-        d.c2 += p.c2;
-        d.c3 += p.c3;
+        FragC small{0.f, 0.f, 0.f, 0.f}, big{0.f, 0.f, 0.f, 0.f};
+        mma_m16n8k8_tf32(small, a.lo, b.hi);
+        mma_m16n8k8_tf32(small, a.hi, b.lo);
+        mma_m16n8k8_tf32(big, a.hi, b.hi);
+        d.c0 += split_sum(big.c0, small.c0);
+        d.c1 += split_sum(big.c1, small.c1);
+        d.c2 += split_sum(big.c2, small.c2);
+        d.c3 += split_sum(big.c3, small.c3);
     } else {
         mma_m16n8k8_tf32(d, a.hi, b.hi);
     }
