@@ -28,8 +28,8 @@ from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROC
 
 # Head-dim buckets: a kernel is compiled for a bucket D and runs any d <= D, the columns
 # d..D-1 zero-padded in shared memory. Larger d is split into D-wide chunks of the
-# largest bucket (see `head_dim_chunks`): S sums over every chunk, and each chunk of O is
-# its own block. float64 stops at 128 (a 256-wide double tile does not fit 64 KB).
+# largest bucket (the launch's `num_d_chunks`): S sums over every chunk, and each chunk
+# of O is its own block. float64 stops at 128 (a 256-wide double tile does not fit 64 KB).
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 _BUCKETS_BY_ACCUM = {4: HEAD_DIM_BUCKETS, 8: (32, 64, 128)}
 
@@ -137,11 +137,6 @@ def head_dim_bucket(d: int, dtype) -> int:
         if d <= b:
             return b
     return buckets[-1]
-
-
-def head_dim_chunks(d: int, dtype) -> int:
-    """How many bucket-wide chunks head dim d is split into (1 up to the largest bucket)."""
-    return -(-d // head_dim_bucket(d, dtype))
 
 
 def _candidates(kernel, dtype, bucket):
