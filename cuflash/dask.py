@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised only without dask
 from . import _checks, _dtypes
 from .api import flash_attention as _attention
 from .api import flash_attention_backward as _attention_backward
-from .serving.merge import array_module, merge_states
+from .merge import array_module, merge_states
 
 __all__ = ["flash_attention", "flash_attention_backward"]
 

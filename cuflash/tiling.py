@@ -456,6 +456,38 @@ def _tf32_path(d, cc, aligned, *, max_smem, allow_tf32, simt):
 #
 # Head dims above the largest bucket run the kernels with `chunked=True`, in 256-wide
 # chunks: a block owns one chunk of its output's columns and sums the scores over every
+
+# ── split-KV (seqlens.cuh) ──────────────────────────────────────────────────────────────
+
+MAX_SPLITS = 128            # FlashAttention-2's cap
+SPLIT_FULL_WAVES = 0.8      # this many blocks per SM (as a fraction) already fill the GPU
+SPLIT_EFFICIENCY = 0.85     # take the fewest splits within this fraction of the best
+
+
+def split_kv_count(blocks: int, key_tiles: int, sm_count) -> int:
+    """How many key ranges (split-KV) a forward launch of `blocks` blocks (query blocks ×
+    heads × batch, and head-dim chunks), each walking `key_tiles` key tiles, should cut the
+    keys into on `sm_count` SMs. FlashAttention-2's rule: no split once the blocks fill
+    SPLIT_FULL_WAVES of the SMs; else, of the split counts s ≤ min(MAX_SPLITS, SMs, key
+    tiles) that change the tiles per split, the fewest whose wave efficiency
+    (blocks·s / SMs) / ⌈blocks·s / SMs⌉ is within SPLIT_EFFICIENCY of the best. The merge
+    (one lse-weighted sum per split) is not modelled: it is small next to the tiles."""
+    if not sm_count or blocks <= 0 or blocks >= SPLIT_FULL_WAVES * sm_count:
+        return 1
+    cap = min(MAX_SPLITS, sm_count, key_tiles)
+    if cap <= 1:
+        return 1
+
+    def efficiency(s):
+        waves = blocks * s / sm_count
+        return waves / math.ceil(waves)
+
+    counts = [s for s in range(1, cap + 1)
+              if s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))]
+    best = max(efficiency(s) for s in counts)
+    return next(s for s in counts if efficiency(s) >= SPLIT_EFFICIENCY * best)
+
+
 # chunk (`bwd_head_dim_chunks`). Causal is a run-time argument of every backward kernel.
 BWD_HEAD_DIM_BUCKETS = (32, 64, 128, 256)   # the same for every dtype (double too)
 BWD_NUM_WARPS = 8                # 256 threads per block for the dK/dV and dQ kernels

@@ -20,55 +20,115 @@ plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describe
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import _dtypes, tiling
+from ..merge import merge_states
 from ..families import FLASH_FWD_TC, FLASH_FWD_TF32, FORWARD_ALGORITHMS
 from .kernel_variants import variant_args
 from .marshal import elem_strides, i32, prepare
 
 
-def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False):
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Where each batch row's sequence lies (kernels/seqlens.cuh), as device int32 arrays:
+    varlen `cu_q`, `cu_k` ((B+1,) row offsets into q, k and v given as (1, H, total, d)),
+    and/or a KV cache's `used_k` ((B,) keys in use of the padded k, v). `max_q`: the
+    longest query sequence (the grid's query blocks); `max_k`: the longest key sequence
+    (split-KV's tile count)."""
+
+    batch: int
+    max_q: int
+    max_k: int
+    cu_q: object = None
+    cu_k: object = None
+    used_k: object = None
+
+
+def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,
+            segments=None, num_splits=None):
     """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d): o in q's dtype, lse (B, Hq,
     Nq) in the accumulation dtype. `variants` (cuflash.variants.Variants): the options;
-    None or plain for none. `allow_tf32`: float32 may run one-pass tf32 (else split)."""
+    None or plain for none. `allow_tf32`: float32 may run one-pass tf32 (else split).
+    `segments` (`Segments`): varlen or KV-cache lengths; None for the padded layout.
+    `num_splits`: split-KV's key ranges; None picks them (`tiling.split_kv_count`)."""
     plain = variants is None or variants.is_plain()
     xp = backend.xp
     q, k, v = (prepare(xp, a) for a in (q, k, v))
-    B, Hq, Nq, d = q.shape
+    _, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    B = segments.batch if segments is not None else q.shape[0]
+    max_q = segments.max_q if segments is not None else Nq
+    max_k = segments.max_k if segments is not None else Nk
     acc = _dtypes.accum_dtype(q.dtype)
+    lim = backend.limits()
     plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm,
                                aligned=loads_16b_aligned(q, k, v), plain=plain,
-                               allow_tf32=allow_tf32, **backend.limits())
+                               allow_tf32=allow_tf32, **lim)
     num_d_chunks = -(-d // plan.head_dim_bucket)
-    o = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
-    lse = xp.empty((B, Hq, Nq), dtype=acc)
+    o = xp.empty(q.shape, dtype=q.dtype)
+    lse = xp.empty(q.shape[:3], dtype=acc)
 
     sizes = (i32(Hq, "heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
     strides = [s for a in (q, k, v, o) for s in elem_strides(a)[:3]]  # batch, head, row
+    if segments is not None:  # packed sequences: rows carry the batch offset (seqlens.cuh)
+        for a, packed in enumerate((segments.cu_q, segments.cu_k, segments.cu_k, segments.cu_q)):
+            if packed is not None:
+                strides[3 * a] = np.int64(0)
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)))
-    if plan.kernel in (FLASH_FWD_TC.name, FLASH_FWD_TF32.name):  # d <= head_dim: one chunk
-        num_m_blocks = -(-Nq // plan.block_m)
-        grid = num_m_blocks * Hq * B
-        args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks))
-    elif plan.kernel == FORWARD_ALGORITHMS["fa2"].name:
-        num_m_blocks = -(-Nq // plan.block_m)
-        grid = num_m_blocks * num_d_chunks * Hq * B
-        args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks),
-                np.int32(num_d_chunks), *variant_args(xp, variants, acc))
-    else:  # FA1: O, ℓ, m in global memory, one set per head-dim chunk for ℓ and m
+    if plan.kernel not in SPLITTABLE:
+        grid = num_d_chunks * Hq * B  # FA1: O, ℓ, m in global memory, per head-dim chunk
         o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
         l_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
         m_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
-        grid = num_d_chunks * Hq * B
         args = (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(B, "batch"), *sizes, *strides,
                 *flags, np.int32(num_d_chunks), *variant_args(xp, variants, acc))
-    i32(grid, "grid size (blocks = query blocks x heads x batch)")
+        i32(grid, "grid size (blocks = head-dim chunks x heads x batch)")
+        backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
+        return o, lse
+
+    num_m_blocks = -(-max_q // plan.block_m)
+    blocks = num_m_blocks * num_d_chunks * Hq * B
+    if num_splits is None:
+        num_splits = tiling.split_kv_count(blocks, -(-max_k // plan.block_n), lim["sm_count"])
+    grid = blocks * num_splits
+    i32(grid, "grid size (blocks = query blocks x head-dim chunks x splits x heads x batch)")
+    if num_splits > 1:  # partial O_i, lse_i per split, merged below
+        o_part = xp.empty((num_splits, *q.shape), dtype=acc)
+        lse_out = xp.empty((num_splits, *lse.shape), dtype=acc)
+    else:
+        o_part, lse_out = None, lse
+    args = (q, k, v, o, lse_out, *sizes, *strides, *flags, np.int32(num_m_blocks))
+    simt = plan.kernel == FORWARD_ALGORITHMS["fa2"].name
+    if simt:
+        args += (np.int32(num_d_chunks),)
+    args += layout_args(xp, segments, lse, num_splits, o_part)
+    if simt:
+        args += variant_args(xp, variants, acc)
     backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
+    if num_splits > 1:
+        o[...], lse[...] = merge_states(o_part, lse_out)
     return o, lse
+
+
+# The FA2 kernels: one block per (query block, head-dim chunk, split, head, batch), with
+# the layout parameters of seqlens.cuh.
+SPLITTABLE = (FORWARD_ALGORITHMS["fa2"].name, FLASH_FWD_TC.name, FLASH_FWD_TF32.name)
+
+
+def layout_args(xp, segments, lse, num_splits, o_part):
+    """The CUFLASH_SEQLENS_PARAMS of kernels/seqlens.cuh, in order: cu_seqlens_q,
+    cu_seqlens_k, seqused_k (null where absent), the lse strides (batch, head, split: 0
+    along the batch of a packed varlen lse, whose rows carry the offset), num_splits and
+    o_part (null without split). None is a null pointer, on CuPy and the emulator."""
+    seg = segments or Segments(batch=lse.shape[0], max_q=lse.shape[2], max_k=0)
+    lse_sb = 0 if seg.cu_q is not None else lse.shape[1] * lse.shape[2]
+    return (seg.cu_q, seg.cu_k, seg.used_k, np.int64(lse_sb), np.int64(lse.shape[2]),
+            np.int64(lse.size), np.int32(num_splits), o_part)
 
 
 def _data_ptr(a) -> int:

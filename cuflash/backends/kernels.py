@@ -78,11 +78,12 @@ class KernelBackend:
                                    **self.limits())
 
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
-                allow_tf32=False):
+                allow_tf32=False, segments=None, num_splits=None):
         with self._device_of(q):
             return kernel_forward.forward(self, q, k, v, causal=causal, scale=scale,
                                           algorithm=algorithm, variants=variants,
-                                          allow_tf32=allow_tf32)
+                                          allow_tf32=allow_tf32, segments=segments,
+                                          num_splits=num_splits)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
                  return_dbias=False):

@@ -218,6 +218,11 @@ class RawKernel:
                 lo, hi = _extent(a)
                 ranges += [lo, hi - lo, i]
                 holders.append(ctypes.c_void_p(a.__array_interface__["data"][0]))
+            elif a is None:  # CuPy passes None as a null pointer
+                if kind != ParamKind.POINTER:
+                    raise TypeError(f"{where}: got None but the kernel parameter is a "
+                                    f"{size}-byte {kind.description} passed by value")
+                holders.append(ctypes.c_void_p(0))
             elif hasattr(a, "__cuda_array_interface__"):
                 raise TypeError(f"{where}: a GPU array ({type(a).__name__}) cannot be used by the CPU emulator; "
                                 "pass a NumPy array")

@@ -14,8 +14,10 @@
 //
 // Head dims beyond the compiled bucket D run in D-wide chunks: S accumulates over every
 // chunk of Q and K, and blockIdx selects which D columns of V (and O) this block owns.
+// Varlen and KV-cache layouts, and split-KV: seqlens.cuh.
 #include "common.cuh"
 #include "mask.cuh"
+#include "seqlens.cuh"
 #include "variants.cuh"
 #include "attn_tile.cuh"
 
@@ -33,26 +35,34 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  long long v_sb, long long v_sh, long long v_sr,
                  long long o_sb, long long o_sh, long long o_sr,
                  accum_t<T> scale, int causal, int num_m_blocks, int num_d_chunks,
-                 CUFLASH_VARIANT_PARAMS(T)) {
+                 CUFLASH_SEQLENS_PARAMS(accum_t<T>), CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     using A = typename Tr::A;
     constexpr int TR = Tr::kRowsPerThread, TC = Tr::kColsPerThread, TD = Tr::kDimPerThread;
 
-    // Block → (m_block, d_chunk, h, b). Query blocks run last-first: under causal masking
-    // the last ones see the most keys, and starting them first evens out the tail.
+    // Block → (m_block, d_chunk, split, h, b). Query blocks run last-first: under causal
+    // masking the last ones see the most keys, and starting them first evens out the tail.
     int bid = blockIdx.x;
     const int m_block = num_m_blocks - 1 - bid % num_m_blocks;
     bid /= num_m_blocks;
     const int d_chunk = bid % num_d_chunks;
     bid /= num_d_chunks;
+    const int split = bid % num_splits;
+    bid /= num_splits;
     const int h = bid % Hq;
     const int b = bid / Hq;
     const int h_kv = h / group;  // GQA/MQA: `group` consecutive query heads share K/V
 
-    const T* q_bh = q + b * q_sb + h * q_sh;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
-    T* o_bh = o + b * o_sb + h * o_sh;
+    const Seqlens seq = CUFLASH_SEQLENS;
+    Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths
+    Nk = seq.len_k(b, Nk);
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
+    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
+    T* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sQ = reinterpret_cast<A*>(smem_raw);
@@ -64,13 +74,13 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
     var.bind(b, h, Nq, Nk);
-    const int m0 = m_block * BLOCK_M;
     const int m1 = min(m0 + BLOCK_M, Nq);
     const int dv0 = d_chunk * HEAD_DIM;  // first V/O column this block owns
     // Block skipping: tiles entirely above the diagonal, or outside the window, are never
     // visited (the first tile starts on a BLOCK_N boundary, as without a window).
-    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = mask.key_end(m1);
+    int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+    int n_end = mask.key_end(m1);
+    seq.clip_to_split(split, Nk, BLOCK_N, n_begin, n_end);
     const A scale_log2 = softmax_scale_log2(scale);  // scores in log2 units: P̃ = exp2(S − m)
 
     // -- prologue: Q_i into shared memory (once, when d fits one chunk); state init
@@ -139,13 +149,18 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             sQ[tc.row(i) * Tr::kRowStride + tc.col(t)] = acc[i][t] * inv_l;
         const int gi = m0 + tc.row(i);
         if (d_chunk == 0 && tc.lane_col == 0 && gi < Nq)  // one writer per row
-            lse[((long long)b * Hq + h) * Nq + gi] = row[i].lse();
+            lse[seq.lse_row(split, b, h, gi)] = row[i].lse();
     }
     __syncthreads();
-    // Store through shared memory so consecutive threads write consecutive columns.
+    // Store through shared memory so consecutive threads write consecutive columns; a
+    // split's partial O_i goes to o_part in the accumulation type.
     for (int idx = threadIdx.x; idx < BLOCK_M * HEAD_DIM; idx += Tr::kThreads) {
         const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
-        if (m0 + r < Nq && dv0 + c < d)
-            o_bh[(long long)(m0 + r) * o_sr + dv0 + c] = from_float<T>(sQ[r * Tr::kRowStride + c]);
+        if (m0 + r >= Nq || dv0 + c >= d) continue;
+        const A x = sQ[r * Tr::kRowStride + c];
+        if (o_part)
+            o_part[seq.lse_row(split, b, h, m0 + r) * d + dv0 + c] = x;
+        else
+            o_bh[(long long)(m0 + r) * o_sr + dv0 + c] = from_float<T>(x);
     }
 }

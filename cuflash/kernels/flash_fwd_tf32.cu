@@ -22,6 +22,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "tc_tile.cuh"
+#include "seqlens.cuh"
 #include "tf32_tile.cuh"
 
 using namespace cuflash;
@@ -32,20 +33,28 @@ __device__ __forceinline__ void flash_fwd_tf32(
     float* __restrict__ o, float* __restrict__ lse, int Hq, int group, int Nq, int Nk, int d,
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,
-    float scale, int causal, int num_m_blocks) {
+    float scale, int causal, int num_m_blocks, const Seqlens& seq, float* __restrict__ o_part) {
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
 
-    // Block → (m_block, h, b); query blocks last-first (the causal tail, as flash_fwd.cu).
+    // Block → (m_block, split, h, b); query blocks last-first (the causal tail, as
+    // flash_fwd.cu). Varlen / KV-cache lengths and split-KV: seqlens.cuh.
     int bid = blockIdx.x;
     const int m_block = num_m_blocks - 1 - bid % num_m_blocks;
     bid /= num_m_blocks;
+    const int split = bid % seq.num_splits;
+    bid /= seq.num_splits;
     const int h = bid % Hq;
     const int b = bid / Hq;
     const int h_kv = h / group;  // GQA/MQA
-    const float* q_bh = q + b * q_sb + h * q_sh;
-    const float* k_bh = k + b * k_sb + h_kv * k_sh;
-    const float* v_bh = v + b * v_sb + h_kv * v_sh;
-    float* o_bh = o + b * o_sb + h * o_sh;
+    Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths
+    Nk = seq.len_k(b, Nk);
+    const int m0 = m_block * BM;
+    if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
+    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    const float* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
+    const float* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
+    const float* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
+    float* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);
@@ -57,19 +66,21 @@ __device__ __forceinline__ void flash_fwd_tf32(
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
     const int g = lane >> 2, t = lane % 4;
     const CausalMask mask{Nq, Nk, causal != 0};
-    const int m0 = m_block * BM;
-    const int n_end = mask.key_end(min(m0 + BM, Nq));  // causal block skipping
-    const int n_tiles = (n_end + BN - 1) / BN;
+    int n_begin = 0, n_end = mask.key_end(min(m0 + BM, Nq));  // causal block skipping
+    seq.clip_to_split(split, Nk, BN, n_begin, n_end);
+    const int t_begin = n_begin / BN, t_end = (n_end + BN - 1) / BN;  // key tiles to visit
     const float scale_log2 = softmax_scale_log2(scale);
 
-    // -- prologue: Q_i (group 0), then tiles 0 .. STAGES − 2 (one group each)
+    // -- prologue: Q_i (group 0), then the first STAGES − 1 tiles (one group each);
+    // tile j lives in ring slot (j − t_begin) % STAGES
     copy_tile_async_rolled<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) {
-            copy_tile_async_rolled<Tr, BN>(sK + st * kSlot, k_bh, k_sr, st * BN, Nk, d);
-            copy_tile_async_rolled<Tr, BN>(sV + st * kSlot, v_bh, v_sr, st * BN, Nk, d);
+        const int n0 = (t_begin + st) * BN;
+        if (t_begin + st < t_end) {
+            copy_tile_async_rolled<Tr, BN>(sK + st * kSlot, k_bh, k_sr, n0, Nk, d);
+            copy_tile_async_rolled<Tr, BN>(sV + st * kSlot, v_bh, v_sr, n0, Nk, d);
         }
         cp_async_commit();
     }
@@ -86,19 +97,20 @@ __device__ __forceinline__ void flash_fwd_tf32(
     for (int j = 0; j < Tr::kOTiles; ++j) acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
 
     // -- main loop over K_j, V_j
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = t_begin; j < t_end; ++j) {
         cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
         __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
         {
             const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
-            if (jn < n_tiles) {
-                copy_tile_async_rolled<Tr, BN>(sK + (jn % STAGES) * kSlot, k_bh, k_sr, jn * BN, Nk, d);
-                copy_tile_async_rolled<Tr, BN>(sV + (jn % STAGES) * kSlot, v_bh, v_sr, jn * BN, Nk, d);
+            const int slot = (jn - t_begin) % STAGES;
+            if (jn < t_end) {
+                copy_tile_async_rolled<Tr, BN>(sK + slot * kSlot, k_bh, k_sr, jn * BN, Nk, d);
+                copy_tile_async_rolled<Tr, BN>(sV + slot * kSlot, v_bh, v_sr, jn * BN, Nk, d);
             }
             cp_async_commit();
         }
-        const float* sKj = sK + (j % STAGES) * kSlot;
-        const float* sVj = sV + (j % STAGES) * kSlot;
+        const float* sKj = sK + ((j - t_begin) % STAGES) * kSlot;
+        const float* sVj = sV + ((j - t_begin) % STAGES) * kSlot;
         const int n0 = j * BN;
 
         // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
@@ -142,6 +154,25 @@ __device__ __forceinline__ void flash_fwd_tf32(
     row_top.l_i = row_sum_quad(row_top.l_i);
     row_bottom.l_i = row_sum_quad(row_bottom.l_i);
     const float inv_top = row_top.inv_l(), inv_bottom = row_bottom.inv_l();
+    const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
+    if (t == 0) {  // one writer per row
+        if (r_top < Nq) lse[seq.lse_row(split, b, h, r_top)] = row_top.lse();
+        if (r_bottom < Nq) lse[seq.lse_row(split, b, h, r_bottom)] = row_bottom.lse();
+    }
+    if (o_part) {  // a split's partial O_i, straight from the fragments
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j) {
+            const int col = j * 8 + 2 * t;
+            if (col >= d) continue;
+            if (r_top < Nq)
+                *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, r_top) * d + col) =
+                    make_float2(acc[j].c0 * inv_top, acc[j].c1 * inv_top);
+            if (r_bottom < Nq)
+                *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, r_bottom) * d + col) =
+                    make_float2(acc[j].c2 * inv_bottom, acc[j].c3 * inv_bottom);
+        }
+        return;
+    }
     // O goes through the warp's own 16 rows of sQ (no other warp reads them after the
     // prologue), so that each thread then stores whole 16-byte chunks.
     float* sO = sQ;
@@ -164,12 +195,6 @@ __device__ __forceinline__ void flash_fwd_tf32(
             *reinterpret_cast<float4*>(o_bh + (long long)gi * o_sr + c * C) =
                 *reinterpret_cast<const float4*>(sO + tile_offset<Tr>(warp_row0 + r, c * C));
     }
-    if (t == 0) {  // one writer per row
-        float* lse_bh = lse + ((long long)b * Hq + h) * Nq;
-        const int r_top = m0 + warp_row0 + g;
-        if (r_top < Nq) lse_bh[r_top] = row_top.lse();
-        if (r_top + 8 < Nq) lse_bh[r_top + 8] = row_bottom.lse();
-    }
 }
 
 // A block of NUM_WARPS · 32 threads per (query block, head, batch), flattened into
@@ -184,13 +209,14 @@ flash_fwd_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long k_sb, long long k_sh, long long k_sr,
                       long long v_sb, long long v_sh, long long v_sr,
                       long long o_sb, long long o_sh, long long o_sr,
-                      float scale, int causal, int num_m_blocks) {
+                      float scale, int causal, int num_m_blocks,
+                      CUFLASH_SEQLENS_PARAMS(float)) {
     static_assert(sizeof(T) == 4, "flash_fwd_tf32 runs float32 inputs");
     using Tr = Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>;
     if constexpr (TensorCoresTf32<T>::value) {
         flash_fwd_tf32<Tr, SPLIT>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb,
                                   k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal,
-                                  num_m_blocks);
+                                  num_m_blocks, CUFLASH_SEQLENS, o_part);
     } else {
         __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
     }

@@ -23,8 +23,10 @@ import numpy as np
 
 from .. import _checks, _dtypes
 from ..api import flash_attention
+from ..backends.kernel_forward import Segments
+from ..variants import Variants
 from . import _args
-from .merge import merge_states
+from ..merge import merge_states
 
 MAX_SPLITS = 16          # above this the merge costs more than it saves (FA2 caps at 128)
 MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this is mostly call overhead
@@ -74,6 +76,27 @@ def split_points(L, nq, num_splits, *, causal, window, alibi, page_size=1):
         if lo < c <= hi and c < L:
             cuts.add(c)
     return [lo] + sorted(cuts) + [L]
+
+
+# -- the kernels' launch: every row in one grid ------------------------------------------
+
+def _attend_contiguous_kernels(be, q, cache, lengths, slopes, *, causal, scale, window,
+                               softcap, num_splits):
+    """Attention against a contiguous cache in one launch: the kernels read row b's first
+    lengths[b] keys (kernels/seqlens.cuh) and split the keys over blocks themselves
+    (num_splits None: `tiling.split_kv_count`)."""
+    xp = be.xp
+    B, hq = q.shape[:2]
+    alibi = None
+    if slopes[0] is not None:
+        alibi = xp.ascontiguousarray(xp.stack([xp.asarray(s) for s in slopes]),
+                                     dtype=_dtypes.accum_dtype(q.dtype))
+    var = Variants(window=window, softcap=softcap, alibi=alibi)
+    segments = Segments(batch=B, max_q=q.shape[2], max_k=int(lengths.max()),
+                        used_k=xp.asarray(lengths, dtype=np.int32))
+    return be.forward(q, cache.k_cache, cache.v_cache, causal=causal, scale=scale,
+                      variants=None if var.is_plain() else var, segments=segments,
+                      num_splits=num_splits)
 
 
 # -- the cache ----------------------------------------------------------------------------
@@ -261,12 +284,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
     B, hq, nq, d = q.shape
     slopes = _args.check_alibi_rows(arrays.get("alibi_slopes"), B, hq)
     window = _checks.check_window(window)
+    softcap = _checks.check_softcap(softcap)
     scale = _checks.check_scale(scale, d)
     xp = be.xp
     cache = _Cache(xp, k_cache, v_cache, table)
     if nnew:
         cache.write(seqlens, k, v)                         # everything checked: append
     lengths = seqlens + nnew
+    if be.name != "numpy" and table is None and B and hq and nq:
+        o, lse = _attend_contiguous_kernels(be, q, cache, lengths, slopes, causal=causal,
+                                            scale=scale, window=window, softcap=softcap,
+                                            num_splits=num_splits or None)
+        return (o, lse) if return_lse else o
     if num_splits == 0:
         num_splits = auto_num_splits(parallel_units(be), B, hq, nq,
                                      int(lengths.max()) if B else 0)

@@ -14,6 +14,8 @@ import numpy as np
 
 from .. import _checks, _dtypes
 from ..api import flash_attention, flash_attention_backward
+from ..backends.kernel_forward import Segments
+from ..variants import Variants
 from . import _args
 
 _LAYOUT_Q = "(Hq, total_q, d): heads first, sequences packed along the rows"
@@ -77,6 +79,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         max_seqlen_k, alibi_slopes)
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     xp = be.xp
+    if be.name != "numpy" and q.shape[1] and k.shape[1]:  # kernels: one launch
+        o, lse = _forward_kernels(be, q, k, v, cq, ck, arrays.get("alibi_slopes"),
+                                  causal=causal, scale=_checks.check_scale(scale, q.shape[-1]),
+                                  window=_checks.check_window(window),
+                                  softcap=_checks.check_softcap(softcap))
+        return (o, lse) if return_lse else o
     o = xp.empty(q.shape, dtype=dtype)
     lse = xp.empty(q.shape[:-1], dtype=_dtypes.lse_dtype(dtype))
     for b in range(cq.shape[0] - 1):
@@ -90,6 +98,24 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         o[:, rq] = o_b
         lse[:, rq] = lse_b
     return (o, lse) if return_lse else o
+
+
+def _forward_kernels(be, q, k, v, cq, ck, alibi_slopes, *, causal, scale, window, softcap):
+    """The kernels' varlen launch: every sequence in one grid, each block finding its
+    sequence from its batch index (kernels/seqlens.cuh)."""
+    xp = be.xp
+    hq = q.shape[0]
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = xp.ascontiguousarray(alibi_slopes.reshape(-1, hq),
+                                     dtype=_dtypes.accum_dtype(q.dtype))
+    var = Variants(window=window, softcap=softcap, alibi=alibi)
+    nq, nk = np.diff(cq), np.diff(ck)
+    segments = Segments(batch=len(nq), max_q=int(nq.max()), max_k=int(nk.max()),
+                        cu_q=xp.asarray(cq, dtype=np.int32), cu_k=xp.asarray(ck, dtype=np.int32))
+    o, lse = be.forward(q[None], k[None], v[None], causal=causal, scale=scale,
+                        variants=None if var.is_plain() else var, segments=segments)
+    return o[0], lse[0]
 
 
 def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,

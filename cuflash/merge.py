@@ -11,7 +11,7 @@ decoding over a paged cache and key-chunked Dask arrays (docs/serving.md).
 """
 import numpy as np
 
-from .. import _checks, _dtypes
+from . import _checks, _dtypes
 
 
 def array_module(x):

@@ -1,0 +1,187 @@
+"""Which rows and keys a forward block owns (kernels/seqlens.cuh), in the emulator:
+split-KV (the keys of each query block cut over several blocks, merged by lse), packed
+variable-length batches and KV-cache lengths, on every FA2 forward kernel (SIMT float32
+and float64, tensor-core float16 on sm_75 and sm_80, bfloat16, split tf32), against the
+float64 reference with the suite's tolerance rule; and the split count's rule.
+"""
+import numpy as np
+import pytest
+
+from cuflash import _dtypes, emulator, reference, tiling
+from cuflash.backends import kernel_forward, kernels
+from cuflash.backends.kernel_forward import Segments
+
+from conftest import HAS_GXX, assert_close_to_reference, plain_attention
+
+F16, BF16, F32, F64 = (np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32),
+                       np.dtype(np.float64))
+
+# (dtype, arch, the kernel tiling.forward_path must pick there)
+KERNELS = [
+    pytest.param(F32, "sm_70", "flash_fwd", id="simt-f32-sm70"),
+    pytest.param(F64, "sm_80", "flash_fwd", id="simt-f64-sm80"),
+    pytest.param(F16, "sm_75", "flash_fwd_tc", id="tc-f16-sm75"),
+    pytest.param(F16, "sm_80", "flash_fwd_tc", id="tc-f16-sm80"),
+    pytest.param(BF16, "sm_90", "flash_fwd_tc", id="tc-bf16-sm90"),
+    pytest.param(F32, "sm_86", "flash_fwd_tf32", id="tf32-f32-sm86"),
+]
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+
+def _inputs(shape_q, shape_k, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_k))
+
+
+def _check_against_reference(o, lse, q, k, v, *, causal, scale, what):
+    if k.shape[2] == 0:  # no key: the contract's fully masked rows
+        np.testing.assert_array_equal(o, 0, err_msg=what)
+        np.testing.assert_array_equal(lse, -np.inf, err_msg=what)
+        return
+    ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
+                                               return_lse=True)
+    plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
+    assert_close_to_reference(o, ref_o, plain, q.dtype, what=what)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(lse[~fin], ref_lse[~fin])
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=2e-5, atol=2e-5)
+
+
+def _plan_kernel(be, q):
+    lim = be.limits()
+    plan, why = tiling.forward_path(q.shape[-1], q.dtype, lim["cc"],
+                                    kernel_forward.loads_16b_aligned(q), max_smem=lim["max_smem"])
+    return plan, why
+
+
+# -- split-KV ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, arch, kernel", KERNELS)
+def test_split_kv_matches_the_reference_for_every_split_count(dtype, arch, kernel):
+    """One query block, 300 keys (several tiles): 1, 2, 3 and 7 splits (7 leaves some
+    splits without a tile: O = 0, lse = −inf partials the merge must ignore), causal with
+    Nq < Nk and not."""
+    be = kernels.emulator_backend(arch=arch)
+    q, k, v = _inputs((1, 2, 24, 64), (1, 1, 300, 64), dtype)
+    plan, why = _plan_kernel(be, q)
+    assert plan.kernel == kernel, why
+    scale = 0.125
+    for causal in (False, True):
+        outs = {}
+        for splits in (1, 2, 3, 7):
+            o, lse = be.forward(q, k, v, causal=causal, scale=scale, num_splits=splits)
+            _check_against_reference(o, lse, q, k, v, causal=causal, scale=scale,
+                                     what=f"O ({kernel}, {splits} splits, causal={causal})")
+            outs[splits] = o.astype(np.float64)
+        for splits in (2, 3, 7):  # the same up to rounding
+            np.testing.assert_allclose(outs[splits], outs[1], rtol=0, atol=2e-2 if
+                                       dtype.itemsize == 2 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype, arch, kernel", [KERNELS[0], KERNELS[3]])
+def test_split_kv_is_deterministic_under_any_schedule_and_checked(dtype, arch, kernel):
+    """Bit-identical results for 3 splits under the round-robin, reversed and a random
+    block schedule, with the race and bounds checks on (ragged sizes, GQA)."""
+    q, k, v = _inputs((2, 4, 19, 40), (2, 2, 157, 40), dtype, seed=1)
+    runs = []
+    for schedule in ("round-robin", "reversed", "random"):
+        lim = kernels.emulator_limits(arch)
+        be = kernels.KernelBackend(
+            "emulator", np, emulator.RawModule, device_key=lambda: "cpu",
+            limits=lambda: dict(lim),
+            module_options=dict(checked=True, schedule=schedule, seed=5, arch=arch))
+        assert _plan_kernel(be, q)[0].kernel == kernel
+        runs.append(be.forward(q, k, v, causal=True, scale=0.2, num_splits=3))
+    _check_against_reference(*runs[0], q, k, v, causal=True, scale=0.2, what="O (3 splits)")
+    for o, lse in runs[1:]:
+        np.testing.assert_array_equal(o, runs[0][0])
+        np.testing.assert_array_equal(lse, runs[0][1])
+
+
+def test_the_launch_splits_the_keys_when_the_blocks_leave_sms_idle(monkeypatch):
+    """forward() asks tiling.split_kv_count (one query block, one head, 2048 keys on 108
+    SMs: a split) and launches blocks × splits; the merged result is the reference's."""
+    be = kernels.emulator_backend(arch="sm_80")
+    q, k, v = _inputs((1, 1, 8, 32), (1, 1, 2048, 32), F16)
+    grids = []
+    fn = be.get_function
+
+    def spy(plan):
+        kernel = fn(plan)
+        return lambda grid, block, args, **kw: (grids.append(grid[0]), kernel(grid, block, args, **kw))
+
+    monkeypatch.setattr(be, "get_function", spy)
+    o, lse = be.forward(q, k, v, causal=False, scale=0.2)
+    plan = _plan_kernel(be, q)[0]
+    splits = tiling.split_kv_count(1, 2048 // plan.block_n, 108)
+    assert splits > 1 and grids == [splits]
+    _check_against_reference(o, lse, q, k, v, causal=False, scale=0.2, what="O (auto split)")
+
+
+def test_split_kv_count_rule():
+    # enough blocks to fill 80 % of the SMs: no split
+    assert tiling.split_kv_count(87, 64, 108) == 1
+    assert tiling.split_kv_count(200, 64, 108) == 1
+    # never more splits than key tiles, SMs or MAX_SPLITS
+    assert tiling.split_kv_count(1, 3, 108) == 3
+    assert tiling.split_kv_count(1, 1, 108) == 1
+    assert tiling.split_kv_count(1, 10_000, 1000) <= tiling.MAX_SPLITS
+    # 16 blocks on 132 SMs, 64 tiles: 8 splits fill 128 of 132 SMs (efficiency 0.97);
+    # 7 (112 blocks, 0.85) is the fewest within 0.85 of that best
+    assert tiling.split_kv_count(16, 64, 132) == 7
+    # unknown SM count: no split
+    assert tiling.split_kv_count(1, 64, None) == 1
+
+
+# -- packed variable-length batches and KV-cache lengths --------------------------------
+
+def _packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed=2):
+    rng = np.random.default_rng(seed)
+    cq = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((1, hq, cq[-1], d)).astype(dtype)
+    k = rng.standard_normal((1, hkv, ck[-1], d)).astype(dtype)
+    v = rng.standard_normal((1, hkv, ck[-1], d)).astype(dtype)
+    return q, k, v, cq, ck
+
+
+@pytest.mark.parametrize("dtype, arch, kernel", KERNELS)
+def test_varlen_blocks_find_their_sequence(dtype, arch, kernel):
+    """One launch over packed sequences of lengths 0 and 1 among longer ones (an empty
+    query sequence, an empty key sequence), with 1 and 2 splits, checked mode: each
+    sequence equals attention over its own rows alone, nothing is written outside."""
+    lq, lk = [7, 0, 1, 70, 33], [12, 5, 0, 130, 33]
+    q, k, v, cq, ck = _packed(lq, lk, 4, 2, 64, dtype)
+    be = kernels.emulator_backend(arch=arch, checked=True)
+    assert _plan_kernel(be, q)[0].kernel == kernel
+    seg = Segments(batch=len(lq), max_q=max(lq), max_k=max(lk), cu_q=cq, cu_k=ck)
+    for splits in (1, 2):
+        o, lse = be.forward(q, k, v, causal=True, scale=0.125, segments=seg, num_splits=splits)
+        assert o.shape == q.shape and lse.shape == q.shape[:3]
+        for b in range(len(lq)):
+            rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            if rq.start == rq.stop:
+                continue
+            _check_against_reference(o[:, :, rq], lse[:, :, rq], q[:, :, rq], k[:, :, rk],
+                                     v[:, :, rk], causal=True, scale=0.125,
+                                     what=f"O of sequence {b} ({splits} splits)")
+
+
+@pytest.mark.parametrize("dtype, arch, kernel", [KERNELS[0], KERNELS[3], KERNELS[5]])
+def test_cache_lengths_limit_each_rows_keys(dtype, arch, kernel):
+    """A padded (B, Hkv, Ncache, d) cache of which row b uses its first used_k[b] keys
+    (0 included): garbage (NaN) past each row's length is never read into the result."""
+    q, k, v = _inputs((4, 2, 3, 32), (4, 1, 200, 32), dtype, seed=3)
+    used = np.array([200, 0, 1, 77], dtype=np.int32)
+    for b, n in enumerate(used):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    be = kernels.emulator_backend(arch=arch)
+    seg = Segments(batch=4, max_q=3, max_k=int(used.max()), used_k=used)
+    for splits in (1, 4):
+        o, lse = be.forward(q, k, v, causal=True, scale=0.2, segments=seg, num_splits=splits)
+        for b, n in enumerate(used):
+            _check_against_reference(o[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n],
+                                     v[b:b + 1, :, :n], causal=True, scale=0.2,
+                                     what=f"O of row {b} ({splits} splits)")
