@@ -185,3 +185,32 @@ def test_cache_lengths_limit_each_rows_keys(dtype, arch, kernel):
             _check_against_reference(o[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n],
                                      v[b:b + 1, :, :n], causal=True, scale=0.2,
                                      what=f"O of row {b} ({splits} splits)")
+
+
+@pytest.mark.parametrize("dtype, arch, kernel", [KERNELS[1], KERNELS[2], KERNELS[4], KERNELS[5]])
+def test_paged_cache_is_read_through_the_block_table(dtype, arch, kernel):
+    """Keys in 128-key pages in a random order, a page shared by two rows, unused pages
+    full of NaN, 1 and 3 splits, checked mode: row b equals attention over its pages'
+    keys in table order."""
+    rng = np.random.default_rng(4)
+    B, page, max_pages, d = 3, 128, 3, 32
+    q = rng.standard_normal((B, 4, 2, d)).astype(dtype)
+    pages = rng.standard_normal((2, 8, 2, page, d)).astype(dtype)  # k, v: 8 pages, 2 heads
+    table = np.array([[5, 2, 7], [5, 0, 3], [1, 6, 4]], dtype=np.int32)  # page 5 shared
+    used = np.array([300, 129, 0], dtype=np.int32)
+    for b, n in enumerate(used):  # the keys past each row's length: never read
+        for p in range(-(-int(n) // page), max_pages):
+            if table[b, p] not in table[:b].ravel() and table[b, p] not in table[b + 1:].ravel():
+                pages[:, table[b, p]] = np.nan
+    be = kernels.emulator_backend(arch=arch, checked=True)
+    seg = Segments(batch=B, max_q=2, max_k=int(used.max()), used_k=used, block_table=table)
+    for splits in (1, 3):
+        o, lse = be.forward(q, pages[0], pages[1], causal=True, scale=0.2, segments=seg,
+                            num_splits=splits)
+        for b, n in enumerate(used):
+            pos = np.arange(n)
+            k, v = (pages[i][table[b, pos // page], :, pos % page].transpose(1, 0, 2)[None]
+                    for i in (0, 1))
+            _check_against_reference(o[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal=True,
+                                     scale=0.2, what=f"O of row {b} ({splits} splits)")
+    assert _plan_kernel(be, q)[0].kernel == kernel

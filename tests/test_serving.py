@@ -255,16 +255,18 @@ def random_pages(rng, B, max_pages, num_blocks, shared):
     return table
 
 
+# page 16: the kernels gather the pages first; 128: they read them in place
+@pytest.mark.parametrize("page", [16, 128])
 @pytest.mark.parametrize("nq,nnew", [(1, 1), (4, 4), (2, 0)])
-def test_kvcache_paged_append_and_attend(backend, nq, nnew):
+def test_kvcache_paged_append_and_attend(backend, nq, nnew, page):
     rng = np.random.default_rng(21 + nq + nnew)
-    B, hq, hkv, d, page, max_pages = 4, 4, 2, 16, 16, 9
-    shared = 2                                            # a 32-key shared prefix
+    B, hq, hkv, d, max_pages = 4, 4, 2, 16, 9
+    shared = 2                                            # a 2-page shared prefix
     num_blocks = shared + B * (max_pages - shared) + 3
     table = random_pages(rng, B, max_pages, num_blocks, shared)
     kc = rng.uniform(-1, 1, (num_blocks, hkv, page, d)).astype(np.float32)
     vc = rng.uniform(-1, 1, (num_blocks, hkv, page, d)).astype(np.float32)
-    lens = np.array([32, 33, 100, 140 - nnew], np.int32)   # appends start past the prefix
+    lens = shared * page + np.array([0, 1, 68, 108 - nnew], np.int32)  # past the prefix
     q = rng.uniform(-1, 1, (B, hq, nq, d)).astype(np.float32)
     kn = rng.uniform(-1, 1, (B, hkv, nnew, d)).astype(np.float32)
     vn = rng.uniform(-1, 1, (B, hkv, nnew, d)).astype(np.float32)

@@ -35,9 +35,10 @@ from .marshal import elem_strides, i32, prepare
 class Segments:
     """Where each batch row's sequence lies (kernels/seqlens.cuh), as device int32 arrays:
     varlen `cu_q`, `cu_k` ((B+1,) row offsets into q, k and v given as (1, H, total, d)),
-    and/or a KV cache's `used_k` ((B,) keys in use of the padded k, v). `max_q`: the
-    longest query sequence (the grid's query blocks); `max_k`: the longest key sequence
-    (split-KV's tile count)."""
+    and/or a KV cache's `used_k` ((B,) keys in use of the padded k, v), and a paged cache's
+    `block_table` ((B, max_pages): k and v are (num_pages, H, page_size, d), page_size a
+    multiple of the plan's block_n: `pages_fit`). `max_q`: the longest query sequence (the
+    grid's query blocks); `max_k`: the longest key sequence (split-KV's tile count)."""
 
     batch: int
     max_q: int
@@ -45,6 +46,15 @@ class Segments:
     cu_q: object = None
     cu_k: object = None
     used_k: object = None
+    block_table: object = None
+
+
+def forward_plan(backend, q, k, v, *, algorithm="fa2", variants=None, allow_tf32=False):
+    """The plan `forward` launches for these (prepared) arrays on this backend."""
+    return tiling.plan_forward(q.shape[-1], q.dtype, algorithm=algorithm,
+                               aligned=loads_16b_aligned(q, k, v),
+                               plain=variants is None or variants.is_plain(),
+                               allow_tf32=allow_tf32, **backend.limits())
 
 
 def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,
@@ -54,7 +64,6 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     None or plain for none. `allow_tf32`: float32 may run one-pass tf32 (else split).
     `segments` (`Segments`): varlen or KV-cache lengths; None for the padded layout.
     `num_splits`: split-KV's key ranges; None picks them (`tiling.split_kv_count`)."""
-    plain = variants is None or variants.is_plain()
     xp = backend.xp
     q, k, v = (prepare(xp, a) for a in (q, k, v))
     _, Hq, Nq, d = q.shape
@@ -64,9 +73,11 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     max_k = segments.max_k if segments is not None else Nk
     acc = _dtypes.accum_dtype(q.dtype)
     lim = backend.limits()
-    plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm,
-                               aligned=loads_16b_aligned(q, k, v), plain=plain,
-                               allow_tf32=allow_tf32, **lim)
+    plan = forward_plan(backend, q, k, v, algorithm=algorithm, variants=variants,
+                        allow_tf32=allow_tf32)
+    if segments is not None and segments.block_table is not None and k.shape[2] % plan.block_n:
+        raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
+                         f"({plan.block_n} keys of {plan}): gather the pages first")
     num_d_chunks = -(-d // plan.head_dim_bucket)
     o = xp.empty(q.shape, dtype=q.dtype)
     lse = xp.empty(q.shape[:3], dtype=acc)
@@ -106,7 +117,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     simt = plan.kernel == FORWARD_ALGORITHMS["fa2"].name
     if simt:
         args += (np.int32(num_d_chunks),)
-    args += layout_args(xp, segments, lse, num_splits, o_part)
+    args += layout_args(xp, segments, lse, num_splits, o_part, page_size=k.shape[2])
     if simt:
         args += variant_args(xp, variants, acc)
     backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
@@ -120,15 +131,18 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
 SPLITTABLE = (FORWARD_ALGORITHMS["fa2"].name, FLASH_FWD_TC.name, FLASH_FWD_TF32.name)
 
 
-def layout_args(xp, segments, lse, num_splits, o_part):
+def layout_args(xp, segments, lse, num_splits, o_part, page_size):
     """The CUFLASH_SEQLENS_PARAMS of kernels/seqlens.cuh, in order: cu_seqlens_q,
-    cu_seqlens_k, seqused_k (null where absent), the lse strides (batch, head, split: 0
+    cu_seqlens_k, seqused_k, block_table (null where absent), its row stride and the page
+    size, the lse strides (batch, head, split: 0
     along the batch of a packed varlen lse, whose rows carry the offset), num_splits and
     o_part (null without split). None is a null pointer, on CuPy and the emulator."""
     seg = segments or Segments(batch=lse.shape[0], max_q=lse.shape[2], max_k=0)
     lse_sb = 0 if seg.cu_q is not None else lse.shape[1] * lse.shape[2]
-    return (seg.cu_q, seg.cu_k, seg.used_k, np.int64(lse_sb), np.int64(lse.shape[2]),
-            np.int64(lse.size), np.int32(num_splits), o_part)
+    table = seg.block_table
+    paging = (0, 0) if table is None else (table.shape[1], page_size)
+    return (seg.cu_q, seg.cu_k, seg.used_k, table, *map(np.int32, paging), np.int64(lse_sb),
+            np.int64(lse.shape[2]), np.int64(lse.size), np.int32(num_splits), o_part)
 
 
 def _data_ptr(a) -> int:

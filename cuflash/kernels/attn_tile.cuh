@@ -158,7 +158,7 @@ __device__ __forceinline__ void gemm_pv(typename Tr::A (&acc)[Tr::kRowsPerThread
 template <class Tr, typename T>
 __device__ __forceinline__ void compute_scores(
     typename Tr::A (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], typename Tr::A* sQ,
-    typename Tr::A* sK, const T* q_bh, long long q_sr, const T* k_bh, long long k_sr,
+    typename Tr::A* sK, const T* q_bh, long long q_sr, const T* k_tile, long long k_sr,
     int m0, int n0, int Nq, int Nk, int d, int n_chunks, typename Tr::A scale_log2,
     const CausalMask& mask, const Variants<T>& var, const ThreadCoord<Tr>& tc) {
     using A = typename Tr::A;
@@ -171,7 +171,7 @@ __device__ __forceinline__ void compute_scores(
     for (int c = 1; c < n_chunks; ++c) {  // only for d beyond the largest bucket
         __syncthreads();                  // everyone done with the previous chunk
         load_tile<Tr, Tr::kBlockM>(sQ, q_bh, q_sr, m0, Nq, c * D, d);
-        load_tile<Tr, Tr::kBlockN>(sK, k_bh, k_sr, n0, Nk, c * D, d);
+        load_tile<Tr, Tr::kBlockN>(sK, k_tile, k_sr, 0, Nk - n0, c * D, d);
         __syncthreads();
         gemm_qk<Tr>(s, sQ, sK, tc);
     }

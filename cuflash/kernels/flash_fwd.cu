@@ -58,11 +58,11 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     Nk = seq.len_k(b, Nk);
     const int m0 = m_block * BLOCK_M;
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
-    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    const long long q_row0 = seq.start_q(b);
     const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
     T* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
+    const T* k_h = k + h_kv * k_sh;  // key tiles: seq.key_tile (padded, packed or paged)
+    const T* v_h = v + h_kv * v_sh;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sQ = reinterpret_cast<A*>(smem_raw);
@@ -98,13 +98,15 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     // -- main loop over K_j, V_j
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         if (num_d_chunks > 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
-        load_tile<Tr, BLOCK_N>(sK, k_bh, k_sr, n0, Nk, 0, d);
-        load_tile<Tr, BLOCK_N>(sV, v_bh, v_sr, n0, Nk, dv0, d);
+        const T* k_tile = seq.key_tile(k_h, k_sb, k_sr, b, n0);  // key rows n0 ..
+        load_tile<Tr, BLOCK_N>(sK, k_tile, k_sr, 0, Nk - n0, 0, d);
+        load_tile<Tr, BLOCK_N>(sV, seq.key_tile(v_h, v_sb, v_sr, b, n0), v_sr, 0, Nk - n0, dv0,
+                               d);
         __syncthreads();
 
         // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked
         A s[TR][TC];
-        compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
+        compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_tile, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
                            scale_log2, mask, var, tc);
 
         // -- update m_i and l_i; P̃ = exp2(S − m_i) into sP

@@ -111,7 +111,7 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
             // -- line 9: S_ij = Q_i K_jᵀ (scaled by scale·log2 e, masked)
             A s[TR][TC];
-            compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh, k_sr, m0, n0, Nq, Nk, d,
+            compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh + (long long)n0 * k_sr, k_sr, m0, n0, Nq, Nk, d,
                                num_d_chunks, scale_log2, mask, var, tc);
             A o_scale[TR];  // diag(ℓ_i) e^{m_i − m_new}: the weight of the old O_i
             A inv_l_new[TR];

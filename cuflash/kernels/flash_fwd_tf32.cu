@@ -50,17 +50,25 @@ __device__ __forceinline__ void flash_fwd_tf32(
     Nk = seq.len_k(b, Nk);
     const int m0 = m_block * BM;
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
-    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    const long long q_row0 = seq.start_q(b);
     const float* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    const float* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
-    const float* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
     float* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
+    const float* k_h = k + h_kv * k_sh;  // key tiles: seq.key_tile (padded, packed or paged)
+    const float* v_h = v + h_kv * v_sh;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);
     float* sK = sQ + Tr::kSmemQ;
     float* sV = sK + Tr::kSmemK;
     constexpr int kSlot = BN * Tr::kHeadDim;  // floats of one ring slot
+    // Copy key tile jt (K_j and V_j, keys jt·BN ..) into ring slot `slot`.
+    auto copy_kv = [&](int jt, int slot) {
+        const int n0 = jt * BN;
+        copy_tile_async_rolled<Tr, BN>(sK + slot * kSlot, seq.key_tile(k_h, k_sb, k_sr, b, n0), k_sr,
+                                       0, Nk - n0, d);
+        copy_tile_async_rolled<Tr, BN>(sV + slot * kSlot, seq.key_tile(v_h, v_sb, v_sr, b, n0), v_sr,
+                                       0, Nk - n0, d);
+    };
 
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
@@ -77,11 +85,7 @@ __device__ __forceinline__ void flash_fwd_tf32(
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        const int n0 = (t_begin + st) * BN;
-        if (t_begin + st < t_end) {
-            copy_tile_async_rolled<Tr, BN>(sK + st * kSlot, k_bh, k_sr, n0, Nk, d);
-            copy_tile_async_rolled<Tr, BN>(sV + st * kSlot, v_bh, v_sr, n0, Nk, d);
-        }
+        if (t_begin + st < t_end) copy_kv(t_begin + st, st);
         cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();  // Q_i has landed (this thread's part)
@@ -102,11 +106,7 @@ __device__ __forceinline__ void flash_fwd_tf32(
         __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
         {
             const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
-            const int slot = (jn - t_begin) % STAGES;
-            if (jn < t_end) {
-                copy_tile_async_rolled<Tr, BN>(sK + slot * kSlot, k_bh, k_sr, jn * BN, Nk, d);
-                copy_tile_async_rolled<Tr, BN>(sV + slot * kSlot, v_bh, v_sr, jn * BN, Nk, d);
-            }
+            if (jn < t_end) copy_kv(jn, (jn - t_begin) % STAGES);
             cp_async_commit();
         }
         const float* sKj = sK + ((j - t_begin) % STAGES) * kSlot;

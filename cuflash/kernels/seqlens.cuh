@@ -6,6 +6,9 @@
 //   varlen     (1, H, total, d), sequences packed along the rows: sequence b is rows
 //              cu_seqlens[b] .. cu_seqlens[b + 1]                      (cu_seqlens_q, _k)
 //   KV cache   padded keys of which batch row b uses the first seqused_k[b]
+//   paged      keys in pages (num_pages, H, page_size, d): key n of batch row b is row
+//              n % page_size of page block_table[b][n / page_size]; a key tile never
+//              straddles two pages (the launch keeps page_size a multiple of BLOCK_N)
 // The grid is sized for the longest sequence; a block past its own sequence's last query
 // row returns before its first barrier.
 //
@@ -26,6 +29,8 @@ struct Seqlens {
     const int* cu_q;    // (B + 1) row offsets of the packed q, o, lse, or nullptr
     const int* cu_k;    // (B + 1) row offsets of the packed k, v, or nullptr
     const int* used_k;  // (B) keys in use per batch row (a KV cache), or nullptr
+    const int* block_table;  // (B, table_stride) page numbers (a paged cache), or nullptr
+    int table_stride, page_size;
     long long lse_sb, lse_sh, lse_ss;
     int num_splits;
 
@@ -37,6 +42,18 @@ struct Seqlens {
     }
     __device__ __forceinline__ int len_k(int b, int Nk) const {
         return used_k ? used_k[b] : (cu_k ? cu_k[b + 1] - cu_k[b] : Nk);
+    }
+
+    // Row 0 of the key tile starting at key n0 of batch row b, in k or v from its head's
+    // base kv_h (the batch stride sb is the page stride of a paged cache).
+    template <typename T>
+    __device__ __forceinline__ const T* key_tile(const T* kv_h, long long sb, long long sr,
+                                                 int b, int n0) const {
+        if (block_table) {
+            const long long page = block_table[(long long)b * table_stride + n0 / page_size];
+            return kv_h + page * sb + (long long)(n0 % page_size) * sr;
+        }
+        return kv_h + b * sb + (start_k(b) + (long long)n0) * sr;
     }
 
     // The entry of query row i (within its sequence) in lse and o_part.
@@ -64,8 +81,10 @@ struct Seqlens {
 // variants' (the order of cuflash/backends/kernel_forward.py:layout_args), and the record.
 #define CUFLASH_SEQLENS_PARAMS(A)                                                          \
     const int *cu_seqlens_q, const int *cu_seqlens_k, const int *seqused_k,                \
-        long long lse_sb, long long lse_sh, long long lse_ss, int num_splits, A *o_part
+        const int *block_table, int table_stride, int page_size, long long lse_sb,        \
+        long long lse_sh, long long lse_ss, int num_splits, A *o_part
 #define CUFLASH_SEQLENS                                                                    \
     cuflash::Seqlens {                                                                     \
-        cu_seqlens_q, cu_seqlens_k, seqused_k, lse_sb, lse_sh, lse_ss, num_splits          \
+        cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, table_stride, page_size,       \
+            lse_sb, lse_sh, lse_ss, num_splits                                             \
     }

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _checks, _dtypes
 from ..api import flash_attention
+from ..backends import kernel_forward
 from ..backends.kernel_forward import Segments
 from ..variants import Variants
 from . import _args
@@ -80,11 +81,13 @@ def split_points(L, nq, num_splits, *, causal, window, alibi, page_size=1):
 
 # -- the kernels' launch: every row in one grid ------------------------------------------
 
-def _attend_contiguous_kernels(be, q, cache, lengths, slopes, *, causal, scale, window,
-                               softcap, num_splits):
-    """Attention against a contiguous cache in one launch: the kernels read row b's first
-    lengths[b] keys (kernels/seqlens.cuh) and split the keys over blocks themselves
-    (num_splits None: `tiling.split_kv_count`)."""
+def _attend_kernels(be, q, cache, lengths, slopes, *, causal, scale, window, softcap,
+                    num_splits):
+    """Attention against the cache in one launch, or None where the kernels cannot read
+    it in place (a page size that is not a multiple of the kernel's key tile). The kernels
+    read row b's first lengths[b] keys, through block_table when paged
+    (kernels/seqlens.cuh), and split the keys over blocks themselves (num_splits None:
+    `tiling.split_kv_count`)."""
     xp = be.xp
     B, hq = q.shape[:2]
     alibi = None
@@ -92,11 +95,17 @@ def _attend_contiguous_kernels(be, q, cache, lengths, slopes, *, causal, scale, 
         alibi = xp.ascontiguousarray(xp.stack([xp.asarray(s) for s in slopes]),
                                      dtype=_dtypes.accum_dtype(q.dtype))
     var = Variants(window=window, softcap=softcap, alibi=alibi)
+    var = None if var.is_plain() else var
+    table = None
+    if cache.paged:
+        plan = kernel_forward.forward_plan(be, q, cache.k_cache, cache.v_cache, variants=var)
+        if cache.page % plan.block_n:
+            return None
+        table = xp.asarray(cache.table, dtype=np.int32)
     segments = Segments(batch=B, max_q=q.shape[2], max_k=int(lengths.max()),
-                        used_k=xp.asarray(lengths, dtype=np.int32))
+                        used_k=xp.asarray(lengths, dtype=np.int32), block_table=table)
     return be.forward(q, cache.k_cache, cache.v_cache, causal=causal, scale=scale,
-                      variants=None if var.is_plain() else var, segments=segments,
-                      num_splits=num_splits)
+                      variants=var, segments=segments, num_splits=num_splits)
 
 
 # -- the cache ----------------------------------------------------------------------------
@@ -291,11 +300,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
     if nnew:
         cache.write(seqlens, k, v)                         # everything checked: append
     lengths = seqlens + nnew
-    if be.name != "numpy" and table is None and B and hq and nq:
-        o, lse = _attend_contiguous_kernels(be, q, cache, lengths, slopes, causal=causal,
-                                            scale=scale, window=window, softcap=softcap,
-                                            num_splits=num_splits or None)
-        return (o, lse) if return_lse else o
+    if be.name != "numpy" and B and hq and nq:
+        out = _attend_kernels(be, q, cache, lengths, slopes, causal=causal, scale=scale,
+                              window=window, softcap=softcap, num_splits=num_splits or None)
+        if out is not None:
+            return out if return_lse else out[0]
     if num_splits == 0:
         num_splits = auto_num_splits(parallel_units(be), B, hq, nq,
                                      int(lengths.max()) if B else 0)
