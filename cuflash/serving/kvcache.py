@@ -11,11 +11,13 @@ Row b attends to its first L_b = cache_seqlens[b] + Nnew keys, causal bottom-rig
 New keys (k, v) are written into the cache in place first, after every argument has
 been checked (a bad call changes nothing).
 
-Split-KV: row b's keys are cut into up to num_splits contiguous chunks; each runs
-through the backend's attention with return_lse, and merge_states combines them. This
-first version runs the (row, chunk) pieces one after another on views of the cache (a
-paged chunk's pages are gathered into one contiguous buffer first); kernels that walk
-block_table and split the keys over thread blocks themselves are the planned next step.
+On the kernel backends a call is one launch: each block reads its row's cache length and,
+when paged, its pages through block_table in place (page_size a multiple of the key
+tile), and the launch splits the keys over blocks itself (split-KV, merged by lse:
+kernels/seqlens.cuh). Elsewhere (the NumPy backend, smaller pages) row b's keys are cut
+into up to num_splits contiguous chunks; each runs through the backend's attention with
+return_lse on views of the cache (a paged chunk's pages gathered into one buffer first),
+and merge_states combines them.
 """
 import math
 

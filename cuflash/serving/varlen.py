@@ -5,10 +5,10 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of 
 and attends only within its own pair of segments (causal and window bottom-right aligned
 per sequence).
 
-This first version runs each sequence as one call of the backend's attention on views
-into the packed arrays: nothing is padded or copied, and the work is Σ_b Nq_b·Nk_b,
-not B·max². (Kernels that find their sequence from the block index through cu_seqlens
-are the planned next step; the tile math does not change.)
+On the kernel backends the forward is one launch: each block finds its sequence from its
+block index through cu_seqlens (kernels/seqlens.cuh); nothing is padded or copied and
+the work is Σ_b Nq_b·Nk_b, not B·max². The NumPy backend, and the backward on every
+backend, run each sequence as one call on views into the packed arrays.
 """
 import numpy as np
 
@@ -24,15 +24,17 @@ _LAYOUT_K = "(Hkv, total_k, d): heads first, sequences packed along the rows"
 
 def _check_dropout(dropout_p):
     # The dropout mask is keyed by (seed, b, h, i, j) with b the sequence index; the
-    # per-sequence calls would all draw with b = 0, a different mask from the one the
-    # varlen kernels will draw. A clear error until they land, never a silent other mask.
+    # per-sequence calls (the backward, the NumPy backend) would all draw with b = 0, a
+    # different mask from the one the varlen forward kernels draw. A clear error rather
+    # than a silent other mask.
     if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) \
             and dropout_p == 0:
         return
     raise ValueError(f"dropout_p={dropout_p!r}: dropout is not available in the varlen "
                      "functions yet (its mask is keyed by the sequence index b as the "
-                     "batch index, which the per-sequence calls cannot pass to the "
-                     "backend); use dropout_p=0.0, or flash_attention on a padded batch")
+                     "batch index, which the per-sequence calls of the backward cannot "
+                     "pass to the backend); use dropout_p=0.0, or flash_attention on a "
+                     "padded batch")
 
 
 def _prepare(arrays, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
