@@ -157,6 +157,7 @@ class Variants:
     mask: object = None
     dropout_p: float = 0.0
     seed: int = 0
+    batch0: int = 0   # dropout's batch index b of batch row 0 (a varlen sequence's index)
 
     def is_plain(self) -> bool:
         """True when no option is set: plain softmax(scale·q·kᵀ)·v (with causal or not)."""

@@ -137,6 +137,38 @@ def test_varlen_random_lengths_float16(backend):
         assert_close_to_reference(o[:, sq], ro, plain, np.float16)
 
 
+def _at_batch_index(b, *arrays):
+    """Sequence arrays (H, n, d) placed at batch index b of a (b+1, H, n, d) batch (copies
+    of it elsewhere): the reference then draws dropout's mask with b as the batch index."""
+    return tuple(np.broadcast_to(a[None], (b + 1,) + a.shape) for a in arrays)
+
+
+def test_varlen_dropout_uses_the_sequence_index_as_batch_index(backend):
+    """Sequence b draws dropout's keep mask with b as the batch index, i and j within the
+    sequence, in the forward (one launch on the kernels) and the backward (per sequence),
+    on every backend: against the float64 reference of each sequence at batch index b."""
+    rng = np.random.default_rng(8)
+    lq, lk = [6, 0, 9, 4], [7, 3, 12, 0]
+    q, k, v, cq, ck = packed(rng, lq, lk, 2, 1, 16, np.float64)
+    do = rng.uniform(-1, 1, q.shape)
+    opts = dict(causal=True, dropout_p=0.3, seed=11, backend=backend)
+    args = to_backend(backend, q, k, v, cq, ck)
+    o, lse = cuflash.flash_attention_varlen(*args, return_lse=True, **opts)
+    dq, dk, dv = (to_host(x) for x in cuflash.flash_attention_varlen_backward(
+        to_backend(backend, do), *args[:3], o, lse, *args[3:], **opts))
+    o, lse = to_host(o), to_host(lse)
+    ref = dict(causal=True, scale=0.25, dropout_p=0.3, seed=11)
+    for b, (sq, sk) in enumerate(zip(seqs(cq), seqs(ck))):
+        if sq.start == sq.stop or sk.start == sk.stop:
+            continue
+        qb, kb, vb, dob = _at_batch_index(b, q[:, sq], k[:, sk], v[:, sk], do[:, sq])
+        ro, rl = reference.naive_attention(qb, kb, vb, return_lse=True, **ref)
+        np.testing.assert_allclose(o[:, sq], ro[b], rtol=1e-10, atol=1e-12)
+        grads = reference.attention_backward(dob, qb, kb, vb, ro, rl, **ref)
+        for got, want in zip((dq[:, sq], dk[:, sk], dv[:, sk]), grads):
+            np.testing.assert_allclose(got, want[b], rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_backward_matches_reference(backend, causal):
     rng = np.random.default_rng(7)
@@ -188,7 +220,10 @@ VARLEN_ERRORS = [
     (dict(max_seqlen_q=4), ValueError, "max_seqlen_q = 4 is below the longest sequence \\(5\\)"),
     (dict(q=np.zeros((2, 1, 8, 16), np.float32)), ValueError, "q must be 3-D"),
     (dict(k=np.zeros((2, 10, 8), np.float32)), ValueError, "head dim"),
-    (dict(dropout_p=0.1, seed=1), ValueError, "dropout is not available in the varlen"),
+    (dict(dropout_p=0.1), ValueError, "seed"),
+    (dict(dropout_p=1.0, seed=1), ValueError, "dropout_p"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(alibi_slopes=np.zeros(2, np.complex64)), TypeError, "alibi_slopes must be a real"),
 ]
 
 

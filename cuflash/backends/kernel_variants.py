@@ -47,8 +47,8 @@ def variant_args(xp, variants, acc) -> tuple:
     left, right = var.window if var.window is not None else (-1, -1)
     return (np.int32(flags), acc.type(var.softcap or 1.0), alibi, alibi_sb, bias, *bias_st,
             mask, *mask_st, np.uint32(var.threshold), np.uint32(var.seed & 0xFFFFFFFF),
-            np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(left),
-            np.int32(right))
+            np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(var.batch0),
+            np.int32(left), np.int32(right))
 
 
 def dbias_launch(xp, variants, acc, backend_name, *, B, Hq, Nq):

@@ -77,7 +77,12 @@ def check_alibi_rows(alibi_slopes, B, hq):
     """alibi_slopes for B sequences: (Hq,) or (B, Hq); returns one (Hq,) slice per b."""
     if alibi_slopes is None:
         return [None] * B
-    shape = tuple(getattr(alibi_slopes, "shape", ()))
+    if not hasattr(alibi_slopes, "shape") or not hasattr(alibi_slopes, "dtype"):
+        raise TypeError(f"alibi_slopes must be an array or None; got "
+                        f"{_checks.describe(alibi_slopes)}")
+    if np.dtype(alibi_slopes.dtype).kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be a real array; got dtype {alibi_slopes.dtype}")
+    shape = tuple(alibi_slopes.shape)
     if shape == (hq,):
         return [alibi_slopes] * B
     if shape == (B, hq):

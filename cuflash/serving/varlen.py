@@ -13,28 +13,12 @@ backend, run each sequence as one call on views into the packed arrays.
 import numpy as np
 
 from .. import _checks, _dtypes
-from ..api import flash_attention, flash_attention_backward
 from ..backends.kernel_forward import Segments
 from ..variants import Variants
 from . import _args
 
 _LAYOUT_Q = "(Hq, total_q, d): heads first, sequences packed along the rows"
 _LAYOUT_K = "(Hkv, total_k, d): heads first, sequences packed along the rows"
-
-
-def _check_dropout(dropout_p):
-    # The dropout mask is keyed by (seed, b, h, i, j) with b the sequence index; the
-    # per-sequence calls (the backward, the NumPy backend) would all draw with b = 0, a
-    # different mask from the one the varlen forward kernels draw. A clear error rather
-    # than a silent other mask.
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) \
-            and dropout_p == 0:
-        return
-    raise ValueError(f"dropout_p={dropout_p!r}: dropout is not available in the varlen "
-                     "functions yet (its mask is keyed by the sequence index b as the "
-                     "batch index, which the per-sequence calls of the backward cannot "
-                     "pass to the backend); use dropout_p=0.0, or flash_attention on a "
-                     "padded batch")
 
 
 def _prepare(arrays, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -59,6 +43,25 @@ def _prepare(arrays, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return be, arrays, dtype, cq, ck, slopes
 
 
+def _variants(xp, dtype, slopes, *, window, softcap, dropout_p, seed, b=None):
+    """The checked options as backends take them: of sequence b alone (its ALiBi slopes,
+    and b as dropout's batch index), or of the whole batch (b None). None when plain."""
+    acc = _dtypes.accum_dtype(dtype)
+    rows = slopes if b is None else slopes[b:b + 1]
+    alibi = None
+    if rows[0] is not None:
+        alibi = xp.ascontiguousarray(xp.stack([xp.asarray(r) for r in rows]), dtype=acc)
+    var = Variants(window=window, softcap=softcap, alibi=alibi, dropout_p=dropout_p,
+                   seed=seed, batch0=b or 0)
+    return None if var.is_plain() else var
+
+
+def _check_options(scale, d, window, softcap, dropout_p, seed):
+    p, seed = _checks.check_dropout(dropout_p, seed)
+    return dict(scale=_checks.check_scale(scale, d), window=_checks.check_window(window),
+                softcap=_checks.check_softcap(softcap), dropout_p=p, seed=seed)
+
+
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                            max_seqlen_k=None, causal=False, scale=None, window=None,
                            softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None,
@@ -75,49 +78,33 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     (Hq, total_q) in the accumulation dtype.
     """
     return_lse = _checks.check_flag("return_lse", return_lse)
-    _check_dropout(dropout_p)
     be, arrays, dtype, cq, ck, slopes = _prepare(
         {"q": q, "k": k, "v": v}, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, alibi_slopes)
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    opts = _check_options(scale, q.shape[-1], window, softcap, dropout_p, seed)
+    scale = opts.pop("scale")
     xp = be.xp
-    if be.name != "numpy" and q.shape[1] and k.shape[1]:  # kernels: one launch
-        o, lse = _forward_kernels(be, q, k, v, cq, ck, arrays.get("alibi_slopes"),
-                                  causal=causal, scale=_checks.check_scale(scale, q.shape[-1]),
-                                  window=_checks.check_window(window),
-                                  softcap=_checks.check_softcap(softcap))
-        return (o, lse) if return_lse else o
-    o = xp.empty(q.shape, dtype=dtype)
-    lse = xp.empty(q.shape[:-1], dtype=_dtypes.lse_dtype(dtype))
+    if be.name != "numpy" and q.shape[1] and k.shape[1]:
+        # the kernels: one launch, each block finding its sequence (seqlens.cuh)
+        nq, nk = np.diff(cq), np.diff(ck)
+        segments = Segments(batch=len(nq), max_q=int(nq.max()), max_k=int(nk.max()),
+                            cu_q=xp.asarray(cq, dtype=np.int32),
+                            cu_k=xp.asarray(ck, dtype=np.int32))
+        o, lse = be.forward(q[None], k[None], v[None], causal=causal, scale=scale,
+                            variants=_variants(xp, dtype, slopes, **opts), segments=segments)
+        return (o[0], lse[0]) if return_lse else o[0]
+    o = xp.zeros(q.shape, dtype=dtype)  # a sequence without keys: 0 and lse −inf
+    lse = xp.full(q.shape[:-1], -np.inf, dtype=_dtypes.lse_dtype(dtype))
     for b in range(cq.shape[0] - 1):
         rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        if rq.start == rq.stop:
+        if rq.start == rq.stop or rk.start == rk.stop:
             continue
-        o_b, lse_b = flash_attention(q[:, rq], k[:, rk], v[:, rk], causal=causal,
-                                     scale=scale, window=window, softcap=softcap,
-                                     alibi_slopes=slopes[b], return_lse=True,
-                                     backend=be.name)
-        o[:, rq] = o_b
-        lse[:, rq] = lse_b
+        o_b, lse_b = be.forward(q[None, :, rq], k[None, :, rk], v[None, :, rk], causal=causal,
+                                scale=scale, variants=_variants(xp, dtype, slopes, b=b, **opts))
+        o[:, rq] = o_b[0]
+        lse[:, rq] = lse_b[0]
     return (o, lse) if return_lse else o
-
-
-def _forward_kernels(be, q, k, v, cq, ck, alibi_slopes, *, causal, scale, window, softcap):
-    """The kernels' varlen launch: every sequence in one grid, each block finding its
-    sequence from its batch index (kernels/seqlens.cuh)."""
-    xp = be.xp
-    hq = q.shape[0]
-    alibi = None
-    if alibi_slopes is not None:
-        alibi = xp.ascontiguousarray(alibi_slopes.reshape(-1, hq),
-                                     dtype=_dtypes.accum_dtype(q.dtype))
-    var = Variants(window=window, softcap=softcap, alibi=alibi)
-    nq, nk = np.diff(cq), np.diff(ck)
-    segments = Segments(batch=len(nq), max_q=int(nq.max()), max_k=int(nk.max()),
-                        cu_q=xp.asarray(cq, dtype=np.int32), cu_k=xp.asarray(ck, dtype=np.int32))
-    o, lse = be.forward(q[None], k[None], v[None], causal=causal, scale=scale,
-                        variants=None if var.is_plain() else var, segments=segments)
-    return o[0], lse[0]
 
 
 def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -131,7 +118,6 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
     must be those of the forward. dq, dk, dv have the shapes and dtypes of q, k, v
     (under GQA dk and dv sum over the query heads of each group).
     """
-    _check_dropout(dropout_p)
     be, arrays, dtype, cq, ck, slopes = _prepare(
         {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}, backend, cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes)
@@ -139,6 +125,9 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
     _checks.check_like("do", do, "q", q, dtype)
     _checks.check_like("o", o, "q", q, dtype)
     _checks.check_lse(lse, q)
+    opts = _check_options(scale, q.shape[-1], window, softcap, dropout_p, seed)
+    scale = opts.pop("scale")
+    lse = lse.astype(_dtypes.lse_dtype(dtype), copy=False)
     xp = be.xp
     dq = xp.zeros(q.shape, dtype=dtype)
     dk = xp.zeros(k.shape, dtype=dtype)
@@ -147,8 +136,8 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
         rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if rq.start == rq.stop or rk.start == rk.stop:
             continue  # no (query, key) pair: zero gradients
-        dq[:, rq], dk[:, rk], dv[:, rk] = flash_attention_backward(
-            do[:, rq], q[:, rq], k[:, rk], v[:, rk], o[:, rq], lse[:, rq], causal=causal,
-            scale=scale, window=window, softcap=softcap, alibi_slopes=slopes[b],
-            backend=be.name)
+        grads = be.backward(do[None, :, rq], q[None, :, rq], k[None, :, rk], v[None, :, rk],
+                            o[None, :, rq], lse[None, :, rq], causal=causal, scale=scale,
+                            variants=_variants(xp, dtype, slopes, b=b, **opts))
+        dq[:, rq], dk[:, rk], dv[:, rk] = (g[0] for g in grads)
     return dq, dk, dv

@@ -135,8 +135,8 @@ class ScoreChain:
         if not self.var.dropout_p:
             return None
         b, hs = self.heads(bh)
-        keep = _var.keep_tile(self.var.seed, self.threshold, b, np.arange(hs.start, hs.stop),
-                              a0, a1, c0, c1)
+        keep = _var.keep_tile(self.var.seed, self.threshold, b + self.var.batch0,
+                              np.arange(hs.start, hs.stop), a0, a1, c0, c1)
         return keep * self.acc_t.type(self.var.keep_scale)
 
 
