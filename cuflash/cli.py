@@ -75,7 +75,24 @@ def cmd_info(args):
                       f"\n{'':19s}backward {dkdv}; {dq}")
             except ValueError as exc:
                 print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
+    fwd, _ = tiling.forward_path(128, np.float16, limits["cc"], max_smem=limits["max_smem"])
+    print(f"  {_split_kv_example(fwd, limits['sm_count'])}")
     return 0
+
+
+# A decode step: one query row per (batch row, head) against a long cache.
+_DECODE = dict(B=1, Hq=32, Nq=1, Nk=8192)
+
+
+def _split_kv_example(plan, sm_count):
+    """How a decode step's keys are split over blocks on `sm_count` SMs (split-KV)."""
+    from . import tiling
+    e = _DECODE
+    blocks = e["B"] * e["Hq"] * -(-e["Nq"] // plan.block_m)
+    splits = tiling.split_kv_count(blocks, -(-e["Nk"] // plan.block_n), sm_count)
+    return (f"split-KV: a float16 d=128 decode step (B={e['B']}, Hq={e['Hq']}, "
+            f"Nq={e['Nq']}, Nk={e['Nk']}) has {blocks} query blocks for {sm_count} SMs: "
+            f"{splits} key split{'s' * (splits != 1)}, {blocks * splits} blocks")
 
 
 def _plans_per_arch():
@@ -112,6 +129,7 @@ def _plans_per_arch():
                 for plan in bwd:
                     print(f"{'':20s}backward {plan.name_expression:52s} {occupancy(plan)}")
                 print(f"{'':24s}{bwd_why}")
+        print(f"    {_split_kv_example(tiling.forward_path(128, np.float16, cc, **limits)[0], a.limits.sm_count)}")
     if unknown:
         print("  occupancy ?: registers not in the gate's cache; run "
               "`python -m cuflash check-kernels` once")
