@@ -150,15 +150,56 @@ __device__ __forceinline__ void gemm_pv(typename Tr::A (&acc)[Tr::kRowsPerThread
     }
 }
 
+// The thread's TR x TC register tile to and from its own entries of sP. The variant chain
+// and dropout run in one rolled loop over those entries (`#pragma unroll 1`): inlined into
+// the unrolled TR x TC register loop, the chain (tanh, bias and mask reads, ALiBi) and
+// Philox's ten rounds would be compiled TR·TC times over — NVRTC time, not speed — and a
+// rolled loop cannot index registers without local memory. Only this thread touches these
+// entries, so no barrier is needed; sP is free between the previous P̃ V and this P̃.
+template <class Tr>
+__device__ __forceinline__ void stage_to_sp(
+    const typename Tr::A (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], typename Tr::A* sP,
+    const ThreadCoord<Tr>& tc) {
+#pragma unroll
+    for (int i = 0; i < Tr::kRowsPerThread; ++i)
+#pragma unroll
+        for (int j = 0; j < Tr::kColsPerThread; ++j)
+            sP[tc.row(i) * Tr::kPStride + tc.col(j)] = s[i][j];
+}
+
+template <class Tr>
+__device__ __forceinline__ void unstage_from_sp(
+    typename Tr::A (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], const typename Tr::A* sP,
+    const ThreadCoord<Tr>& tc) {
+#pragma unroll
+    for (int i = 0; i < Tr::kRowsPerThread; ++i)
+#pragma unroll
+        for (int j = 0; j < Tr::kColsPerThread; ++j)
+            s[i][j] = sP[tc.row(i) * Tr::kPStride + tc.col(j)];
+}
+
+// Dropout on the thread's own P̃ entries of sP, once they are written: P̃ ∘ keep/(1 − p).
+template <class Tr, typename T>
+__device__ __forceinline__ void dropout_sp(typename Tr::A* sP, int m0, int n0,
+                                           const Variants<T>& var, const ThreadCoord<Tr>& tc) {
+#pragma unroll 1
+    for (int e = 0; e < Tr::kRowsPerThread * Tr::kColsPerThread; ++e) {
+        const int r = tc.row(e / Tr::kColsPerThread), c = tc.col(e % Tr::kColsPerThread);
+        sP[r * Tr::kPStride + c] *= var.keep(m0 + r, n0 + c);
+    }
+}
+
 // S_ij = Q_i K_jᵀ over all head-dim chunks, then scaled by scale·log2(e) and masked;
-// with variants, the score chain of variants.cuh runs in natural units first.
+// with variants, the score chain of variants.cuh runs in natural units first, on the
+// thread's own entries of sP (stage_to_sp above).
 // With one chunk Q_i stays resident in sQ (loaded in the prologue); with more, each chunk
 // of Q_i and K_j is staged in turn. On return sK/sQ are free only after a barrier.
 // Precondition: K chunk 0 (and Q chunk 0 when n_chunks > 1) loaded and synced.
 template <class Tr, typename T>
 __device__ __forceinline__ void compute_scores(
     typename Tr::A (&s)[Tr::kRowsPerThread][Tr::kColsPerThread], typename Tr::A* sQ,
-    typename Tr::A* sK, const T* q_bh, long long q_sr, const T* k_tile, long long k_sr,
+    typename Tr::A* sK, typename Tr::A* sP, const T* q_bh, long long q_sr, const T* k_tile,
+    long long k_sr,
     int m0, int n0, int Nq, int Nk, int d, int n_chunks, typename Tr::A scale_log2,
     const CausalMask& mask, const Variants<T>& var, const ThreadCoord<Tr>& tc) {
     using A = typename Tr::A;
@@ -182,16 +223,17 @@ __device__ __forceinline__ void compute_scores(
         // softcap, ALiBi and bias act on the natural score scale·q·k; the chain runs
         // before the log2 units, and only on (row, key) pairs in range and not hidden.
         const A scale = scale_log2 * MathConst<A>::ln2;
-#pragma unroll
-        for (int i = 0; i < Tr::kRowsPerThread; ++i)
-#pragma unroll
-            for (int j = 0; j < Tr::kColsPerThread; ++j) {
-                const int gi = m0 + tc.row(i), gj = n0 + tc.col(j);
-                A x = neg_inf<A>(), t;
-                if (gi < Nq && !(needs_mask && mask.masked(gi, gj)))
-                    x = var.score(s[i][j] * scale, gi, gj, t) * MathConst<A>::log2e;
-                s[i][j] = x;
-            }
+        stage_to_sp<Tr>(s, sP, tc);
+#pragma unroll 1
+        for (int e = 0; e < Tr::kRowsPerThread * Tr::kColsPerThread; ++e) {
+            const int r = tc.row(e / Tr::kColsPerThread), c = tc.col(e % Tr::kColsPerThread);
+            A& x = sP[r * Tr::kPStride + c];
+            A t, y = neg_inf<A>();
+            if (m0 + r < Nq && !(needs_mask && mask.masked(m0 + r, n0 + c)))
+                y = var.score(x * scale, m0 + r, n0 + c, t) * MathConst<A>::log2e;
+            x = y;
+        }
+        unstage_from_sp<Tr>(s, sP, tc);
         return;
     }
 #pragma unroll

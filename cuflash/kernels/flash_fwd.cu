@@ -106,7 +106,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
         // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked
         A s[TR][TC];
-        compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_tile, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
+        compute_scores<Tr>(s, sQ, sK, sP, q_bh, q_sr, k_tile, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
                            scale_log2, mask, var, tc);
 
         // -- update m_i and l_i; P̃ = exp2(S − m_i) into sP
@@ -123,9 +123,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             for (int j = 0; j < TC; ++j) {
                 const A p = fast_exp2(s[i][j] - shift);
                 rowsum += p;  // ℓ sums the undropped P̃: lse is the pre-dropout one
-                // dropout: P̃ ∘ keep/(1 − p) enters acc only
-                sP[tc.row(i) * Tr::kPStride + tc.col(j)] =
-                    var.dropout() ? p * var.keep(m0 + tc.row(i), n0 + tc.col(j)) : p;
+                sP[tc.row(i) * Tr::kPStride + tc.col(j)] = p;
             }
             // ℓ stays a per-lane partial sum (alpha is the same on all 8 lanes of the
             // row): the butterfly sum runs once in the epilogue, not once per tile.
@@ -133,6 +131,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 #pragma unroll
             for (int t = 0; t < TD; ++t) acc[i][t] *= alpha;
         }
+        if (var.dropout()) dropout_sp<Tr>(sP, m0, n0, var, tc);  // P̃ ∘ keep/(1 − p): acc only
         __syncwarp();  // sP rows are written and read by the same warp only
 
         // -- acc += P̃ V_j

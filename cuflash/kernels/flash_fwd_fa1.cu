@@ -111,8 +111,8 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
             // -- line 9: S_ij = Q_i K_jᵀ (scaled by scale·log2 e, masked)
             A s[TR][TC];
-            compute_scores<Tr>(s, sQ, sK, q_bh, q_sr, k_bh + (long long)n0 * k_sr, k_sr, m0, n0, Nq, Nk, d,
-                               num_d_chunks, scale_log2, mask, var, tc);
+            compute_scores<Tr>(s, sQ, sK, sP, q_bh, q_sr, k_bh + (long long)n0 * k_sr, k_sr, m0,
+                               n0, Nq, Nk, d, num_d_chunks, scale_log2, mask, var, tc);
             A o_scale[TR];  // diag(ℓ_i) e^{m_i − m_new}: the weight of the old O_i
             A inv_l_new[TR];
 
@@ -151,19 +151,18 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 o_scale[i] = l_old * alpha;
                 inv_l_new[i] = st.inv_l();  // ℓ_new = 0 only if the row saw no key yet: O = 0
 
-                // P̃ enters line 12 multiplied by e^{m̃ − m_new}: fold it in here, with
-                // dropout's keep/(1 − p) (ℓ above summed the undropped P̃).
+                // P̃ enters line 12 multiplied by e^{m̃ − m_new}: fold it in here (dropout's
+                // keep/(1 − p) below; ℓ above summed the undropped P̃).
 #pragma unroll
                 for (int j = 0; j < TC; ++j)
-                    sP[tc.row(i) * Tr::kPStride + tc.col(j)] =
-                        var.dropout() ? s[i][j] * beta * var.keep(gi, n0 + tc.col(j))
-                                      : s[i][j] * beta;
+                    sP[tc.row(i) * Tr::kPStride + tc.col(j)] = s[i][j] * beta;
 
                 if (tc.lane_col == 0 && gi < Nq) {  // -- line 13: write ℓ_new, m_new
                     l_bh[gi] = st.l_i;
                     m_bh[gi] = st.m_i;
                 }
             }
+            if (var.dropout()) dropout_sp<Tr>(sP, m0, n0, var, tc);
             __syncwarp();  // sP rows are written and read by the same warp only
 
             // -- line 12: O_i = (diag(ℓ_i) e^{m_i−m_new} O_i + e^{m̃−m_new} P̃ V_j) / ℓ_new
