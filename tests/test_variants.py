@@ -474,6 +474,43 @@ def test_window_edges_on_tile_boundaries(backend):
                                            err_msg=f"{window} {causal} {algorithm}")
 
 
+@pytest.mark.parametrize("span", [0, 1024], ids=["band-in-steps", "band-whole"])
+@pytest.mark.parametrize("window, causal", [((40, -1), True), ((9, 30), False), ((33, 0), False)])
+def test_numpy_band_tiles(monkeypatch, span, window, causal):
+    """The NumPy variant loops take a band's whole span in one tile across (Q tiles: keys,
+    K/V tiles: rows) or in 128-wide steps when it is wider than _BAND_SPAN: both give the
+    reference's output and gradients, GQA, Nq ≠ Nk, over several tiles."""
+    from cuflash.backends.numpy_backend import variants as loops
+    monkeypatch.setattr(loops, "_BAND_SPAN", span)
+    rng = np.random.default_rng(16)
+    q, do = rand(rng, (1, 2, 290, 8)), rand(rng, (1, 2, 290, 8))
+    k, v = rand(rng, (1, 1, 310, 8)), rand(rng, (1, 1, 310, 8))
+    opts = dict(window=window, causal=causal, bias=rand(rng, (290, 310)))
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-10, atol=1e-12)
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="numpy",
+                                             return_dbias=True, **opts)
+    refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=True, **opts)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, refs):
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("outer", ["q", "k"])
+def test_numpy_band_is_one_step_per_tile(outer):
+    """N = 8192, causal window of 256 keys: each 128-block of the loop's axis is one step
+    across the band's whole span (384), so the scores computed are the band's
+    parallelogram, 4.7% of the square (the band itself: 3.1%)."""
+    from cuflash.backends.numpy_backend import variants as loops
+    n, window = 8192, (256, 0)
+    Br, Bc = loops._tile_sizes(n, n, 1, True, window, outer=outer)
+    sched = list(loops.variant_schedule(n, n, Br, Bc, causal=True, window=window,
+                                        outer=outer))
+    assert all(len(steps) == 1 for _, _, steps in sched)
+    computed = sum((a1 - a0) * (c1 - c0) for a0, a1, steps in sched for c0, c1, _ in steps)
+    assert computed / n**2 < (128 + 256) / n
+
+
 # -- the kernel backward with variants: dbias's layouts, chunks, checked mode ------------
 
 @pytest.mark.parametrize("bias_shape, d", [((2, 1, 21, 1), 24), ((1, 4, 21, 30), 300),
