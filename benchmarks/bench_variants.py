@@ -7,12 +7,15 @@
    loops (`window=(-1, -1)`: every block, no per-element test), and the default forward
    (the plain path), against causal+window. The ideal ratio is the share of N² the
    band's tiles compute.
-2. Bias memory: peak memory traced (tracemalloc: NumPy's allocations) during a forward
-   and a backward with a per-head (B, H, N, N) bias and with a broadcast (1, 1, N, N) bias,
-   beyond the inputs and the bias the caller holds. A bias that is read in place adds
+2. Bias memory: the peak memory a forward, a backward and a backward with dbias allocate
+   beyond the arrays alive before the call (the inputs and the bias the caller holds),
+   traced (tracemalloc: NumPy's allocations) and resident (the VmHWM growth), with a
+   per-head (1, H, N, N) bias, a broadcast (1, 1, N, N) bias and no bias, for each
+   `--mem-heads` (with one head the two bias shapes coincide). A bias read in place adds
    nothing of size N × N; dbias is the bias's own size.
 
-    python benchmarks/bench_variants.py [--n 8192] [--window 256] [--mem-n 16384]
+    python benchmarks/bench_variants.py [--n 8192] [--window 256] [--repeat 7]
+        [--mem-n 16384] [--mem-heads 1 2] [--skip-window] [--skip-memory]
 """
 import argparse
 import statistics
@@ -78,37 +81,71 @@ def window_ratio(n, w, d, repeat):
           f"{br} x {bc} tiles compute / N² = {frac:.4f} (the ideal ratio)")
 
 
-def traced_peak(fn):
+def _proc_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def peak_extra(fn):
+    """(traced, rss, fn()): the peak bytes fn allocates beyond what was live before —
+    traced: NumPy's allocations (tracemalloc), which is what the code under test asks
+    for; rss: the growth of the resident set's high-water mark (Linux: VmHWM, reset
+    through /proc/self/clear_refs), which also sees BLAS buffers and thread stacks (None
+    where it cannot be reset)."""
+    rss0 = None
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        rss0 = _proc_kib("VmRSS")
+    except OSError:
+        pass
     tracemalloc.start()
     tracemalloc.reset_peak()
     out = fn()
-    _, peak = tracemalloc.get_traced_memory()
+    _, traced = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return peak, out
+    rss = None if rss0 is None else (_proc_kib("VmHWM") - rss0) * 1024
+    return traced, rss, out
 
 
 def bias_memory(n, d, heads):
+    """Peak extra memory of a forward and a backward (without and with dbias) with a
+    per-head (1, H, N, N) bias and a broadcast (1, 1, N, N) bias, against the same
+    calls without a bias. With one head the two shapes are the same array."""
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, heads, n, d), np.float32) for _ in range(3))
-    io = 3 * q.nbytes  # o, do-sized outputs for scale
-    print(f"bias memory: N={n}, d={d}, {heads} head(s), float32 "
-          f"(q, k, v {q.nbytes / 2**20:.0f} MiB each; N×N float32 = {n * n * 4 / 2**30:.2f} GiB)")
-    for name, shape in (("per-head (B, H, N, N)", (1, heads, n, n)),
-                        ("broadcast (1, 1, N, N)", (1, 1, n, n))):
-        bias = np.empty(shape, np.float32)
-        bias[...] = rng.standard_normal((1, 1, 1, n), np.float32)  # cheap to fill
-        peak_f, (o, lse) = traced_peak(lambda: cuflash.flash_attention(
-            q, k, v, bias=bias, return_lse=True))
-        peak_0, _ = traced_peak(lambda: cuflash.flash_attention(q, k, v, window=(-1, -1),
-                                                                return_lse=True))
-        peak_b, grads = traced_peak(lambda: cuflash.flash_attention_backward(
-            o, q, k, v, o, lse, bias=bias, return_dbias=True))
-        mib = lambda x: x / 2**20  # noqa: E731
-        print(f"  {name}: bias {mib(bias.nbytes):8.0f} MiB | forward peak {mib(peak_f):7.1f} "
-              f"MiB (same loops without bias {mib(peak_0):7.1f} MiB) | backward peak "
-              f"{mib(peak_b):8.1f} MiB (dbias itself {mib(grads[3].nbytes):8.0f} MiB)")
-        del bias, grads
-    del io
+    mib = lambda x: "      -" if x is None else f"{x / 2**20:7.1f}"  # noqa: E731
+    print(f"bias memory: N={n}, d={d}, {heads} head(s), float32 (q, k, v, o, dq, dk, dv "
+          f"{q.nbytes / 2**20:.0f} MiB each; N×N float32 = {n * n * 4 / 2**20:.0f} MiB); "
+          f"peak MiB beyond the live arrays, traced (NumPy) / resident")
+    no_bias = dict(window=(-1, -1))  # the variant loops, without a bias
+    _, _, (o, lse) = peak_extra(lambda: cuflash.flash_attention(q, k, v, return_lse=True,
+                                                                **no_bias))
+    rows = [("no bias (same loops)", None)]
+    shapes = [("per-head (1, H, N, N)", (1, heads, n, n)),
+              ("broadcast (1, 1, N, N)", (1, 1, n, n))]
+    rows += shapes if heads > 1 else shapes[1:]
+    for name, shape in rows:
+        opts = dict(no_bias)
+        if shape is not None:
+            bias = np.empty(shape, np.float32)
+            bias[...] = rng.standard_normal((1, 1, 1, n), np.float32)  # cheap to fill
+            opts["bias"] = bias
+        fwd = peak_extra(lambda: cuflash.flash_attention(q, k, v, return_lse=True, **opts))
+        bwd = peak_extra(lambda: cuflash.flash_attention_backward(o, q, k, v, o, lse, **opts))
+        line = (f"  {name:24s} bias {mib(None if shape is None else bias.nbytes)} | forward "
+                f"{mib(fwd[0])} / {mib(fwd[1])} | backward {mib(bwd[0])} / {mib(bwd[1])}")
+        if shape is not None:
+            bwd_db = peak_extra(lambda: cuflash.flash_attention_backward(
+                o, q, k, v, o, lse, return_dbias=True, **opts))
+            line += (f" | with dbias {mib(bwd_db[0])} / {mib(bwd_db[1])} (dbias itself "
+                     f"{mib(bwd_db[2][3].nbytes)})")
+            del bias, opts, bwd_db
+        print(line, flush=True)
+        del fwd, bwd
 
 
 def main(argv=None):
@@ -118,12 +155,15 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--mem-n", type=int, default=16384)
-    ap.add_argument("--mem-heads", type=int, default=1)
+    ap.add_argument("--mem-heads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--skip-window", action="store_true")
     args = ap.parse_args(argv)
-    window_ratio(args.n, args.window, args.d, args.repeat)
+    if not args.skip_window:
+        window_ratio(args.n, args.window, args.d, args.repeat)
     if not args.skip_memory:
-        bias_memory(args.mem_n, args.d, args.mem_heads)
+        for heads in args.mem_heads:
+            bias_memory(args.mem_n, args.d, heads)
 
 
 if __name__ == "__main__":
