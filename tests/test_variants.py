@@ -514,9 +514,9 @@ def test_numpy_band_is_one_step_per_tile(outer):
 # -- the kernel backward with variants: dbias's layouts, chunks, checked mode ------------
 
 @pytest.mark.parametrize("bias_shape, d", [((2, 1, 21, 1), 24), ((1, 4, 21, 30), 300),
-                                           ((21, 30), 300)],
+                                           ((21, 30), 300), ((1, 4, 1, 30), 300)],
                          ids=["key+head-broadcast", "batch-broadcast-chunked",
-                              "pair-chunked"])
+                              "pair-chunked", "query-broadcast-chunked"])
 def test_emulated_backward_dbias_layouts(bias_shape, d):
     """dbias summed over a broadcast key axis (one thread's running sum), over heads and
     batch (the dQ block's loop over them), and with head-dim chunks (one chunk writes)."""
