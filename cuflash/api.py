@@ -8,69 +8,8 @@ import math
 
 import numpy as np
 
-from . import _checks, _dtypes, backends, variants as _variants
-
-BACKENDS = ("auto",) + backends.NAMES
-
-
-# -- choosing a backend and bringing arrays to it --------------------------------------
-
-def _on_gpu(x) -> bool:
-    """True for CuPy arrays and for arrays that live on a CUDA device (Torch, JAX, ...)."""
-    if type(x).__module__.split(".")[0] == "cupy":
-        return True
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
-    dlpack_device = getattr(x, "__dlpack_device__", None)
-    if dlpack_device is not None:
-        try:
-            return dlpack_device()[0] in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
-        except Exception:
-            return False
-    return False
-
-
-def _resolve_backend(backend, arrays):
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if backend == "auto":
-        backend = "cuda" if any(_on_gpu(x) for x in arrays.values()) else "numpy"
-    return backends.get(backend)
-
-
-def _to_cupy(name, x):
-    import cupy
-    if isinstance(x, cupy.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)  # zero-copy view of the foreign GPU buffer
-    if _on_gpu(x):
-        return cupy.from_dlpack(x)  # zero-copy
-    raise TypeError(f"backend='cuda' computes on GPU arrays; {name} is "
-                    f"{_checks.describe(x)}. Move it with cupy.asarray({name}), or use "
-                    f"backend='numpy' for arrays in host memory")
-
-
-def _to_numpy(name, x, backend_name):
-    if _on_gpu(x):
-        raise TypeError(f"backend={backend_name!r} computes on NumPy arrays in host memory; "
-                        f"{name} is {_checks.describe(x)} on the GPU. Use backend='cuda', "
-                        f"or copy it to the host with cupy.asnumpy({name})")
-    return np.asarray(x)
-
-
-def _bring(backend, arrays):
-    """The arrays as the backend's array type, zero-copy where possible; GPU arrays must
-    all live on one device (the one the kernels then run on)."""
-    if backend.name == "cuda":
-        out = [_to_cupy(n, x) for n, x in arrays.items()]
-        devices = {n: x.device.id for n, x in zip(arrays, out)}
-        if len(set(devices.values())) > 1:
-            listing = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
-            raise ValueError(f"{', '.join(devices)} must live on one GPU; got {listing}. "
-                             f"Move them with cupy.asarray inside `with cupy.cuda.Device(i)`")
-        return out
-    return [_to_numpy(n, x, backend.name) for n, x in arrays.items()]
+from . import _checks, _dtypes, variants as _variants
+from ._dispatch import BACKENDS, bring, resolve_backend  # noqa: F401  (BACKENDS: the CLI's)
 
 
 # -- shapes ----------------------------------------------------------------------------
@@ -181,8 +120,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     algorithm = _checks.check_algorithm(algorithm)
     options = _option_arrays(alibi_slopes, bias, mask)
     arrays = {"q": q, "k": k, "v": v, **options}
-    be = _resolve_backend(backend, arrays)
-    q, k, v, *opt = _bring(be, arrays)
+    be = resolve_backend(backend, arrays)
+    q, k, v, *opt = bring(be, arrays)
     alibi_slopes, bias, mask = (dict(zip(options, opt)).get(n) for n in
                                 ("alibi_slopes", "bias", "mask"))
     dtype = _checks.check_same_dtype(q=q, k=k, v=v)
@@ -237,8 +176,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     return_dbias = _checks.check_return_dbias(return_dbias, bias)
     options = _option_arrays(alibi_slopes, bias, mask)
     arrays = {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, **options}
-    be = _resolve_backend(backend, arrays)
-    do, q, k, v, o, lse, *opt = _bring(be, arrays)
+    be = resolve_backend(backend, arrays)
+    do, q, k, v, o, lse, *opt = bring(be, arrays)
     alibi_slopes, bias, mask = (dict(zip(options, opt)).get(n) for n in
                                 ("alibi_slopes", "bias", "mask"))
     dtype = _checks.check_same_dtype(q=q, k=k, v=v)
@@ -280,8 +219,8 @@ def online_softmax(x, axis=-1, *, backend="auto"):
     Computed in one pass with a running (max, sum) pair per row, then one normalising
     pass. Accumulates in float32 (float64 for float64); returns x's dtype.
     """
-    be = _resolve_backend(backend, {"x": x})
-    (x,) = _bring(be, {"x": x})
+    be = resolve_backend(backend, {"x": x})
+    (x,) = bring(be, {"x": x})
     dtype = _checks.check_dtype("x", x)
     axis = _checks.check_axis(axis, x.ndim)
     if x.size == 0:

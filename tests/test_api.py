@@ -330,7 +330,7 @@ def test_gpu_arrays_need_the_cuda_backend():
 def test_foreign_gpu_arrays_are_taken_zero_copy():
     """Arrays of other GPU libraries come in through __cuda_array_interface__ or DLPack."""
     import cupy
-    from cuflash.api import _to_cupy
+    from cuflash._dispatch import to_cupy
 
     class ViaInterface:
         def __init__(self, a):
@@ -348,7 +348,7 @@ def test_foreign_gpu_arrays_are_taken_zero_copy():
 
     q = cupy.random.standard_normal((2, 64, 32), dtype=cupy.float32)
     for wrap in (ViaInterface, ViaDLPack):
-        assert _to_cupy("q", wrap(q)).data.ptr == q.data.ptr  # a view, not a copy
+        assert to_cupy("q", wrap(q)).data.ptr == q.data.ptr  # a view, not a copy
         o = cuflash.flash_attention(wrap(q), wrap(q), wrap(q), causal=True)
         assert isinstance(o, cupy.ndarray)
         h = q.get()

@@ -90,6 +90,29 @@ def test_emulator_chunks():
                                rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_task_sees_more_than_one_chunk_pair(monkeypatch, causal):
+    """Every call the graph makes to cuflash.flash_attention gets at most one query chunk
+    and one key chunk (and one head chunk): no task holds a block of scores bigger than
+    a chunk pair, let alone Nq × Nk."""
+    (q, k, v), arrs = data(CASES[0])
+    seen = []
+    real = cdask._attention
+
+    def recording(q, k, v, **kw):
+        seen.append((q.shape[-3], q.shape[-2], k.shape[-2]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(cdask, "_attention", recording)
+    o = cdask.flash_attention(*arrs, causal=causal).compute(scheduler="sync")
+    np.testing.assert_allclose(o, cuflash.flash_attention(q, k, v, causal=causal),
+                               rtol=2e-6, atol=2e-6)
+    qc, kc = arrs[0].chunks, arrs[1].chunks
+    assert seen and len(seen) >= len(qc[-2]) * len(kc[-2]) // 2
+    for heads, nq, nk in seen:
+        assert heads <= max(qc[-3]) and nq <= max(qc[-2]) and nk <= max(kc[-2]), (nq, nk)
+
+
 def test_errors():
     x = np.zeros((2, 4, 16, 8), np.float32)
     kv = np.zeros((2, 2, 16, 8), np.float32)

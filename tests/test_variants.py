@@ -27,19 +27,6 @@ def supported(backend, opts, *, backward=False):
     return backend == "numpy" or names <= kernel
 
 
-def dbias_supported(backend, bias, nq):
-    """The kernel backends write dbias from the dQ kernel, which owns query rows: a bias
-    broadcast over the query rows (its axis -2 of size 1, Nq > 1) raises a ValueError."""
-    return backend == "numpy" or not (np.ndim(bias) >= 2 and np.shape(bias)[-2] == 1 < nq)
-
-
-def check_dbias_unsupported(backend, args, opts):
-    with pytest.raises(ValueError, match=r"return_dbias with a bias broadcast over the query "
-                                         r"rows .* not supported by backend='emulator'"):
-        cuflash.flash_attention_backward(*args, backend=backend, return_dbias=True,
-                                         **to_options(backend, opts))
-
-
 def rand(rng, shape, dtype=np.float64):
     return rng.uniform(-1, 1, shape).astype(dtype)
 
@@ -159,9 +146,6 @@ def test_backward_matches_reference(backend, names):
         return check_unsupported(backend, to_backend(backend, do, q, k, v, ref_o, ref_lse),
                                  to_options(backend, opts))
     with_bias = "bias" in opts
-    if with_bias and not dbias_supported(backend, opts["bias"], Q_SHAPE[-2]):
-        check_dbias_unsupported(backend, to_backend(backend, do, q, k, v, ref_o, ref_lse), opts)
-        with_bias = False  # the gradients without dbias still run
     grads = cuflash.flash_attention_backward(
         *to_backend(backend, do, q, k, v, ref_o, ref_lse), backend=backend,
         return_dbias=with_bias, **to_options(backend, opts))
@@ -184,8 +168,7 @@ def test_gradients_match_finite_differences(backend):
     q, k, v = rand(rng, (1, 2, 6, 5)), rand(rng, (1, 1, 9, 5)), rand(rng, (1, 1, 9, 5))
     w = rand(rng, q.shape)
     opts = dict(window=(4, 2), softcap=0.7, alibi_slopes=np.array([0.3, 0.1]),
-                # query-broadcast dbias is the NumPy backend's only (dbias_supported)
-                bias=rand(rng, (2, 1, 9) if backend == "numpy" else (2, 6, 1)),
+                bias=rand(rng, (2, 1, 9)),  # broadcast over query rows
                 mask=rng.random((6, 9)) > 0.2,
                 dropout_p=0.25, seed=99)
     if not supported(backend, opts, backward=True):
@@ -443,7 +426,7 @@ def check_property(p, backend):
     assert_lse_close(lse, ref_lse, 1e-9)
     if not supported(backend, {n: 1 for n in ALL_OPTIONS}, backward=True):
         return
-    with_bias = "bias" in opts and dbias_supported(backend, opts["bias"], nq)
+    with_bias = "bias" in opts
     grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend=backend,
                                              return_dbias=with_bias, **opts)
     refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=with_bias,
@@ -491,12 +474,49 @@ def test_window_edges_on_tile_boundaries(backend):
                                            err_msg=f"{window} {causal} {algorithm}")
 
 
+@pytest.mark.parametrize("span", [0, 1024], ids=["band-in-steps", "band-whole"])
+@pytest.mark.parametrize("window, causal", [((40, -1), True), ((9, 30), False), ((33, 0), False)])
+def test_numpy_band_tiles(monkeypatch, span, window, causal):
+    """The NumPy variant loops take a band's whole span in one tile across (Q tiles: keys,
+    K/V tiles: rows) or in 128-wide steps when it is wider than _BAND_SPAN: both give the
+    reference's output and gradients, GQA, Nq ≠ Nk, over several tiles."""
+    from cuflash.backends.numpy_backend import variants as loops
+    monkeypatch.setattr(loops, "_BAND_SPAN", span)
+    rng = np.random.default_rng(16)
+    q, do = rand(rng, (1, 2, 290, 8)), rand(rng, (1, 2, 290, 8))
+    k, v = rand(rng, (1, 1, 310, 8)), rand(rng, (1, 1, 310, 8))
+    opts = dict(window=window, causal=causal, bias=rand(rng, (290, 310)))
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-10, atol=1e-12)
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="numpy",
+                                             return_dbias=True, **opts)
+    refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=True, **opts)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, refs):
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("outer", ["q", "k"])
+def test_numpy_band_is_one_step_per_tile(outer):
+    """N = 8192, causal window of 256 keys: each 128-block of the loop's axis is one step
+    across the band's whole span (384), so the scores computed are the band's
+    parallelogram, 4.7% of the square (the band itself: 3.1%)."""
+    from cuflash.backends.numpy_backend import variants as loops
+    n, window = 8192, (256, 0)
+    Br, Bc = loops._tile_sizes(n, n, 1, True, window, outer=outer)
+    sched = list(loops.variant_schedule(n, n, Br, Bc, causal=True, window=window,
+                                        outer=outer))
+    assert all(len(steps) == 1 for _, _, steps in sched)
+    computed = sum((a1 - a0) * (c1 - c0) for a0, a1, steps in sched for c0, c1, _ in steps)
+    assert computed / n**2 < (128 + 256) / n
+
+
 # -- the kernel backward with variants: dbias's layouts, chunks, checked mode ------------
 
 @pytest.mark.parametrize("bias_shape, d", [((2, 1, 21, 1), 24), ((1, 4, 21, 30), 300),
-                                           ((21, 30), 300)],
+                                           ((21, 30), 300), ((1, 4, 1, 30), 300)],
                          ids=["key+head-broadcast", "batch-broadcast-chunked",
-                              "pair-chunked"])
+                              "pair-chunked", "query-broadcast-chunked"])
 def test_emulated_backward_dbias_layouts(bias_shape, d):
     """dbias summed over a broadcast key axis (one thread's running sum), over heads and
     batch (the dQ block's loop over them), and with head-dim chunks (one chunk writes)."""
@@ -514,16 +534,84 @@ def test_emulated_backward_dbias_layouts(bias_shape, d):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
 
 
-def test_emulated_backward_variants_checked_mode():
+QUERY_BROADCAST_BIASES = [(2, 4, 1, 80), (1, 1, 1, 80), (1, 4, 1, 80), (2, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("bias_shape", QUERY_BROADCAST_BIASES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_emulated_backward_query_broadcast_dbias(bias_shape, causal):
+    """A bias broadcast over the query rows (a key-padding bias): dbias is the dK/dV
+    kernel's column sums of dS over every query row (two query tiles of 64, two key
+    blocks), summed over heads and batch where the bias is shared; GQA, float64."""
+    rng = np.random.default_rng(13)
+    q, do = rand(rng, (2, 4, 70, 24)), rand(rng, (2, 4, 70, 24))
+    k, v = rand(rng, (2, 2, 80, 24)), rand(rng, (2, 2, 80, 24))
+    opts = dict(bias=rand(rng, bias_shape), causal=causal, softcap=2.0)
+    o, lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    got = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="emulator",
+                                           return_dbias=True, **opts)
+    ref = reference.attention_backward(do, q, k, v, o, lse, return_dbias=True, **opts)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 2, 1, 9), (1, 1, 1, 9), (1, 2, 1, 9)], ids=str)
+def test_emulated_query_broadcast_dbias_finite_differences(bias_shape):
+    """dbias of a query-broadcast bias against central differences of L = sum(O ∘ W)
+    (float64, causal, GQA with two query heads on one K/V head)."""
+    rng = np.random.default_rng(14)
+    q, w = rand(rng, (2, 2, 6, 5)), rand(rng, (2, 2, 6, 5))
+    k, v = rand(rng, (2, 1, 9, 5)), rand(rng, (2, 1, 9, 5))
+    bias = rand(rng, bias_shape)
+
+    def loss(b):
+        return float(np.sum(cuflash.flash_attention(q, k, v, bias=b, causal=True,
+                                                    backend="emulator") * w))
+
+    o, lse = cuflash.flash_attention(q, k, v, bias=bias, causal=True, return_lse=True,
+                                     backend="emulator")
+    *_, dbias = cuflash.flash_attention_backward(w, q, k, v, o, lse, bias=bias, causal=True,
+                                                 return_dbias=True, backend="emulator")
+    eps, numeric = 1e-6, np.zeros_like(bias)
+    for idx in np.ndindex(bias.shape):
+        up, down = bias.copy(), bias.copy()
+        up[idx] += eps
+        down[idx] -= eps
+        numeric[idx] = (loss(up) - loss(down)) / (2 * eps)
+    assert np.abs(numeric).max() > 1e-3  # the keys are seen: the check is not vacuous
+    np.testing.assert_allclose(dbias, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_emulated_query_broadcast_dbias_float16():
+    """float16 inputs with a float16 key-padding bias: dbias comes back float16, close to
+    the float64 reference of the same (rounded) inputs."""
+    rng = np.random.default_rng(15)
+    q, do = (rand(rng, (1, 2, 70, 16), np.float16) for _ in range(2))
+    k, v = (rand(rng, (1, 1, 80, 16), np.float16) for _ in range(2))
+    bias = rand(rng, (1, 1, 1, 80), np.float16)
+    o, lse = cuflash.flash_attention(q, k, v, bias=bias, return_lse=True, backend="emulator")
+    *_, dbias = cuflash.flash_attention_backward(do, q, k, v, o, lse, bias=bias,
+                                                 return_dbias=True, backend="emulator")
+    f64 = [a.astype(np.float64) for a in (do, q, k, v, o)]
+    ref = reference.attention_backward(*f64, lse.astype(np.float64),
+                                       bias=bias.astype(np.float64), return_dbias=True)[3]
+    assert dbias.dtype == np.float16 and dbias.shape == bias.shape
+    np.testing.assert_allclose(dbias.astype(np.float64), ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("query_axis", [True, False], ids=["bias-rows", "bias-query-broadcast"])
+def test_emulated_backward_variants_checked_mode(query_axis):
     """Every option at once, GQA, bias shared by heads and batch, in checked mode: no race and
-    no out-of-bounds access in either kernel (dbias's read-modify-writes included)."""
+    no out-of-bounds access in either kernel (dbias's read-modify-writes in the dQ kernel,
+    or the dK/dV kernel's column sums for a bias without its query axis)."""
     from cuflash.backends import kernel_backward
     from cuflash.backends.kernels import emulator_backend
     rng = np.random.default_rng(12)
     B, Hq, Hkv, Nq, Nk, d = 2, 2, 1, 19, 27, 20
     q, do = rand(rng, (B, Hq, Nq, d)), rand(rng, (B, Hq, Nq, d))
     k, v = rand(rng, (B, Hkv, Nk, d)), rand(rng, (B, Hkv, Nk, d))
-    bias, mask = rand(rng, (1, 1, Nq, Nk)), rng.random((B, 1, Nq, Nk)) > 0.2
+    bias, mask = rand(rng, (1, 1, Nq if query_axis else 1, Nk)), rng.random((B, 1, Nq, Nk)) > 0.2
     slopes = rng.uniform(0.05, 0.5, (Hq,))
     opts = dict(causal=True, window=(6, -1), softcap=0.9, alibi_slopes=slopes, bias=bias,
                 mask=mask, dropout_p=0.35, seed=77)

@@ -21,7 +21,9 @@ the same grids, dynamic shared memory, no chunk argument); the preprocess is sha
 
 Attention variants run on the SIMT kernels (run-time arguments, `kernel_variants`). With
 `return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
-batch its blocks loop over them (the grid's y or z shrinks to 1): `dbias_launch`.
+batch its blocks loop over them (the grid's y or z shrinks to 1). A bias broadcast over
+query rows takes the dK/dV kernel's column sums of dS instead, summed over the other
+broadcast axes here: `dbias_launch`, `dbias_from_cols`.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import numpy as np
 from .. import _dtypes, tiling
 from ..families import FLASH_BWD_DKDV_TC
 from .kernel_forward import loads_16b_aligned
-from .kernel_variants import dbias_launch, variant_args
+from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
@@ -71,15 +73,19 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
 
     # Variants (SIMT only): the score chain's run-time arguments, and dbias's launch (the
-    # dQ blocks loop over the heads and batches sharing a bias row: see flash_bwd.cu).
+    # dQ blocks loop over the heads and batches sharing a bias row; a bias without its
+    # query axis takes the dK/dV kernel's column sums instead: see flash_bwd.cu).
     heads_per_block = batch_per_block = 1
-    vflags = dq_extra = ()
+    vflags = dq_extra = dkdv_extra = ()
+    by_cols = False
     if not tc:
         vflags = variant_args(xp, variants, acc)
-        dbias, dbias_st, heads_per_block, batch_per_block = dbias_launch(
-            xp, variants if return_dbias else None, acc, backend.name, B=B, Hq=Hq, Nq=Nq)
-        dq_extra = (dbias, *dbias_st, np.int32(return_dbias), np.int32(heads_per_block),
-                    np.int32(batch_per_block))
+        dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
+            xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
+        by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
+        dkdv_extra = (cols, np.int32(by_cols))
+        dq_extra = (dbias, *dbias_st, np.int32(return_dbias and not by_cols),
+                    np.int32(heads_per_block), np.int32(batch_per_block))
 
     # 1. D = rowsum(dO ∘ O)
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
@@ -90,7 +96,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # 2. dK, dV
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  (q, k, v, do, lse, Dvec, dk, dv, *sizes, *strides_in,
-                                  *s3(dk), *s3(dv), *kflags, *vflags),
+                                  *s3(dk), *s3(dv), *kflags, *dkdv_extra, *vflags),
                                  shared_mem=p_dkdv.smem_bytes if tc else 0)
     # 3. dQ
     backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
@@ -99,5 +105,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                                 *kflags, *dq_extra, *vflags),
                                shared_mem=p_dq.smem_bytes if tc else 0)
     if return_dbias:
+        if by_cols:
+            dbias = dbias_from_cols(cols, variants.bias.shape)
         return dq, dk, dv, dbias
     return dq, dk, dv

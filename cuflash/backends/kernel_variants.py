@@ -51,23 +51,36 @@ def variant_args(xp, variants, acc) -> tuple:
             np.int32(left), np.int32(right))
 
 
-def dbias_launch(xp, variants, acc, backend_name, *, B, Hq, Nq):
-    """dbias's buffer and the dQ kernel's loop over the (head, batch) pairs sharing it:
-    (dbias, its four element strides, heads per block, batches per block).
+def dbias_launch(xp, variants, acc, *, B, Hq, Nq, Nk):
+    """Where the kernels write dbias: (dbias, its four element strides, heads per block,
+    batches per block, cols) — the first four the dQ kernel's, cols the dK/dV kernel's.
 
-    dbias has the compact shape of variants.bias, zeroed (the dQ kernel adds dS into it,
-    one thread per element: flash_bwd.cu). A bias broadcast over heads (or batch) makes
-    each dQ block loop over all Hq heads (B batches) in turn instead of the grid spreading
-    them. A bias broadcast over query rows (Nq > 1) would need a sum across dQ blocks: a
-    ValueError. variants None (no dbias wanted): a 1-element dummy, never written."""
+    A bias with its query axis (or Nq = 1): dbias has the compact shape of variants.bias,
+    zeroed (the dQ kernel adds dS into it, one thread per element: flash_bwd.cu). A bias
+    broadcast over heads (or batch) makes each dQ block loop over all Hq heads (B batches)
+    in turn instead of the grid spreading them. cols is a 1-element dummy.
+
+    A bias broadcast over query rows (Nq > 1): a dQ block owns only some rows, so the dK/dV
+    kernel, whose block sees every row of its keys, writes cols = Σ_i dS_ij, a contiguous
+    (B, Hq, Nk) buffer (O(N), not O(N²)); `dbias_from_cols` sums it over the bias's other
+    broadcast axes. The dQ kernel writes nothing (dbias is then a dummy).
+
+    variants None (no dbias wanted): dummies, never written."""
+    dummy = xp.zeros(1, dtype=acc)
     if variants is None:
-        return xp.zeros(1, dtype=acc), (np.int64(0),) * 4, 1, 1
+        return dummy, (np.int64(0),) * 4, 1, 1, dummy
     bb, bh, bq, _ = variants.bias.shape
     if bq == 1 and Nq > 1:
-        raise ValueError(
-            f"return_dbias with a bias broadcast over the query rows (compact shape "
-            f"{tuple(variants.bias.shape)}, Nq = {Nq}) is not supported by "
-            f"backend={backend_name!r} yet; give the bias its query axis, or use "
-            f"backend='numpy'")
+        return dummy, (np.int64(0),) * 4, 1, 1, xp.empty((B, Hq, Nk), dtype=acc)
     dbias = xp.zeros(variants.bias.shape, dtype=acc)
-    return dbias, _strides4(dbias), (Hq if bh == 1 else 1), (B if bb == 1 else 1)
+    return dbias, _strides4(dbias), (Hq if bh == 1 else 1), (B if bb == 1 else 1), dummy
+
+
+def dbias_from_cols(cols, shape):
+    """dbias of compact shape (B or 1, Hq or 1, 1, Nk or 1) from the dK/dV kernel's column
+    sums cols (B, Hq, Nk): summed over the bias's broadcast axes by the array module's
+    reduction (a fixed order, no atomics: the same bits every run)."""
+    B, Hq, Nk = cols.shape
+    d4 = cols.reshape(B, Hq, 1, Nk)
+    axes = tuple(a for a, (n, full) in enumerate(zip(shape, d4.shape)) if n == 1 < full)
+    return d4.sum(axis=axes, keepdims=True) if axes else d4

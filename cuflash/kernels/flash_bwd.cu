@@ -10,7 +10,8 @@
 //     dQ  = dS K · scale            flash_bwd_dq_kernel                  (line 15)
 // Attention variants (run-time CUFLASH_VARIANT_PARAMS, as in flash_fwd.cu; one
 // specialization for all) recompute P from the score chain of variants.cuh and scale by
-// the redrawn dropout Z: dV from P ∘ Z, dS = P ∘ (dP ∘ Z − D), dbias = dS (dQ kernel),
+// the redrawn dropout Z: dV from P ∘ Z, dS = P ∘ (dP ∘ Z − D), dbias = dS (dQ kernel;
+// the dK/dV kernel's column sums Σ_i dS_ij for a bias broadcast over query rows),
 // and dK, dQ from dS ∘ (1 − t²) under softcap (recompute_p_ds_variants, bwd_tile.cuh).
 //
 // Work split — every output element is written by exactly one thread, in a fixed order:
@@ -99,6 +100,7 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long dk_sb, long long dk_sh, long long dk_sr,
                       long long dv_sb, long long dv_sh, long long dv_sr,
                       accum_t<T> scale, int causal, int num_d_chunks,
+                      accum_t<T>* __restrict__ dbias_cols, int want_dbias_cols,
                       CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = BwdTileTraits<T, HEAD_DIM, LANES_PER_ROW, ROWS_PER_GROUP, NUM_WARPS, TILE_ROWS,
                              CHUNKED, /*QUERY_TILES=*/true>;
@@ -117,6 +119,12 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
     const bool plain = !var.scores() && !var.dropout();
     const A scale_log2 = softmax_scale_log2(scale);
+    // dbias of a bias broadcast over query rows: the column sums Σ_i dS_ij of this block's
+    // keys, one (batch, query head) at a time, into the contiguous (B, Hq, Nk) buffer
+    // dbias_cols (the caller sums it over the bias's other broadcast axes). The block sees
+    // every query row of its keys, so each sum is one thread's running sum over the rows in
+    // a fixed order: no atomics, nothing across blocks. Only the chunk-0 block writes.
+    const bool write_dbias = want_dbias_cols && own == 0;
 
     __shared__ A smem[Tr::kSmemElems];
     A (*sQ)[HEAD_DIM] = reinterpret_cast<A (*)[HEAD_DIM]>(smem);               // Q_i
@@ -147,6 +155,9 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
         const A* lse_bh = lse + (b * Hq + h) * Nq;
         const A* delta_bh = Delta + (b * Hq + h) * Nq;
         var.bind((int)b, h, Nq, Nk);
+        A dbr[ROWS_PER_GROUP];  // Σ_i dS_ij of the group's keys, this head
+#pragma unroll
+        for (int t = 0; t < ROWS_PER_GROUP; ++t) dbr[t] = A(0);
         for (int m0 = m_begin; m0 < m_end; m0 += BR) {
             const int m_rows = min(BR, Nq - m0);
             for (int c = 0; c < n_chunks; ++c) {
@@ -181,12 +192,21 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                             A ds_biased;
                             recompute_p_ds_variants(s, dp, scale, lse2, Di, hidden, var, m0 + r,
                                                     key0 + t, p, ds_biased, ds);
+                            dbr[t] += ds_biased;  // dbias_j += dS_ij (rows in order)
                         }
                         axpy<Tr>(p, dov, dvr[t]);  // dV_j += P_ijᵀ dO_i   (P ∘ Z)
                         axpy<Tr>(ds, qv, dkr[t]);  // dK_j += dS_ijᵀ Q_i   (dS_raw)
                     }
                 }
             }
+        }
+        // Every lane of the group holds the same sums (the dots are group-reduced); lane 0
+        // writes them, zero where no query row reached the key.
+        if (write_dbias && tc.g == 0) {
+            A* dbias_bh = dbias_cols + (b * Hq + h) * Nk;
+#pragma unroll
+            for (int t = 0; t < ROWS_PER_GROUP; ++t)
+                if (key0 + t < Nk) dbias_bh[key0 + t] = dbr[t];
         }
     }
 

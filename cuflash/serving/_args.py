@@ -9,13 +9,13 @@ import numbers
 import numpy as np
 
 from .. import _checks
-from ..api import _bring, _resolve_backend
+from .._dispatch import bring, resolve_backend
 
 
 def resolve(backend, arrays):
     """(backend object, the arrays as its array type), as the public functions do."""
-    be = _resolve_backend(backend, arrays)
-    return be, dict(zip(arrays, _bring(be, arrays)))
+    be = resolve_backend(backend, arrays)
+    return be, dict(zip(arrays, bring(be, arrays)))
 
 
 def to_host_int(name, x, *, ndim):

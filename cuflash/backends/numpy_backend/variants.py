@@ -10,9 +10,10 @@ The default forward's frozen max needs |S| bounded by the norms of Q and K (Cauc
 Schwarz), which a bias or ALiBi breaks, so the variants run the running max throughout.
 Each pool task is one Q tile (forward) or one K/V tile (backward) of one K/V head and its
 G query heads; the block schedule (`variant_schedule`) visits only the blocks the causal
-and window bands reach: at N = 8192 with a causal window of 256 keys (3.1% of the
-square), 4.6% of the scores, in 9.8% of the full square's time (the rest is the fixed
-cost of the NumPy calls of each step; measured on 2 shared cores).
+and window bands reach, a band's whole span in one step per tile (`_tile_sizes`): at
+N = 8192 with a causal window of 256 keys (3.1% of the square), 4.6% of the scores, in
+5.5% of the full square's time (the rest: the band's mask pass and each tile's fixed
+cost; CPU time, medians of interleaved runs on 2 shared cores, bench_variants.py).
 
 bias and mask are read tile by tile from their compact 4-D form (a size-1 axis
 broadcast as a stride-0 view): nothing of size Nq × Nk is made. dbias is summed in one
@@ -33,6 +34,9 @@ from .schedule import NEG_INF
 # Rows (per query head) and keys of a score tile. Smaller than the default forward's: the
 # chain adds several passes per tile, and a window's band is visited in these steps.
 _ROWS, _KEYS, _WINDOW_BLOCK = 128, 256, 128
+# The widest band a tile takes whole across (keys of a Q tile, rows of a K/V tile): a
+# 128 × 1024 float32 tile is 512 KB, in L2 with its exp.
+_BAND_SPAN = 1024
 
 
 def _bounds(Nq, Nk, causal, window):
@@ -140,13 +144,26 @@ class ScoreChain:
         return keep * self.acc_t.type(self.var.keep_scale)
 
 
-def _tile_sizes(Nq, Nk, G, causal, window):
-    """(Br rows per query head, Bc keys): smaller blocks for a band (a window bounded on
-    both sides, or on the left with causal), so that few hidden scores are computed."""
+def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
+    """(Br rows per query head, Bc keys) of a score tile.
+
+    A band (a window bounded on both sides, or on the left with causal) takes blocks of
+    _WINDOW_BLOCK on the loop's own axis and, across, the whole span that block reaches
+    (Br + L + R keys of a Q tile, Bc + L + R rows of a K/V tile) while it is at most
+    _BAND_SPAN: one step per tile, so a tile computes only the scores of its band's
+    parallelogram (at N = 8192, window 256: 384 of 8192 keys per Q tile of 128 rows) and
+    pays one step's fixed cost — the NumPy calls of the online softmax — instead of three
+    (128-wide steps took 1.6× the CPU time, 2 shared cores). Wider bands take
+    _WINDOW_BLOCK steps across too, so that few hidden scores are computed."""
     rows = max(1, min(Nq, _ROWS // G if G <= _ROWS else 1))
     keys = min(Nk, _KEYS)
     if window is not None and window[0] >= 0 and (window[1] >= 0 or causal):
+        L, R = _bounds(Nq, Nk, causal, window)
         rows, keys = min(rows, _WINDOW_BLOCK), min(keys, _WINDOW_BLOCK)
+        if outer == "q" and rows + L + R <= _BAND_SPAN:
+            keys = min(Nk, rows + L + R)
+        elif outer == "k" and G * (keys + L + R) <= _BAND_SPAN:  # G heads' rows
+            rows = min(Nq, keys + L + R)
     return rows, keys
 
 
@@ -181,7 +198,7 @@ def forward(q, k, v, causal, scale, config, var):
             # -- update m_i and l_i (the guard: −inf − (−inf) would be NaN)
             m_new = np.maximum(m_i, S.max(axis=-1))
             m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
-            P = np.exp(S - m_safe[..., None])                       # P̃ = exp(S − m_i)
+            P = np.exp(np.subtract(S, m_safe[..., None], out=S), out=S)  # P̃ = exp(S − m_i), in place
             alpha = np.exp(m_i - m_safe)
             l_i = alpha * l_i + P.sum(axis=-1)                       # ℓ on the undropped P̃
             Z = chain.keep(bh, r0, r1, c0, c1)
@@ -215,7 +232,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     G, BH = Hq // Hkv, B * Hkv
     acc_t = accum_dtype(q.dtype)
     chain = ScoreChain(var, B, Hq, Hkv, Nq, Nk, causal, acc_t)
-    Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window)
+    Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window, outer="k")
     sc = acc_t.type(scale)
     # D = rowsum(dO ∘ O) (dropout leaves it unchanged: rowsum(P ∘ dP) = rowsum(dO ∘ O)).
     D = np.einsum("bhnd,bhnd->bhn", as_dtype(do, acc_t), as_dtype(o, acc_t))
