@@ -61,8 +61,8 @@ def dbias_launch(xp, variants, acc, *, B, Hq, Nq, Nk):
     in turn instead of the grid spreading them. cols is a 1-element dummy.
 
     A bias broadcast over query rows (Nq > 1): a dQ block owns only some rows, so the dK/dV
-    kernel, whose block sees every row of its keys, writes cols = Σ_i dS_ij, a contiguous
-    (B, Hq, Nk) buffer (O(N), not O(N²)); `dbias_from_cols` sums it over the bias's other
+    kernel, whose block sees every row of its keys, adds cols = Σ_i dS_ij into a zeroed,
+    contiguous (B, Hq, Nk) buffer (O(N), not O(N²)); `dbias_from_cols` sums it over the bias's other
     broadcast axes. The dQ kernel writes nothing (dbias is then a dummy).
 
     variants None (no dbias wanted): dummies, never written."""
@@ -71,7 +71,7 @@ def dbias_launch(xp, variants, acc, *, B, Hq, Nq, Nk):
         return dummy, (np.int64(0),) * 4, 1, 1, dummy
     bb, bh, bq, _ = variants.bias.shape
     if bq == 1 and Nq > 1:
-        return dummy, (np.int64(0),) * 4, 1, 1, xp.empty((B, Hq, Nk), dtype=acc)
+        return dummy, (np.int64(0),) * 4, 1, 1, xp.zeros((B, Hq, Nk), dtype=acc)
     dbias = xp.zeros(variants.bias.shape, dtype=acc)
     return dbias, _strides4(dbias), (Hq if bh == 1 else 1), (B if bb == 1 else 1), dummy
 

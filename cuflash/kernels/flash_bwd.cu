@@ -120,10 +120,12 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     const bool plain = !var.scores() && !var.dropout();
     const A scale_log2 = softmax_scale_log2(scale);
     // dbias of a bias broadcast over query rows: the column sums Σ_i dS_ij of this block's
-    // keys, one (batch, query head) at a time, into the contiguous (B, Hq, Nk) buffer
-    // dbias_cols (the caller sums it over the bias's other broadcast axes). The block sees
-    // every query row of its keys, so each sum is one thread's running sum over the rows in
-    // a fixed order: no atomics, nothing across blocks. Only the chunk-0 block writes.
+    // keys, one (batch, query head) at a time, into the zeroed, contiguous (B, Hq, Nk)
+    // buffer dbias_cols (the caller sums it over the bias's other broadcast axes). The
+    // block sees every query row of its keys, so each sum is one thread's running sum over
+    // the rows in a fixed order, kept in dbias_cols itself (registers here would spill the
+    // D = 128 half kernels on sm_90): no atomics, nothing across blocks. Only the chunk-0
+    // block writes.
     const bool write_dbias = want_dbias_cols && own == 0;
 
     __shared__ A smem[Tr::kSmemElems];
@@ -155,9 +157,7 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
         const A* lse_bh = lse + (b * Hq + h) * Nq;
         const A* delta_bh = Delta + (b * Hq + h) * Nq;
         var.bind((int)b, h, Nq, Nk);
-        A dbr[ROWS_PER_GROUP];  // Σ_i dS_ij of the group's keys, this head
-#pragma unroll
-        for (int t = 0; t < ROWS_PER_GROUP; ++t) dbr[t] = A(0);
+        A* dbias_bh = dbias_cols + (b * Hq + h) * Nk;  // Σ_i dS_ij of this head's keys
         for (int m0 = m_begin; m0 < m_end; m0 += BR) {
             const int m_rows = min(BR, Nq - m0);
             for (int c = 0; c < n_chunks; ++c) {
@@ -192,21 +192,16 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                             A ds_biased;
                             recompute_p_ds_variants(s, dp, scale, lse2, Di, hidden, var, m0 + r,
                                                     key0 + t, p, ds_biased, ds);
-                            dbr[t] += ds_biased;  // dbias_j += dS_ij (rows in order)
+                            // dbias_j += dS_ij, rows in order, by one lane of the group
+                            // (every lane holds the same group-reduced dS)
+                            if (write_dbias && tc.g == 0 && key0 + t < Nk)
+                                dbias_bh[key0 + t] += ds_biased;
                         }
                         axpy<Tr>(p, dov, dvr[t]);  // dV_j += P_ijᵀ dO_i   (P ∘ Z)
                         axpy<Tr>(ds, qv, dkr[t]);  // dK_j += dS_ijᵀ Q_i   (dS_raw)
                     }
                 }
             }
-        }
-        // Every lane of the group holds the same sums (the dots are group-reduced); lane 0
-        // writes them, zero where no query row reached the key.
-        if (write_dbias && tc.g == 0) {
-            A* dbias_bh = dbias_cols + (b * Hq + h) * Nk;
-#pragma unroll
-            for (int t = 0; t < ROWS_PER_GROUP; ++t)
-                if (key0 + t < Nk) dbias_bh[key0 + t] = dbr[t];
         }
     }
 
