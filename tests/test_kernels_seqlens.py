@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cuflash import _dtypes, emulator, reference, tiling
-from cuflash.backends import kernel_forward, kernels
+from cuflash.backends import kernel_backward, kernel_forward, kernels
 from cuflash.backends.kernel_forward import Segments
 
 from conftest import HAS_GXX, assert_close_to_reference, plain_attention
@@ -214,3 +214,37 @@ def test_paged_cache_is_read_through_the_block_table(dtype, arch, kernel):
             _check_against_reference(o[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal=True,
                                      scale=0.2, what=f"O of row {b} ({splits} splits)")
     assert _plan_kernel(be, q)[0].kernel == kernel
+
+
+@pytest.mark.parametrize("dtype, arch", [(F32, "sm_70"), (F64, "sm_80"), (F16, "sm_70")])
+def test_varlen_backward_blocks_find_their_sequence(dtype, arch, monkeypatch):
+    """The SIMT backward over packed sequences (empty ones among them) in one launch of
+    each kernel (preprocess, dK/dV, dQ), checked mode: each sequence's gradients equal the
+    float64 reference's for that sequence alone."""
+    lq, lk = [5, 0, 1, 40, 9], [8, 6, 0, 70, 9]
+    q, k, v, cq, ck = _packed(lq, lk, 4, 2, 40, dtype)
+    do = np.random.default_rng(9).standard_normal(q.shape).astype(dtype)
+    be = kernels.emulator_backend(arch=arch, checked=True)
+    seg = Segments(batch=len(lq), max_q=max(lq), max_k=max(lk), cu_q=cq, cu_k=ck)
+    o, lse = be.forward(q, k, v, causal=True, scale=0.15, segments=seg, num_splits=1)
+    assert kernel_backward.takes_segments(be, do, q, k, v)
+    launches = []
+    fn = be.get_function
+    monkeypatch.setattr(be, "get_function", lambda plan: launches.append(plan) or fn(plan))
+    dq, dk, dv = be.backward(do, q, k, v, o, lse, causal=True, scale=0.15, segments=seg)
+    assert len(launches) == 3
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype.itemsize == 2 else (
+        dict(rtol=1e-4, atol=1e-5) if dtype == F32 else dict(rtol=1e-10, atol=1e-12))
+    for b in range(len(lq)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if rq.start == rq.stop or rk.start == rk.stop:  # no (query, key) pair: zero
+            np.testing.assert_array_equal(dq[:, :, rq], 0)
+            np.testing.assert_array_equal(dk[:, :, rk], 0)
+            np.testing.assert_array_equal(dv[:, :, rk], 0)
+            continue
+        want = reference.attention_backward(do[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk],
+                                            o[:, :, rq], lse[:, :, rq], causal=True, scale=0.15)
+        for name, got, w in zip(("dq", "dk", "dv"), (dq[:, :, rq], dk[:, :, rk], dv[:, :, rk]),
+                                want):
+            np.testing.assert_allclose(got.astype(np.float64), w, err_msg=f"{name} of {b}",
+                                       **tol)

@@ -36,39 +36,66 @@ from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
+def backward_plans(backend, do, q, k, v, *, variants=None):
+    """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays."""
+    return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
+                                plain=variants is None or variants.is_plain(),
+                                **backend.limits())
+
+
+def takes_segments(backend, do, q, k, v, *, variants=None) -> bool:
+    """Whether `backward` runs packed sequences in one launch here: the SIMT kernels read
+    cu_seqlens (flash_bwd.cu); the tensor-core ones do not."""
+    (p_dkdv, _), _ = backward_plans(backend, do, q, k, v, variants=variants)
+    return p_dkdv.kernel != FLASH_BWD_DKDV_TC.name
+
+
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
-             return_dbias=False):
+             return_dbias=False, segments=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants) run on the SIMT kernels; with `return_dbias` a fourth
-    result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype."""
+    result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype.
+    `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
+    (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q); SIMT only
+    (`takes_segments`)."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
-    B, Hq, Nq, d = q.shape
+    _, Hq, rows_q, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    B = q.shape[0] if segments is None else segments.batch
+    Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
+    Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    plain = variants is None or variants.is_plain()
-    (p_dkdv, p_dq), _why = tiling.backward_path(d, q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                                plain=plain, **backend.limits())
+    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, variants=variants)
     tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 128, one chunk
+    if segments is not None and tc:
+        raise ValueError("the tensor-core backward kernels take no packed sequences "
+                         "(takes_segments)")
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)
     lse = xp.ascontiguousarray(lse, dtype=acc)
-    Dvec = xp.empty((B, Hq, Nq), dtype=acc)
-    dq = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
-    dk = xp.empty((B, Hkv, Nk, d), dtype=q.dtype)
-    dv = xp.empty((B, Hkv, Nk, d), dtype=q.dtype)
+    Dvec = xp.empty(lse.shape, dtype=acc)
+    dq = xp.empty(q.shape, dtype=q.dtype)
+    dk = xp.empty(k.shape, dtype=q.dtype)
+    dv = xp.empty(v.shape, dtype=q.dtype)
 
     # 32-bit row indices and sizes; the grid's y and z carry heads and batch.
-    rows = i32(B * Hq * Nq, "batch x heads x Nq")
+    rows = i32(lse.size, "batch x heads x Nq")
     for n, what in ((B, "batch"), (Hq, "query heads"), (Hkv, "key/value heads")):
         check_grid_yz(n, what)
     grid_kv = i32(-(-Nk // p_dkdv.block_rows) * num_d_chunks, "dK/dV blocks per head")
     grid_q = i32(-(-Nq // p_dq.block_rows) * num_d_chunks, "dQ blocks per head")
     sizes = (i32(Hq, "query heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
-    s3 = lambda a: elem_strides(a)[:3]  # noqa: E731  (batch, head, row) element strides
+    def s3(a):  # (batch, head, row) element strides; packed rows carry the batch offset
+        st = elem_strides(a)[:3]
+        return (np.int64(0), *st[1:]) if segments is not None else st
+
     strides_in = (*s3(q), *s3(k), *s3(v), *s3(do))
+    varlen = (None, None, np.int64(Hq * rows_q), np.int64(rows_q))  # CUFLASH_VARLEN_PARAMS
+    if segments is not None:
+        varlen = (segments.cu_q, segments.cu_k, np.int64(0), np.int64(rows_q))
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
 
@@ -83,14 +110,14 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
         dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
             xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
         by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
-        dkdv_extra = (cols, np.int32(by_cols))
+        dkdv_extra = (cols, np.int32(by_cols), *varlen)
         dq_extra = (dbias, *dbias_st, np.int32(return_dbias and not by_cols),
-                    np.int32(heads_per_block), np.int32(batch_per_block))
+                    np.int32(heads_per_block), np.int32(batch_per_block), *varlen)
 
     # 1. D = rowsum(dO ∘ O)
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
-                              (do, o, Dvec, sizes[0], sizes[2], sizes[4], np.int64(rows),
-                               *s3(do), *s3(o)))
+                              (do, o, Dvec, sizes[0], i32(rows_q, "rows"), sizes[4],
+                               np.int64(rows), *elem_strides(do)[:3], *elem_strides(o)[:3]))
     # The tensor-core kernels take no chunk count, and their tiles are dynamic shared memory.
     kflags = flags[:2] if tc else flags
     # 2. dK, dV

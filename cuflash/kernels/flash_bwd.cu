@@ -28,6 +28,8 @@
 // strides for batch, head and row and a contiguous last axis; lse and D are contiguous
 // (B, Hq, Nq) in the accumulation type; dq, dk, dv get their own strides. `group` query
 // heads share one K/V head (GQA/MQA). HEAD_DIM is the bucket: columns d..D−1 are zero.
+// Packed variable-length sequences (cu_seqlens_q/_k, lse and D as (1, Hq, total_q)): each
+// block finds its sequence from its batch index, as the forward does (seqlens.cuh).
 //
 // Head dims beyond the bucket (CHUNKED): as in the forward, a block owns one D-wide chunk
 // of the columns it writes — blockIdx.x = (row block) · num_d_chunks + chunk — and the
@@ -50,6 +52,7 @@
 // registers and spilled.
 #include "common.cuh"
 #include "mask.cuh"
+#include "seqlens.cuh"
 #include "variants.cuh"
 #include "bwd_tile.cuh"
 
@@ -101,7 +104,7 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long dv_sb, long long dv_sh, long long dv_sr,
                       accum_t<T> scale, int causal, int num_d_chunks,
                       accum_t<T>* __restrict__ dbias_cols, int want_dbias_cols,
-                      CUFLASH_VARIANT_PARAMS(T)) {
+                      CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = BwdTileTraits<T, HEAD_DIM, LANES_PER_ROW, ROWS_PER_GROUP, NUM_WARPS, TILE_ROWS,
                              CHUNKED, /*QUERY_TILES=*/true>;
     using A = typename Tr::A;
@@ -115,6 +118,11 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     const int key0 = n0 + tc.row(0);              // first key of the lane's group
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
+    const Seqlens seq = CUFLASH_VARLEN;  // packed sequences: seqlens.cuh
+    Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths
+    Nk = seq.len_k(b, Nk);
+    if (n0 >= Nk) return;  // past this sequence's keys (the grid fits the longest)
+    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
     const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
     const bool plain = !var.scores() && !var.dropout();
@@ -137,8 +145,8 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     A (*sdP)[BC] = reinterpret_cast<A (*)[BC]>(sDelta + Tr::kSmemRowStat + Tr::kSmemScores);
 
     // -- prologue: K_j, V_j into registers (chunked: per chunk, below); dK_j = dV_j = 0
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
     A kr[ROWS_PER_GROUP][DPL], vr[ROWS_PER_GROUP][DPL];
     A dkr[ROWS_PER_GROUP][DPL], dvr[ROWS_PER_GROUP][DPL];
     if (!CHUNKED) load_rows<Tr>(kr, vr, k_bh, k_sr, v_bh, v_sr, key0, Nk, 0, d, tc);
@@ -152,10 +160,10 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 
     // -- main loop: the group's query heads, Q_i tiles, head-dim chunks (own last)
     for (int h = h_kv * group; h < (h_kv + 1) * group; ++h) {
-        const T* q_bh = q + b * q_sb + h * q_sh;
-        const T* do_bh = dO + b * do_sb + h * do_sh;
-        const A* lse_bh = lse + (b * Hq + h) * Nq;
-        const A* delta_bh = Delta + (b * Hq + h) * Nq;
+        const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
+        const T* do_bh = dO + b * do_sb + h * do_sh + q_row0 * do_sr;
+        const A* lse_bh = lse + seq.lse_row(0, (int)b, h, 0);
+        const A* delta_bh = Delta + seq.lse_row(0, (int)b, h, 0);
         var.bind((int)b, h, Nq, Nk);
         A* dbias_bh = dbias_cols + (b * Hq + h) * Nk;  // Σ_i dS_ij of this head's keys
         for (int m0 = m_begin; m0 < m_end; m0 += BR) {
@@ -206,10 +214,10 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     }
 
     // -- epilogue: this block's chunk of dK_j = (Σ dS_ijᵀ Q_i) · scale and dV_j
-    store_rows<Tr>(dk + b * dk_sb + h_kv * dk_sh, dk_sr, dkr, scale, key0, Nk,
+    store_rows<Tr>(dk + b * dk_sb + h_kv * dk_sh + k_row0 * dk_sr, dk_sr, dkr, scale, key0, Nk,
                    own * HEAD_DIM, d, tc);
-    store_rows<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dvr, /*factor=*/A(1), key0, Nk,
-                   own * HEAD_DIM, d, tc);
+    store_rows<Tr>(dv + b * dv_sb + h_kv * dv_sh + k_row0 * dv_sr, dv_sr, dvr, /*factor=*/A(1),
+                   key0, Nk, own * HEAD_DIM, d, tc);
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -230,8 +238,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     accum_t<T> scale, int causal, int num_d_chunks,
                     accum_t<T>* __restrict__ dbias, long long dbias_sb, long long dbias_sh,
                     long long dbias_sr, long long dbias_sc, int want_dbias, int head_reps,
-                    int batch_reps,
-                    CUFLASH_VARIANT_PARAMS(T)) {
+                    int batch_reps, CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = BwdTileTraits<T, HEAD_DIM, LANES_PER_ROW, ROWS_PER_GROUP, NUM_WARPS, TILE_ROWS,
                              CHUNKED, /*QUERY_TILES=*/false>;
     using A = typename Tr::A;
@@ -243,6 +250,10 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int own = blockIdx.x % n_chunks;       // the chunk of dQ this block owns
     const int m0 = (blockIdx.x / n_chunks) * BR;  // first query row of the block
     const int row0 = m0 + tc.row(0);              // first query row of the lane's group
+    const Seqlens seq = CUFLASH_VARLEN;  // packed sequences (batch_reps = 1): seqlens.cuh
+    Nq = seq.len_q(blockIdx.z, Nq);      // from here on, batch row b's own lengths
+    Nk = seq.len_k(blockIdx.z, Nk);
+    if (m0 >= Nq) return;  // past this sequence's rows (the grid fits the longest)
     const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
     const bool plain = !var.scores() && !var.dropout();
@@ -276,10 +287,11 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
         // -- prologue: Q_i, dO_i (chunked: per chunk, below), lse_i, D_i into registers;
         // dQ_i = 0
-        const T* q_bh = q + b * q_sb + h * q_sh;
-        const T* do_bh = dO + b * do_sb + h * do_sh;
-        const A* lse_bh = lse + (b * Hq + h) * Nq;
-        const A* delta_bh = Delta + (b * Hq + h) * Nq;
+        const long long q_row0 = seq.start_q((int)b), k_row0 = seq.start_k((int)b);
+        const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
+        const T* do_bh = dO + b * do_sb + h * do_sh + q_row0 * do_sr;
+        const A* lse_bh = lse + seq.lse_row(0, (int)b, h, 0);
+        const A* delta_bh = Delta + seq.lse_row(0, (int)b, h, 0);
         A qr[ROWS_PER_GROUP][DPL], dor[ROWS_PER_GROUP][DPL], dqr[ROWS_PER_GROUP][DPL];
         A lse2[ROWS_PER_GROUP], Di[ROWS_PER_GROUP];
         if (!CHUNKED) load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, 0, d, tc);
@@ -288,8 +300,8 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
         for (int t = 0; t < ROWS_PER_GROUP; ++t)
             load_row_stats(lse_bh, delta_bh, row0 + t, Nq, lse2[t], Di[t]);
 
-        const T* k_bh = k + b * k_sb + h_kv * k_sh;
-        const T* v_bh = v + b * v_sb + h_kv * v_sh;
+        const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
+        const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
         // -- main loop: K_j, V_j tiles, head-dim chunks (own last)
         for (int n0 = n_begin; n0 < n_end; n0 += BC) {
             const int n_cols = min(BC, n_end - n0);
@@ -335,7 +347,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
         }
 
         // -- epilogue: this block's chunk of dQ_i = (Σ dS_ij K_j) · scale
-        store_rows<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dqr, scale, row0, Nq, own * HEAD_DIM,
-                       d, tc);
+        store_rows<Tr>(dq + b * dq_sb + h * dq_sh + q_row0 * dq_sr, dq_sr, dqr, scale, row0, Nq,
+                       own * HEAD_DIM, d, tc);
     }
 }

@@ -88,3 +88,12 @@ struct Seqlens {
         cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, table_stride, page_size,       \
             lse_sb, lse_sh, lse_ss, num_splits                                             \
     }
+
+// The backward's share of it: packed sequences (no cache, no split), the layout of lse and
+// D (rowsum(dO ∘ O)) as lse's.
+#define CUFLASH_VARLEN_PARAMS                                                              \
+    const int *cu_seqlens_q, const int *cu_seqlens_k, long long lse_sb, long long lse_sh
+#define CUFLASH_VARLEN                                                                     \
+    cuflash::Seqlens {                                                                     \
+        cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, 0, 0, lse_sb, lse_sh, 0, 1           \
+    }

@@ -5,14 +5,16 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of 
 and attends only within its own pair of segments (causal and window bottom-right aligned
 per sequence).
 
-On the kernel backends the forward is one launch: each block finds its sequence from its
-block index through cu_seqlens (kernels/seqlens.cuh); nothing is padded or copied and
-the work is Σ_b Nq_b·Nk_b, not B·max². The NumPy backend, and the backward on every
-backend, run each sequence as one call on views into the packed arrays.
+On the kernel backends the forward is one launch, and so is the backward on the SIMT
+kernels: each block finds its sequence from its block index through cu_seqlens
+(kernels/seqlens.cuh); nothing is padded or copied and the work is Σ_b Nq_b·Nk_b, not
+B·max². The NumPy backend, and the tensor-core backward, run each sequence as one call
+on views into the packed arrays.
 """
 import numpy as np
 
 from .. import _checks, _dtypes
+from ..backends import kernel_backward
 from ..backends.kernel_forward import Segments
 from ..variants import Variants
 from . import _args
@@ -56,6 +58,13 @@ def _variants(xp, dtype, slopes, *, window, softcap, dropout_p, seed, b=None):
     return None if var.is_plain() else var
 
 
+def _segments(xp, cq, ck):
+    """The kernels' description of the packed sequences (kernels/seqlens.cuh)."""
+    nq, nk = np.diff(cq), np.diff(ck)
+    return Segments(batch=len(nq), max_q=int(nq.max()), max_k=int(nk.max()),
+                    cu_q=xp.asarray(cq, dtype=np.int32), cu_k=xp.asarray(ck, dtype=np.int32))
+
+
 def _check_options(scale, d, window, softcap, dropout_p, seed):
     p, seed = _checks.check_dropout(dropout_p, seed)
     return dict(scale=_checks.check_scale(scale, d), window=_checks.check_window(window),
@@ -87,12 +96,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     xp = be.xp
     if be.name != "numpy" and q.shape[1] and k.shape[1]:
         # the kernels: one launch, each block finding its sequence (seqlens.cuh)
-        nq, nk = np.diff(cq), np.diff(ck)
-        segments = Segments(batch=len(nq), max_q=int(nq.max()), max_k=int(nk.max()),
-                            cu_q=xp.asarray(cq, dtype=np.int32),
-                            cu_k=xp.asarray(ck, dtype=np.int32))
         o, lse = be.forward(q[None], k[None], v[None], causal=causal, scale=scale,
-                            variants=_variants(xp, dtype, slopes, **opts), segments=segments)
+                            variants=_variants(xp, dtype, slopes, **opts),
+                            segments=_segments(xp, cq, ck))
         return (o[0], lse[0]) if return_lse else o[0]
     o = xp.zeros(q.shape, dtype=dtype)  # a sequence without keys: 0 and lse −inf
     lse = xp.full(q.shape[:-1], -np.inf, dtype=_dtypes.lse_dtype(dtype))
@@ -129,6 +135,14 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
     scale = opts.pop("scale")
     lse = lse.astype(_dtypes.lse_dtype(dtype), copy=False)
     xp = be.xp
+    if be.name != "numpy" and q.shape[1] and k.shape[1]:
+        var = _variants(xp, dtype, slopes, **opts)
+        packed = tuple(a[None] for a in (do, q, k, v))
+        if kernel_backward.takes_segments(be, *packed, variants=var):
+            # the SIMT kernels: one launch, each block finding its sequence (seqlens.cuh)
+            grads = be.backward(*packed, o[None], lse[None], causal=causal, scale=scale,
+                                variants=var, segments=_segments(xp, cq, ck))
+            return tuple(g[0] for g in grads)
     dq = xp.zeros(q.shape, dtype=dtype)
     dk = xp.zeros(k.shape, dtype=dtype)
     dv = xp.zeros(v.shape, dtype=dtype)
