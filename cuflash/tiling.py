@@ -296,9 +296,6 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     simt = functools.partial(_plan_simt, d, dt, max_smem=max_smem, algorithm=algorithm)
     if algorithm != "fa2":
         return simt(), f"SIMT: algorithm={algorithm!r} runs the FA1 loop order (SIMT only)"
-    if not plain:  # the score chain of kernels/variants.cuh is in the SIMT kernels only
-        return simt(), ("SIMT: attention variants (window, softcap, ALiBi, bias, mask, "
-                        "dropout) run on the SIMT kernel; the tensor-core kernel takes none")
     if dt.name not in TC_DTYPES + (TF32_DTYPE,):
         return simt(), (f"SIMT: {dt.name} has no tensor-core path (float16, bfloat16 and "
                         f"float32 do)")

@@ -53,7 +53,8 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     if plan.kernel in (FLASH_FWD_TC.name, FLASH_FWD_TF32.name):  # d <= head_dim: one chunk
         num_m_blocks = -(-Nq // plan.block_m)
         grid = num_m_blocks * Hq * B
-        args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks))
+        args = (q, k, v, o, lse, *sizes, *strides, *flags, np.int32(num_m_blocks),
+                *variant_args(xp, variants, acc))
     elif plan.kernel == FORWARD_ALGORITHMS["fa2"].name:
         num_m_blocks = -(-Nq // plan.block_m)
         grid = num_m_blocks * num_d_chunks * Hq * B

@@ -21,7 +21,9 @@
 #pragma once
 
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -203,6 +205,56 @@ __device__ __forceinline__ void rescale_acc(FragC (&acc)[N], float alpha_top, fl
         acc[j].c1 *= alpha_top;
         acc[j].c2 *= alpha_bottom;
         acc[j].c3 *= alpha_bottom;
+    }
+}
+
+// -- attention variants on fragments (variants.cuh's chain, applied as attn_tile.cuh's
+// compute_scores and flash_fwd.cu apply it). The thread's elements of S are (r_top, c),
+// (r_top, c + 1), (r_top + 8, c), (r_top + 8, c + 1) with c = c0 + 8j: c0 + 8j is even.
+
+// One score from the raw product qk: the chain in natural units (x = scale·qk), then log2
+// units; −inf where the causal/window mask or the bool mask hides the key, and for rows
+// and keys outside [0, Nq) × [0, Nk), whose bias and mask are never read.
+template <typename T>
+__device__ __forceinline__ float variant_score(const Variants<T>& var, const CausalMask& mask,
+                                               float qk, float scale, int i, int j) {
+    float t;
+    return (i < mask.Nq && !mask.masked(i, j))
+               ? var.score(qk * scale, i, j, t) * MathConst<float>::log2e
+               : neg_inf<float>();
+}
+
+// S (raw products) → the variants' scores in log2 units, in place.
+template <int N, typename T>
+__device__ __forceinline__ void variant_scores(FragC (&s)[N], const Variants<T>& var,
+                                               const CausalMask& mask, float scale, int r_top,
+                                               int c0) {
+    const int r_bottom = r_top + 8;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int c = c0 + j * 8;
+        s[j].c0 = variant_score(var, mask, s[j].c0, scale, r_top, c);
+        s[j].c1 = variant_score(var, mask, s[j].c1, scale, r_top, c + 1);
+        s[j].c2 = variant_score(var, mask, s[j].c2, scale, r_bottom, c);
+        s[j].c3 = variant_score(var, mask, s[j].c3, scale, r_bottom, c + 1);
+    }
+}
+
+// Dropout: P̃ → P̃ ∘ keep / (1 − p) in place, after ℓ has summed P̃ (lse stays the
+// pre-dropout one); one Philox call per row and column pair.
+template <int N, typename T>
+__device__ __forceinline__ void dropout_fragments(FragC (&p)[N], const Variants<T>& var,
+                                                  int r_top, int c0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int c = c0 + j * 8;
+        float k0, k1;
+        var.keep_pair(r_top, c, k0, k1);
+        p[j].c0 *= k0;
+        p[j].c1 *= k1;
+        var.keep_pair(r_top + 8, c, k0, k1);
+        p[j].c2 *= k0;
+        p[j].c3 *= k1;
     }
 }
 
