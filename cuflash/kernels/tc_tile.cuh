@@ -224,37 +224,50 @@ __device__ __forceinline__ float variant_score(const Variants<T>& var, const Cau
                : neg_inf<float>();
 }
 
-// S (raw products) → the variants' scores in log2 units, in place.
+// S (raw products) → the variants' scores in log2 units, in place. The chain is inlined
+// once, not once per element: a rolled loop walks the thread's 4·N elements by rotating
+// them all one place through s[0].c0 (register moves, no dynamic index into the
+// fragments, which would put them in local memory); after 4·N steps every element is
+// back in its place. This keeps the variant branch's code, and the compile time, small.
 template <int N, typename T>
 __device__ __forceinline__ void variant_scores(FragC (&s)[N], const Variants<T>& var,
                                                const CausalMask& mask, float scale, int r_top,
                                                int c0) {
-    const int r_bottom = r_top + 8;
+#pragma unroll 1
+    for (int e = 0; e < 4 * N; ++e) {  // element e: n-tile e / 4, register e % 4
+        const int i = r_top + (e & 2) * 4, j = c0 + (e >> 2) * 8 + (e & 1);
+        float carry = variant_score(var, mask, s[0].c0, scale, i, j);
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        const int c = c0 + j * 8;
-        s[j].c0 = variant_score(var, mask, s[j].c0, scale, r_top, c);
-        s[j].c1 = variant_score(var, mask, s[j].c1, scale, r_top, c + 1);
-        s[j].c2 = variant_score(var, mask, s[j].c2, scale, r_bottom, c);
-        s[j].c3 = variant_score(var, mask, s[j].c3, scale, r_bottom, c + 1);
+        for (int n = N - 1; n >= 0; --n) {  // every element one place towards s[0].c0
+            const float out = s[n].c0;
+            s[n].c0 = s[n].c1;
+            s[n].c1 = s[n].c2;
+            s[n].c2 = s[n].c3;
+            s[n].c3 = carry;
+            carry = out;
+        }
     }
 }
 
 // Dropout: P̃ → P̃ ∘ keep / (1 − p) in place, after ℓ has summed P̃ (lse stays the
-// pre-dropout one); one Philox call per row and column pair.
+// pre-dropout one). The keep decisions are drawn first, into one bit per element (a
+// rolled loop, one Philox call per row and column pair: the generator is inlined once),
+// then applied.
 template <int N, typename T>
 __device__ __forceinline__ void dropout_fragments(FragC (&p)[N], const Variants<T>& var,
                                                   int r_top, int c0) {
+    static_assert(4 * N <= 32, "one keep bit per element of the thread's part of S");
+    unsigned int bits = 0;
+#pragma unroll 1
+    for (int e = 0; e < 2 * N; ++e)  // n-tile e / 2, row r_top + 8·(e % 2): 2 bits at 2·e
+        bits |= var.keep_pair(r_top + (e & 1) * 8, c0 + (e >> 1) * 8) << (2 * e);
+    const float ks = var.keep_scale;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-        const int c = c0 + j * 8;
-        float k0, k1;
-        var.keep_pair(r_top, c, k0, k1);
-        p[j].c0 *= k0;
-        p[j].c1 *= k1;
-        var.keep_pair(r_top + 8, c, k0, k1);
-        p[j].c2 *= k0;
-        p[j].c3 *= k1;
+        p[j].c0 = (bits >> (4 * j)) & 1u ? p[j].c0 * ks : 0.f;
+        p[j].c1 = (bits >> (4 * j)) & 2u ? p[j].c1 * ks : 0.f;
+        p[j].c2 = (bits >> (4 * j)) & 4u ? p[j].c2 * ks : 0.f;
+        p[j].c3 = (bits >> (4 * j)) & 8u ? p[j].c3 * ks : 0.f;
     }
 }
 
