@@ -179,16 +179,15 @@ def _plan_simt(d: int, dtype, *, max_smem: int, algorithm: str) -> KernelPlan:
 
 
 def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
-                 algorithm: str = "fa2", aligned: bool = True, plain: bool = True,
-                 allow_tf32: bool = False):
+                 algorithm: str = "fa2", aligned: bool = True, allow_tf32: bool = False):
     """The plan for head dim d and dtype on a device with `max_smem` bytes per block and
     compute capability `cc` ((major, minor); None: unknown, SIMT only): a `TcPlan` where
     tensor cores apply, else a SIMT `KernelPlan` (see `forward_path`, which also says why).
-    `aligned`: the inputs allow 16-byte loads (base pointers and strides). `plain`: no
-    attention variant (`cuflash.variants.Variants.is_plain`). `allow_tf32`: float32 may
-    run one-pass tf32 (else split tf32; see `forward_path`)."""
+    `aligned`: the inputs allow 16-byte loads (base pointers and strides). `allow_tf32`:
+    float32 may run one-pass tf32 (else split tf32; see `forward_path`). Attention
+    variants take the same plan as a plain call: every forward kernel runs them."""
     return forward_path(d, dtype, cc, aligned, max_smem=max_smem, sm_count=sm_count,
-                        algorithm=algorithm, plain=plain, allow_tf32=allow_tf32)[0]
+                        algorithm=algorithm, allow_tf32=allow_tf32)[0]
 
 
 # ── tensor-core forward (flash_fwd_tc.cu) ─────────────────────────────────────────────
@@ -282,15 +281,16 @@ def all_tc_plans() -> tuple[TcPlan, ...]:
 
 
 def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                 sm_count=None, algorithm: str = "fa2", plain: bool = True,
-                 allow_tf32: bool = False):
+                 sm_count=None, algorithm: str = "fa2", allow_tf32: bool = False):
     """(plan, reason): the forward kernel a call takes, and why, in words.
 
     Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+) or
     bfloat16 (sm_80+), d is a multiple of 8 up to 256, the inputs allow 16-byte loads
     (`aligned`) and a tile fits `max_smem`; float32 on sm_80+ takes the tf32 kernel
     (`Tf32Plan`: split tf32 by default, one-pass with `allow_tf32`; see `_tf32_path`);
-    the SIMT kernel (`KernelPlan`) otherwise.
+    the SIMT kernel (`KernelPlan`) otherwise. Attention variants (window, softcap, ALiBi,
+    bias, mask, dropout) do not change the path: every forward kernel takes them
+    (kernels/variants.cuh).
     `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
     simt = functools.partial(_plan_simt, d, dt, max_smem=max_smem, algorithm=algorithm)

@@ -122,8 +122,7 @@ def _run(dtype, arch, split, q, k, v, opts, *, checked=False, schedule="round-ro
     be = _backend(arch, checked=checked, schedule=schedule)
     lim = be.limits()
     plan, why = tiling.forward_path(d, dtype, lim["cc"], kernel_forward.loads_16b_aligned(q, k, v),
-                                    max_smem=lim["max_smem"], plain=False,
-                                    allow_tf32=split is False)
+                                    max_smem=lim["max_smem"], allow_tf32=split is False)
     want = "flash_fwd_tf32" if dtype == F32 else "flash_fwd_tc"
     assert plan.kernel == want and why.startswith("tensor cores"), why
     o, lse = kernel_forward.forward(be, q, k, v, causal=causal, scale=scale, algorithm="fa2",

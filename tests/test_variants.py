@@ -464,15 +464,16 @@ def test_emulated_kernels_any_options(p):
     check_property(p, "emulator")
 
 
-def test_variants_take_the_simt_kernel():
-    """Where tensor cores would run a plain call, a call with variants gets the SIMT
-    kernel (the score chain is in the SIMT kernels only), and the planner says why."""
+def test_variants_take_the_tensor_core_kernels():
+    """A call with variants takes the plan a plain call takes: the tensor-core forwards
+    run every option (tests/test_kernels_tc_variants.py), and the planner no longer asks."""
+    import inspect
     from cuflash import tiling
     limits = dict(max_smem=163 * 1024, sm_count=108)
-    tc, _ = tiling.forward_path(64, np.float16, (8, 0), **limits)
-    simt, why = tiling.forward_path(64, np.float16, (8, 0), plain=False, **limits)
-    assert tc.kernel != simt.kernel == "flash_fwd"
-    assert "variants" in why
+    for dt in (np.float16, np.float32):
+        plan, why = tiling.forward_path(64, dt, (8, 0), **limits)
+        assert plan.kernel.startswith("flash_fwd_t") and why.startswith("tensor cores")
+    assert "plain" not in inspect.signature(tiling.forward_path).parameters
 
 
 def test_window_edges_on_tile_boundaries(backend):

@@ -14,6 +14,9 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 
+Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
+the same plan serves a plain call and one with variants.
+
 Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
 plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
 (checked and non-empty).
@@ -32,15 +35,14 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     """o, lse for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d): o in q's dtype, lse (B, Hq,
     Nq) in the accumulation dtype. `variants` (cuflash.variants.Variants): the options;
     None or plain for none. `allow_tf32`: float32 may run one-pass tf32 (else split)."""
-    plain = variants is None or variants.is_plain()
     xp = backend.xp
     q, k, v = (prepare(xp, a) for a in (q, k, v))
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     acc = _dtypes.accum_dtype(q.dtype)
     plan = tiling.plan_forward(d, q.dtype, algorithm=algorithm,
-                               aligned=loads_16b_aligned(q, k, v), plain=plain,
-                               allow_tf32=allow_tf32, **backend.limits())
+                               aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
+                               **backend.limits())
     num_d_chunks = -(-d // plan.head_dim_bucket)
     o = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
     lse = xp.empty((B, Hq, Nq), dtype=acc)
