@@ -202,8 +202,8 @@ TC_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 
 TC_D_MULTIPLE = 8               # d % 8 == 0: a row is whole 16-byte chunks
 
 # Candidate (block_m, block_n, num_warps, stages) per HEAD_DIM, best first; the last of
-# each fits 64 KB (sm_75's opt-in limit). ptxas registers (sm_80): D=64 128x64 155,
-# D=128 128x64 239, D=128 64x32 216, D=256 64x16 233. Tried and rejected (spills, sm_80):
+# each fits 64 KB (sm_75's opt-in limit). ptxas registers (sm_80): D=64 128x64 170,
+# D=128 128x64 225, D=128 64x32 210, D=256 64x16 216. Tried and rejected (spills, sm_80):
 # D=256 with Q_i's fragments in registers (64x16: 8 bytes), D=256 64x32 (56 bytes) and
 # 64x64 (424 bytes) even with Q_i in shared memory.
 _TC_CANDIDATES = {

@@ -14,6 +14,11 @@
 //                                                      registers, ldmatrix.trans of V)
 //   epilogue   O_i = acc / ℓ_i → T in shared → 16-byte stores; lse_i      (lines 12-13)
 //
+// Attention variants as in flash_fwd.cu (variants.cuh's chain, run-time arguments): the key
+// loop spans only the tiles the window reaches; softcap, ALiBi, bias and the bool mask
+// turn S's fragments into scores (variant_scores), dropout scales P̃ after ℓ has summed it
+// (dropout_fragments); a plain call skips both branches.
+//
 // Layouts, fragments, swizzle: tc_tile.cuh and mma.cuh. The K/V pipeline: tile j lives in
 // ring slot j % STAGES; at iteration j the thread waits until its copies of tile j landed
 // (cp.async.wait_group STAGES − 2: the newer groups may still fly), one barrier makes

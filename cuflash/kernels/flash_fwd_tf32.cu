@@ -16,7 +16,8 @@
 //                                                      permuted within each k8 step)
 //   epilogue   O_i = acc / ℓ_i → shared → 16-byte stores; lse_i           (lines 12-13)
 //
-// The pipeline (ring slot j % STAGES, wait_group STAGES − 2, one commit per iteration) is
+// The pipeline (ring slot j % STAGES, wait_group STAGES − 2, one commit per iteration) and
+// the attention variants (window tiles, variant_scores, dropout_fragments) are
 // flash_fwd_tc.cu's; see the comment there.
 #include "common.cuh"
 #include "mask.cuh"

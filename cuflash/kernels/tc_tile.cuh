@@ -1,5 +1,5 @@
 // tc_tile.cuh — the tensor-core forward's traits, shared-memory swizzle, tile copies and
-// the online softmax on mma fragments (flash_fwd_tc.cu).
+// the online softmax and the attention variants on mma fragments (flash_fwd_tc.cu).
 //
 // Warp layout: warp w owns the 16 query rows w·16 .. w·16+15 of the block (one mma row
 // tile), so BLOCK_M = 16 · NUM_WARPS. In registers, per thread (g = lane >> 2, t = lane % 4,
