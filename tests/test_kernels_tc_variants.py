@@ -1,9 +1,10 @@
-"""Attention variants on the tensor-core forwards (flash_fwd_tc.cu: float16 and bfloat16;
-flash_fwd_tf32.cu: float32, split and one-pass tf32) in the emulator: every option alone
-and all of them at once, against the float64 reference with the tolerance rule of
-conftest (`plain_attention` with the variants, for 16-bit inputs); dropout's keep
-decisions against `cuflash.dropout_mask` and the NumPy backend, bit for bit; bias and mask
-in checked mode at ragged sizes.
+"""Attention variants on the tensor-core kernels in the emulator: the forwards
+(flash_fwd_tc.cu: float16 and bfloat16; flash_fwd_tf32.cu: float32, split and one-pass
+tf32) and the 16-bit backward (flash_bwd_tc.cu). Every option alone and all of them at
+once, against the float64 reference with the tolerance rule of conftest
+(`plain_attention` / `plain_backward` with the variants, for 16-bit inputs); dropout's
+keep decisions against `cuflash.dropout_mask` and the NumPy backend, bit for bit; bias and
+mask in checked mode at ragged sizes.
 
 The options are run-time arguments, so one build per (specialization, arch) serves every
 case here: each configuration below builds one kernel.
@@ -15,9 +16,9 @@ import pytest
 
 import cuflash
 from cuflash import _dtypes, emulator, reference, tiling, variants
-from cuflash.backends import kernel_forward, kernels
+from cuflash.backends import kernel_backward, kernel_forward, kernels
 
-from conftest import HAS_GXX, assert_close_to_reference, plain_attention
+from conftest import HAS_GXX, assert_close_to_reference, plain_attention, plain_backward
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -195,3 +196,55 @@ def test_checked_bias_and_mask_at_ragged_sizes(dtype, arch, split, schedule):
     opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
                     dtype, shape, seed=6)
     _run(dtype, arch, split, q, k, v, opts, checked=True, schedule=schedule)
+
+
+# -- the backward (flash_bwd_tc.cu) -------------------------------------------------------
+
+def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="round-robin"):
+    """The tensor-core backward with `opts`, o and lse from the float64 forward (rounded, so
+    the errors are the backward's own), each gradient within FlashAttention's rule for
+    gradients (factor 3 over conftest.plain_backward with the variants)."""
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    be = _backend(arch, checked=checked, schedule=schedule)
+    lim = be.limits()
+    plans, why = tiling.backward_path(d, dtype, lim["cc"],
+                                      kernel_forward.loads_16b_aligned(q, k, v, do),
+                                      max_smem=lim["max_smem"])
+    assert {p.kernel for p in plans} == set(tiling.TC_BWD_KERNELS), why
+    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                       **opts)
+    o, lse = o.astype(dtype), lse.astype(np.float32)
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
+                                     variants=_variants(opts))
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
+    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
+    for name, out, r, pl in zip(("dq", "dk", "dv"), grads, ref, plain):
+        assert_close_to_reference(out, r, pl, dtype, factor=3.0, what=f"{name} ({why})")
+
+
+BWD_CONFIGS = [
+    pytest.param(F16, "sm_75", id="float16-sm_75"),
+    pytest.param(BF16, "sm_80", id="bfloat16-sm_80"),
+]
+
+
+@pytest.mark.parametrize("names", CASES, ids="+".join)
+@pytest.mark.parametrize("dtype,arch", BWD_CONFIGS)
+def test_backward_variant_matches_reference(dtype, arch, names):
+    q, k, v = _inputs(dtype)
+    do = np.random.default_rng(2).standard_normal(q.shape).astype(dtype)
+    _run_backward(dtype, arch, do, q, k, v, _options(names, dtype))
+
+
+def test_backward_checked_bias_and_mask_at_ragged_sizes():
+    """Every option at ragged sizes in checked mode: neither backward kernel races or reads
+    bias or mask outside [0, Nq) x [0, Nk)."""
+    shape = (1, 2, 1, 37, 75, 40)
+    q, k, v = _inputs(F16, shape, seed=4)
+    do = np.random.default_rng(3).standard_normal(q.shape).astype(F16)
+    opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
+                    F16, shape, seed=6)
+    _run_backward(F16, "sm_80", do, q, k, v, opts, checked=True, schedule="random")

@@ -15,12 +15,12 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
-128, 16-byte aligned q, k, v, dO, no attention variant), launches 2 and 3 are the
+128, 16-byte aligned q, k, v, dO, no dbias asked for), launches 2 and 3 are the
 `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
 the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
 
-Attention variants run on the SIMT kernels (run-time arguments, `kernel_variants`). With
-`return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
+Attention variants run on every kernel (run-time arguments, `kernel_variants`). With
+`return_dbias` (SIMT kernels only) the dQ kernel also writes dbias; where the bias is broadcast over heads or
 batch its blocks loop over them (the grid's y or z shrinks to 1): `dbias_launch`.
 """
 from __future__ import annotations
@@ -38,16 +38,15 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
-    (cuflash.variants.Variants) run on the SIMT kernels; with `return_dbias` a fourth
+    (cuflash.variants.Variants): the options; with `return_dbias` (SIMT) a fourth
     result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     acc = _dtypes.accum_dtype(q.dtype)
-    plain = variants is None or variants.is_plain()
     (p_dkdv, p_dq), _why = tiling.backward_path(d, q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                                plain=plain, **backend.limits())
+                                                dbias=return_dbias, **backend.limits())
     tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 128, one chunk
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)
@@ -70,12 +69,13 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
 
-    # Variants (SIMT only): the score chain's run-time arguments, and dbias's launch (the
-    # dQ blocks loop over the heads and batches sharing a bias row: see flash_bwd.cu).
+    # Variants: the score chain's run-time arguments (every kernel), and dbias's launch
+    # (SIMT only: the dQ blocks loop over the heads and batches sharing a bias row, see
+    # flash_bwd.cu).
     heads_per_block = batch_per_block = 1
-    vflags = dq_extra = ()
+    vflags = variant_args(xp, variants, acc)
+    dq_extra = ()
     if not tc:
-        vflags = variant_args(xp, variants, acc)
         dbias, dbias_st, heads_per_block, batch_per_block = dbias_launch(
             xp, variants if return_dbias else None, acc, backend.name, B=B, Hq=Hq, Nq=Nq)
         dq_extra = (dbias, *dbias_st, np.int32(return_dbias), np.int32(heads_per_block),

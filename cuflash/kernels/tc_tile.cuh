@@ -224,11 +224,28 @@ __device__ __forceinline__ float variant_score(const Variants<T>& var, const Cau
                : neg_inf<float>();
 }
 
+// Every element of the thread's fragments one place towards s[0].c0 (n-tile n's c0 ← c1 ←
+// c2 ← c3 ← n-tile n + 1's c0), `in` into the last: register moves only. 4·N rotations
+// bring every element back to its place, so a rolled loop can take element e from
+// s[0].c0 at step e without a dynamic index into the fragments (which would put them in
+// local memory).
+template <int N>
+__device__ __forceinline__ void rotate_fragments(FragC (&s)[N], float in) {
+#pragma unroll
+    for (int n = N - 1; n >= 0; --n) {
+        const float out = s[n].c0;
+        s[n].c0 = s[n].c1;
+        s[n].c1 = s[n].c2;
+        s[n].c2 = s[n].c3;
+        s[n].c3 = in;
+        in = out;
+    }
+}
+
 // S (raw products) → the variants' scores in log2 units, in place. The chain is inlined
-// once, not once per element: a rolled loop walks the thread's 4·N elements by rotating
-// them all one place through s[0].c0 (register moves, no dynamic index into the
-// fragments, which would put them in local memory); after 4·N steps every element is
-// back in its place. This keeps the variant branch's code, and the compile time, small.
+// once, not once per element: a rolled loop takes the thread's 4·N elements one by one
+// from s[0].c0 (rotate_fragments). This keeps the variant branch's code, and the compile
+// time, small.
 template <int N, typename T>
 __device__ __forceinline__ void variant_scores(FragC (&s)[N], const Variants<T>& var,
                                                const CausalMask& mask, float scale, int r_top,
@@ -236,16 +253,7 @@ __device__ __forceinline__ void variant_scores(FragC (&s)[N], const Variants<T>&
 #pragma unroll 1
     for (int e = 0; e < 4 * N; ++e) {  // element e: n-tile e / 4, register e % 4
         const int i = r_top + (e & 2) * 4, j = c0 + (e >> 2) * 8 + (e & 1);
-        float carry = variant_score(var, mask, s[0].c0, scale, i, j);
-#pragma unroll
-        for (int n = N - 1; n >= 0; --n) {  // every element one place towards s[0].c0
-            const float out = s[n].c0;
-            s[n].c0 = s[n].c1;
-            s[n].c1 = s[n].c2;
-            s[n].c2 = s[n].c3;
-            s[n].c3 = carry;
-            carry = out;
-        }
+        rotate_fragments(s, variant_score(var, mask, s[0].c0, scale, i, j));
     }
 }
 
