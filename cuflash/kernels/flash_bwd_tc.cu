@@ -34,6 +34,11 @@
 // empty. Padding rows and head-dim columns ≥ d are zero-filled; padding keys and queries
 // are masked (P = 0), and a row with lse = −inf (it saw no key) gets P = 0: zero
 // gradients, no NaN.
+//
+// Attention variants (window, softcap, ALiBi, bias, mask, dropout; not dbias, which the
+// SIMT dQ kernel writes): flash_bwd.cu's chain (recompute_p_ds_variants) on the fragments
+// in one rolled loop per tile (p_ds_variants, tc_bwd_tile.cuh); the window skips query
+// tiles (dK/dV: row_end) and key tiles (dQ: key_begin) outside it. A plain call runs p_ds.
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
