@@ -621,8 +621,8 @@ TC_BWD_HEAD_DIMS = (64, 128)   # HEAD_DIM buckets; d a multiple of 8 up to 128 r
 # Candidate (block_rows, tile_rows, num_warps, stages, own_in_regs) per (kernel, HEAD_DIM),
 # best first; every one fits 64 KB (sm_75's opt-in limit). `own_in_regs`: the warp's own
 # operands (K_j, V_j | Q_i, dO_i) as A fragments in registers, else re-read from shared
-# memory at every k16 step. ptxas registers (sm_80 / sm_75): dK/dV D=64 237 / 244,
-# D=128 217 / 224; dQ D=64 241 / 227, D=128 242 / 250. Tried and rejected: dK/dV D=128
+# memory at every k16 step. ptxas registers (sm_80 / sm_75): dK/dV D=64 226 / 245,
+# D=128 228 / 228; dQ D=64 232 / 230, D=128 244 / 252. Tried and rejected: dK/dV D=128
 # with 32-row Q tiles (ptxas spills 16 bytes on sm_75 at 255 registers). D = 256 has no
 # tile: dK_j and dV_j alone are 2 · D/2 = 256 accumulator registers per thread.
 _TC_BWD_CANDIDATES = {
