@@ -179,16 +179,15 @@ def _plan_simt(d: int, dtype, *, max_smem: int, algorithm: str) -> KernelPlan:
 
 
 def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
-                 algorithm: str = "fa2", aligned: bool = True, plain: bool = True,
-                 allow_tf32: bool = False):
+                 algorithm: str = "fa2", aligned: bool = True, allow_tf32: bool = False):
     """The plan for head dim d and dtype on a device with `max_smem` bytes per block and
     compute capability `cc` ((major, minor); None: unknown, SIMT only): a `TcPlan` where
     tensor cores apply, else a SIMT `KernelPlan` (see `forward_path`, which also says why).
-    `aligned`: the inputs allow 16-byte loads (base pointers and strides). `plain`: no
-    attention variant (`cuflash.variants.Variants.is_plain`). `allow_tf32`: float32 may
-    run one-pass tf32 (else split tf32; see `forward_path`)."""
+    `aligned`: the inputs allow 16-byte loads (base pointers and strides). `allow_tf32`:
+    float32 may run one-pass tf32 (else split tf32; see `forward_path`). Attention
+    variants take the same plan as a plain call: every forward kernel runs them."""
     return forward_path(d, dtype, cc, aligned, max_smem=max_smem, sm_count=sm_count,
-                        algorithm=algorithm, plain=plain, allow_tf32=allow_tf32)[0]
+                        algorithm=algorithm, allow_tf32=allow_tf32)[0]
 
 
 # ── tensor-core forward (flash_fwd_tc.cu) ─────────────────────────────────────────────
@@ -203,8 +202,8 @@ TC_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 
 TC_D_MULTIPLE = 8               # d % 8 == 0: a row is whole 16-byte chunks
 
 # Candidate (block_m, block_n, num_warps, stages) per HEAD_DIM, best first; the last of
-# each fits 64 KB (sm_75's opt-in limit). ptxas registers (sm_80): D=64 128x64 155,
-# D=128 128x64 239, D=128 64x32 216, D=256 64x16 233. Tried and rejected (spills, sm_80):
+# each fits 64 KB (sm_75's opt-in limit). ptxas registers (sm_80): D=64 128x64 170,
+# D=128 128x64 225, D=128 64x32 210, D=256 64x16 216. Tried and rejected (spills, sm_80):
 # D=256 with Q_i's fragments in registers (64x16: 8 bytes), D=256 64x32 (56 bytes) and
 # 64x64 (424 bytes) even with Q_i in shared memory.
 _TC_CANDIDATES = {
@@ -282,23 +281,21 @@ def all_tc_plans() -> tuple[TcPlan, ...]:
 
 
 def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                 sm_count=None, algorithm: str = "fa2", plain: bool = True,
-                 allow_tf32: bool = False):
+                 sm_count=None, algorithm: str = "fa2", allow_tf32: bool = False):
     """(plan, reason): the forward kernel a call takes, and why, in words.
 
     Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+) or
     bfloat16 (sm_80+), d is a multiple of 8 up to 256, the inputs allow 16-byte loads
     (`aligned`) and a tile fits `max_smem`; float32 on sm_80+ takes the tf32 kernel
     (`Tf32Plan`: split tf32 by default, one-pass with `allow_tf32`; see `_tf32_path`);
-    the SIMT kernel (`KernelPlan`) otherwise.
+    the SIMT kernel (`KernelPlan`) otherwise. Attention variants (window, softcap, ALiBi,
+    bias, mask, dropout) do not change the path: every forward kernel takes them
+    (kernels/variants.cuh).
     `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
     simt = functools.partial(_plan_simt, d, dt, max_smem=max_smem, algorithm=algorithm)
     if algorithm != "fa2":
         return simt(), f"SIMT: algorithm={algorithm!r} runs the FA1 loop order (SIMT only)"
-    if not plain:  # the score chain of kernels/variants.cuh is in the SIMT kernels only
-        return simt(), ("SIMT: attention variants (window, softcap, ALiBi, bias, mask, "
-                        "dropout) run on the SIMT kernel; the tensor-core kernel takes none")
     if dt.name not in TC_DTYPES + (TF32_DTYPE,):
         return simt(), (f"SIMT: {dt.name} has no tensor-core path (float16, bfloat16 and "
                         f"float32 do)")
@@ -656,8 +653,8 @@ TC_BWD_HEAD_DIMS = (64, 128)   # HEAD_DIM buckets; d a multiple of 8 up to 128 r
 # Candidate (block_rows, tile_rows, num_warps, stages, own_in_regs) per (kernel, HEAD_DIM),
 # best first; every one fits 64 KB (sm_75's opt-in limit). `own_in_regs`: the warp's own
 # operands (K_j, V_j | Q_i, dO_i) as A fragments in registers, else re-read from shared
-# memory at every k16 step. ptxas registers (sm_80 / sm_75): dK/dV D=64 237 / 244,
-# D=128 217 / 224; dQ D=64 241 / 227, D=128 242 / 250. Tried and rejected: dK/dV D=128
+# memory at every k16 step. ptxas registers (sm_80 / sm_75): dK/dV D=64 226 / 245,
+# D=128 228 / 228; dQ D=64 232 / 230, D=128 244 / 252. Tried and rejected: dK/dV D=128
 # with 32-row Q tiles (ptxas spills 16 bytes on sm_75 at 255 registers). D = 256 has no
 # tile: dK_j and dV_j alone are 2 · D/2 = 256 accumulator registers per thread.
 _TC_BWD_CANDIDATES = {
@@ -737,21 +734,23 @@ def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
 
 
 def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                  sm_count=None, plain: bool = True):
+                  sm_count=None, dbias: bool = False):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
-    Tensor cores (two `TcBwdPlan`s) where there is no attention variant (`plain`), the
-    dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple of 8 up to 128, q, k,
-    v and dO allow 16-byte loads (`aligned`) and both tiles fit `max_smem`; otherwise the
-    SIMT kernels of `plan_backward`. `cc` is (major, minor), or None when unknown (SIMT)."""
+    Tensor cores (two `TcBwdPlan`s) where dbias is not asked for (`dbias`: the SIMT dQ
+    kernel writes it), the dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple
+    of 8 up to 128, q, k, v and dO allow 16-byte loads (`aligned`) and both tiles fit
+    `max_smem`; otherwise the SIMT kernels of `plan_backward`. Attention variants (window,
+    softcap, ALiBi, bias, mask, dropout) take the same path as a plain call.
+    `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
 
     def simt():
         return plan_backward(d, dt, max_smem=max_smem, sm_count=sm_count, cc=cc)
 
-    if not plain:
-        return simt(), ("SIMT: attention variants (window, softcap, ALiBi, bias, mask, "
-                        "dropout) run on the SIMT backward; the tensor-core kernels take none")
+    if dbias:
+        return simt(), ("SIMT: return_dbias: the SIMT dQ kernel writes dbias; the "
+                        "tensor-core backward does not")
     if dt.name not in TC_DTYPES:
         return simt(), (f"SIMT: {dt.name} has no tensor-core backward (float16 and bfloat16 "
                         f"do)")

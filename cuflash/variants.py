@@ -8,8 +8,8 @@ Every variant enters at one place, the score tile, in this order (docs/api.md):
 `Variants` carries the checked, normalised options from `cuflash.api` to a backend:
 arrays in the compact 4-D form every backend reads (each axis full or 1, a size-1 axis
 read with stride 0, never expanded), the window as two ints, the dropout threshold.
-`Variants.is_plain()` says whether a call has none of them, so that a kernel path that
-does not take variants yet (the tensor-core forward) can fall back to one that does.
+`Variants.is_plain()` says whether a call has none of them (a backend then gets no
+variants at all).
 
 Dropout draws its keep decision from a counter-based generator, Philox4x32-10
 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), so it depends only

@@ -65,44 +65,81 @@ def _heads(q, k):
     return q.shape[-3] // k.shape[-3], -3
 
 
-def _causal_hidden(nq, nk):
-    """True where key j is hidden from query i (bottom-right aligned)."""
-    return np.arange(nk)[None, :] > np.arange(nq)[:, None] + (nk - nq)
-
-
-def plain_attention(q, k, v, *, causal, scale, dtype):
+def plain_attention(q, k, v, *, causal, scale, dtype, window=None, softcap=None,
+                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
     """Attention as a plain implementation in `dtype` computes it: S, P and O each stored
-    in `dtype` (sums in float64). Returns (O, P); rows that see no key get P = 0."""
+    in `dtype` (sums in float64), with the variants applied to S in the documented order
+    (docs/api.md), each step stored in `dtype`: softcap, − ALiBi, + bias, then causal,
+    window and mask hide keys; dropout multiplies P by keep/(1 − p). q is (B, Hq, Nq, d)
+    when a variant is given. Returns (O, P); rows that see no key get P = 0 (P is the
+    pre-dropout one)."""
+    from cuflash import reference, variants
     r = lambda x: round_to(x, dtype)  # noqa: E731
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     group, axis = _heads(q, k)
     if group > 1:
         k, v = np.repeat(k, group, axis=axis), np.repeat(v, group, axis=axis)
+    nq, nk = q.shape[-2], k.shape[-2]
     s = r(scale * (q @ np.swapaxes(k, -1, -2)))
-    if causal:
-        s = np.where(_causal_hidden(q.shape[-2], k.shape[-2]), -np.inf, s)
+    if softcap is not None:
+        s = r(softcap * np.tanh(s / softcap))
+    if alibi_slopes is not None:
+        dist = np.abs(np.arange(nq)[:, None] + (nk - nq) - np.arange(nk)[None, :])
+        s = r(s - np.asarray(alibi_slopes, np.float64)[..., None, None] * dist)
+    if bias is not None:
+        s = r(s + np.asarray(bias, np.float64))
+    hidden = ~reference.visible_keys(nq, nk, causal=causal, window=window)
+    if mask is not None:
+        hidden = hidden | ~np.asarray(mask, bool)
+    s = np.where(hidden, -np.inf, s)
     seen = np.any(s != -np.inf, axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
         p = r(np.where(seen, scipy.special.softmax(s, axis=-1), 0.0))
-    return r(p @ v), p
+    pv = p
+    if dropout_p:
+        keep = variants.dropout_mask(s.shape, dropout_p, seed)
+        pv = r(p * keep / (1.0 - dropout_p))
+    return r(pv @ v), p
 
 
-def plain_backward(do, q, k, v, o, lse, *, causal, scale, dtype):
+def plain_backward(do, q, k, v, o, lse, *, causal, scale, dtype, window=None, softcap=None,
+                   alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
     """The backward's equations with every intermediate stored in `dtype`:
-    P = exp(S − lse), dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O), dS = P ∘ (dP − D),
-    dQ = dS K · scale, dK = dSᵀ Q · scale (dK, dV summed over each GQA group)."""
+    P = exp(Z − lse), dV = (P ∘ K)ᵀ dO, dP = (dO Vᵀ) ∘ K, D = rowsum(dO ∘ O),
+    dZ = P ∘ (dP − D), dS = dZ ∘ (1 − T²) (softcap), dQ = dS K · scale, dK = dSᵀ Q · scale
+    (dK, dV summed over each GQA group), with Z the variants' scores (S without them),
+    T = tanh(S/softcap) and K = keep/(1 − p) (1 without dropout); q is (B, Hq, Nq, d) when
+    a variant is given."""
+    from cuflash import reference, variants
     r = lambda x: round_to(x, dtype)  # noqa: E731
     do, q, k, v, o = (r(x) for x in (do, q, k, v, o))
     group, axis = _heads(q, k)
     ke, ve = (np.repeat(x, group, axis=axis) for x in (k, v)) if group > 1 else (k, v)
+    nq, nk = q.shape[-2], k.shape[-2]
     s = r(scale * (q @ np.swapaxes(ke, -1, -2)))
-    if causal:
-        s = np.where(_causal_hidden(q.shape[-2], k.shape[-2]), -np.inf, s)
+    t = None
+    if softcap is not None:
+        t = np.tanh(s / softcap)
+        s = r(softcap * t)
+    if alibi_slopes is not None:
+        dist = np.abs(np.arange(nq)[:, None] + (nk - nq) - np.arange(nk)[None, :])
+        s = r(s - np.asarray(alibi_slopes, np.float64)[..., None, None] * dist)
+    if bias is not None:
+        s = r(s + np.asarray(bias, np.float64))
+    hidden = ~reference.visible_keys(nq, nk, causal=causal, window=window)
+    if mask is not None:
+        hidden = hidden | ~np.asarray(mask, bool)
+    s = np.where(hidden, -np.inf, s)
     lse = np.asarray(lse, np.float64)
     p = r(np.exp(s - np.where(lse == -np.inf, np.inf, lse)[..., None]))
-    dv = r(np.swapaxes(p, -1, -2) @ do)
-    dp = r(do @ np.swapaxes(ve, -1, -2))
+    keep = 1.0
+    if dropout_p:
+        keep = variants.dropout_mask(s.shape, dropout_p, seed) / (1.0 - dropout_p)
+    dv = r(np.swapaxes(r(p * keep), -1, -2) @ do)
+    dp = r(r(do @ np.swapaxes(ve, -1, -2)) * keep)
     ds = r(p * (dp - r(np.sum(do * o, axis=-1, keepdims=True))))
+    if t is not None:
+        ds = r(ds * (1 - t * t))
     dq = r((ds @ ke) * scale)
     dk = r((np.swapaxes(ds, -1, -2) @ q) * scale)
     if group > 1:

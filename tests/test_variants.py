@@ -447,15 +447,16 @@ def test_emulated_kernels_any_options(p):
     check_property(p, "emulator")
 
 
-def test_variants_take_the_simt_kernel():
-    """Where tensor cores would run a plain call, a call with variants gets the SIMT
-    kernel (the score chain is in the SIMT kernels only), and the planner says why."""
+def test_variants_take_the_tensor_core_kernels():
+    """A call with variants takes the plan a plain call takes: the tensor-core forwards
+    run every option (tests/test_kernels_tc_variants.py), and the planner no longer asks."""
+    import inspect
     from cuflash import tiling
     limits = dict(max_smem=163 * 1024, sm_count=108)
-    tc, _ = tiling.forward_path(64, np.float16, (8, 0), **limits)
-    simt, why = tiling.forward_path(64, np.float16, (8, 0), plain=False, **limits)
-    assert tc.kernel != simt.kernel == "flash_fwd"
-    assert "variants" in why
+    for dt in (np.float16, np.float32):
+        plan, why = tiling.forward_path(64, dt, (8, 0), **limits)
+        assert plan.kernel.startswith("flash_fwd_t") and why.startswith("tensor cores")
+    assert "plain" not in inspect.signature(tiling.forward_path).parameters
 
 
 def test_window_edges_on_tile_boundaries(backend):
@@ -626,11 +627,13 @@ def test_emulated_backward_variants_checked_mode(query_axis):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
 
 
-def test_variants_take_the_simt_backward():
-    """The tensor-core backward takes no variant: backward_path gives the SIMT kernels."""
+def test_variants_take_the_tensor_core_backward_but_dbias_does_not():
+    """The tensor-core backward runs every option (tests/test_kernels_tc_variants.py); only
+    return_dbias (written by the SIMT dQ kernel) gives the SIMT kernels."""
     from cuflash import tiling
     limits = dict(max_smem=163 * 1024, sm_count=108)
-    (tc, _), _ = tiling.backward_path(64, np.float16, (8, 0), **limits)
-    (simt, _), why = tiling.backward_path(64, np.float16, (8, 0), plain=False, **limits)
-    assert tc.kernel != simt.kernel and simt.kernel.startswith("flash_bwd_dkdv")
-    assert "variants" in why
+    (tc, _), why = tiling.backward_path(64, np.float16, (8, 0), **limits)
+    (simt, _), why_simt = tiling.backward_path(64, np.float16, (8, 0), dbias=True, **limits)
+    assert tc.kernel == "flash_bwd_dkdv_tc" and why.startswith("tensor cores")
+    assert simt.kernel.startswith("flash_bwd_dkdv") and simt.kernel != tc.kernel
+    assert "dbias" in why_simt

@@ -15,15 +15,15 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
-128, 16-byte aligned q, k, v, dO, no attention variant), launches 2 and 3 are the
+128, 16-byte aligned q, k, v, dO, no dbias asked for), launches 2 and 3 are the
 `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
 the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
 
-Attention variants run on the SIMT kernels (run-time arguments, `kernel_variants`). With
-`return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
-batch its blocks loop over them (the grid's y or z shrinks to 1). A bias broadcast over
-query rows takes the dK/dV kernel's column sums of dS instead, summed over the other
-broadcast axes here: `dbias_launch`, `dbias_from_cols`.
+Attention variants run on every kernel (run-time arguments, `kernel_variants`). With
+`return_dbias` (the SIMT kernels only) the dQ kernel also writes dbias; where the bias is
+broadcast over heads or batch its blocks loop over them (the grid's y or z shrinks to 1).
+A bias broadcast over query rows takes the dK/dV kernel's column sums of dS instead,
+summed over the other broadcast axes here: `dbias_launch`, `dbias_from_cols`.
 """
 from __future__ import annotations
 
@@ -36,17 +36,16 @@ from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
-def backward_plans(backend, do, q, k, v, *, variants=None):
+def backward_plans(backend, do, q, k, v, *, return_dbias=False):
     """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays."""
     return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                plain=variants is None or variants.is_plain(),
-                                **backend.limits())
+                                dbias=return_dbias, **backend.limits())
 
 
-def takes_segments(backend, do, q, k, v, *, variants=None) -> bool:
+def takes_segments(backend, do, q, k, v) -> bool:
     """Whether `backward` runs packed sequences in one launch here: the SIMT kernels read
     cu_seqlens (flash_bwd.cu); the tensor-core ones do not."""
-    (p_dkdv, _), _ = backward_plans(backend, do, q, k, v, variants=variants)
+    (p_dkdv, _), _ = backward_plans(backend, do, q, k, v)
     return p_dkdv.kernel != FLASH_BWD_DKDV_TC.name
 
 
@@ -54,7 +53,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False, segments=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
-    (cuflash.variants.Variants) run on the SIMT kernels; with `return_dbias` a fourth
+    (cuflash.variants.Variants): the options; with `return_dbias` (SIMT) a fourth
     result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype.
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q); SIMT only
@@ -67,7 +66,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, variants=variants)
+    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, return_dbias=return_dbias)
     tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 128, one chunk
     if segments is not None and tc:
         raise ValueError("the tensor-core backward kernels take no packed sequences "
@@ -99,14 +98,14 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # The kernels fold log2(e) into the scale themselves (common.cuh).
     flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
 
-    # Variants (SIMT only): the score chain's run-time arguments, and dbias's launch (the
-    # dQ blocks loop over the heads and batches sharing a bias row; a bias without its
-    # query axis takes the dK/dV kernel's column sums instead: see flash_bwd.cu).
+    # Variants: the score chain's run-time arguments (every kernel), and dbias's launch
+    # (SIMT only: the dQ blocks loop over the heads and batches sharing a bias row; a bias
+    # without its query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu).
     heads_per_block = batch_per_block = 1
-    vflags = dq_extra = dkdv_extra = ()
+    vflags = variant_args(xp, variants, acc)
+    dq_extra = dkdv_extra = ()
     by_cols = False
     if not tc:
-        vflags = variant_args(xp, variants, acc)
         dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
             xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
         by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it

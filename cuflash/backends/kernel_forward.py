@@ -14,6 +14,9 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 
+Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
+the same plan serves a plain call and one with variants.
+
 Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
 plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
 (checked and non-empty).
@@ -37,7 +40,7 @@ class Segments:
     varlen `cu_q`, `cu_k` ((B+1,) row offsets into q, k and v given as (1, H, total, d)),
     and/or a KV cache's `used_k` ((B,) keys in use of the padded k, v), and a paged cache's
     `block_table` ((B, max_pages): k and v are (num_pages, H, page_size, d), page_size a
-    multiple of the plan's block_n: `pages_fit`). `max_q`: the longest query sequence (the
+    multiple of the plan's block_n, `forward_plan`). `max_q`: the longest query sequence (the
     grid's query blocks); `max_k`: the longest key sequence (split-KV's tile count)."""
 
     batch: int
@@ -49,12 +52,11 @@ class Segments:
     block_table: object = None
 
 
-def forward_plan(backend, q, k, v, *, algorithm="fa2", variants=None, allow_tf32=False):
+def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False):
     """The plan `forward` launches for these (prepared) arrays on this backend."""
     return tiling.plan_forward(q.shape[-1], q.dtype, algorithm=algorithm,
-                               aligned=loads_16b_aligned(q, k, v),
-                               plain=variants is None or variants.is_plain(),
-                               allow_tf32=allow_tf32, **backend.limits())
+                               aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
+                               **backend.limits())
 
 
 def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,
@@ -73,8 +75,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     max_k = segments.max_k if segments is not None else Nk
     acc = _dtypes.accum_dtype(q.dtype)
     lim = backend.limits()
-    plan = forward_plan(backend, q, k, v, algorithm=algorithm, variants=variants,
-                        allow_tf32=allow_tf32)
+    plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32)
     if segments is not None and segments.block_table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")
@@ -114,12 +115,10 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     else:
         o_part, lse_out = None, lse
     args = (q, k, v, o, lse_out, *sizes, *strides, *flags, np.int32(num_m_blocks))
-    simt = plan.kernel == FORWARD_ALGORITHMS["fa2"].name
-    if simt:
+    if plan.kernel == FORWARD_ALGORITHMS["fa2"].name:  # SIMT: head-dim chunks
         args += (np.int32(num_d_chunks),)
-    args += layout_args(xp, segments, lse, num_splits, o_part, page_size=k.shape[2])
-    if simt:
-        args += variant_args(xp, variants, acc)
+    args += (*layout_args(xp, segments, lse, num_splits, o_part, page_size=k.shape[2]),
+             *variant_args(xp, variants, acc))
     backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
     if num_splits > 1:
         o[...], lse[...] = merge_states(o_part, lse_out)

@@ -34,9 +34,15 @@
 // empty. Padding rows and head-dim columns ≥ d are zero-filled; padding keys and queries
 // are masked (P = 0), and a row with lse = −inf (it saw no key) gets P = 0: zero
 // gradients, no NaN.
+//
+// Attention variants (window, softcap, ALiBi, bias, mask, dropout; not dbias, which the
+// SIMT dQ kernel writes): flash_bwd.cu's chain (recompute_p_ds_variants) on the fragments
+// in one rolled loop per tile (p_ds_variants, tc_bwd_tile.cuh); the window skips query
+// tiles (dK/dV: row_end) and key tiles (dQ: key_begin) outside it. A plain call runs p_ds.
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "variants.cuh"
 #include "tc_tile.cuh"
 #include "tc_bwd_tile.cuh"
 
@@ -53,7 +59,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
     long long do_sr, long long dk_sb, long long dk_sh, long long dk_sr, long long dv_sb,
-    long long dv_sh, long long dv_sr, float scale, int causal) {
+    long long dv_sh, long long dv_sr, float scale, int causal, Variants<T> var, int win_left,
+    int win_right) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (key block, K/V head, batch). Key blocks first-first: under causal masking
@@ -76,13 +83,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
     const int g = lane >> 2, t = lane % 4;
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    const bool plain = !var.scores() && !var.dropout();
     const float scale_log2 = softmax_scale_log2(scale);
 
     // The tiles: every query head h of the group, and its Q_i tiles from the first row
-    // that sees key n0 (causal block skipping, rounded down to a whole tile).
+    // that sees key n0 (causal block skipping, rounded down to a whole tile) to the last
+    // row a window's left edge lets see the block's last key.
     const int m_begin = mask.first_row(n0) / BM * BM;
-    const int m_tiles = m_begin < Nq ? (Nq - m_begin + BM - 1) / BM : 0;
+    const int m_end = mask.row_end(min(n0 + BN, Nk));
+    const int m_tiles = m_end > m_begin ? (m_end - m_begin + BM - 1) / BM : 0;
     const int n_tiles = group * m_tiles;
     auto issue = [&](int i) {  // copy tile i into its ring slot (one commit group per tile)
         if (i < n_tiles) {
@@ -140,25 +150,38 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
 
         // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
         // D_i are per column (query), from the tile's row statistics
-        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
         const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
+        if (!plain) {  // element e: key row key_top + 8·(e % 4 / 2), query column c
+            var.bind((int)b, h_kv * group + i / m_tiles, Nq, Nk);  // short-lived registers
+            p_ds_variants(s, dp, scale, var, [&](int e, int& qi, int& kj, float& lse2, float& Di,
+                                                  bool& hidden) {
+                const int c = (e >> 2) * 8 + 2 * t + (e & 1);
+                qi = m0 + c;
+                kj = (e & 2) ? key_bottom : key_top;
+                lse2 = lse_log2(sLi[c]);
+                Di = sDi[c];
+                hidden = qi >= Nq || mask.masked(qi, kj);
+            });
+        } else {
+            const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
 #pragma unroll
-        for (int j = 0; j < Tr::kSTiles; ++j) {
-            const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
-            const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
-            const float d0 = sDi[c], d1 = sDi[c + 1];
-            const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
-            bool m00 = false, m01 = false, m10 = false, m11 = false;
-            if (needs_mask) {  // a padding query (i >= Nq) is masked like a padding key
-                m00 = i0 >= Nq || mask.masked(i0, key_top);
-                m01 = i1 >= Nq || mask.masked(i1, key_top);
-                m10 = i0 >= Nq || mask.masked(i0, key_bottom);
-                m11 = i1 >= Nq || mask.masked(i1, key_bottom);
+            for (int j = 0; j < Tr::kSTiles; ++j) {
+                const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
+                const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
+                const float d0 = sDi[c], d1 = sDi[c + 1];
+                const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
+                bool m00 = false, m01 = false, m10 = false, m11 = false;
+                if (needs_mask) {  // a padding query (i >= Nq) is masked like a padding key
+                    m00 = i0 >= Nq || mask.masked(i0, key_top);
+                    m01 = i1 >= Nq || mask.masked(i1, key_top);
+                    m10 = i0 >= Nq || mask.masked(i0, key_bottom);
+                    m11 = i1 >= Nq || mask.masked(i1, key_bottom);
+                }
+                p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, m00);
+                p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, m01);
+                p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, m10);
+                p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, m11);
             }
-            p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, m00);
-            p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, m01);
-            p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, m10);
-            p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, m11);
         }
 
         // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in registers)
@@ -183,7 +206,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
-    long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal) {
+    long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal,
+    Variants<T> var, int win_left, int win_right) {
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (query block, query head, batch); query blocks last-first (the causal tail,
@@ -207,14 +231,18 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
     const int g = lane >> 2, t = lane % 4;
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    const bool plain = !var.scores() && !var.dropout();
     const float scale_log2 = softmax_scale_log2(scale);
-    const int n_end = mask.key_end(min(m0 + BM, Nq));  // causal block skipping
-    const int n_tiles = (n_end + BN - 1) / BN;
+    // Block skipping: key tiles above the diagonal or outside the window (as flash_fwd_tc.cu)
+    const int n_begin = mask.key_begin(m0) / BN * BN;
+    const int n_end = mask.key_end(min(m0 + BM, Nq));
+    const int n_tiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
     auto issue = [&](int j) {
         if (j < n_tiles) {
-            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, j * BN, Nk, d);
-            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, j * BN, Nk, d);
+            const int n0 = n_begin + j * BN;
+            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, n0, Nk, d);
+            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, n0, Nk, d);
         }
         cp_async_commit();
     };
@@ -250,7 +278,7 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
         issue(j + STAGES - 1);
         const T* sKj = sK + (j % STAGES) * kSlot;
         const T* sVj = sV + (j % STAGES) * kSlot;
-        const int n0 = j * BN;
+        const int n0 = n_begin + j * BN;
 
         // -- S = Q_i K_jᵀ, dP = dO_i V_jᵀ
         FragC s[Tr::kSTiles], dp[Tr::kSTiles];
@@ -263,18 +291,30 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
         gemm_qk_tc<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
 
         // -- P = exp2(S·scale·log2 e − lse_i·log2 e), dS = P ∘ (dP − D_i)
-        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
+        if (!plain) {  // element e: query row r_top + 8·(e % 4 / 2), key column c
+            var.bind((int)b, h, Nq, Nk);  // here, not before the loop: short-lived registers
+            p_ds_variants(s, dp, scale, var, [&](int e, int& qi, int& kj, float& lse2, float& Di,
+                                                  bool& hidden) {
+                qi = (e & 2) ? r_bottom : r_top;
+                kj = n0 + (e >> 2) * 8 + 2 * t + (e & 1);
+                lse2 = (e & 2) ? lse2_bottom : lse2_top;
+                Di = (e & 2) ? d_bottom : d_top;
+                hidden = qi >= Nq || mask.masked(qi, kj);
+            });
+        } else {
+            const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
 #pragma unroll
-        for (int i = 0; i < Tr::kSTiles; ++i) {
-            const int c = n0 + i * 8 + 2 * t;
-            const bool m00 = needs_mask && mask.masked(r_top, c);
-            const bool m01 = needs_mask && mask.masked(r_top, c + 1);
-            const bool m10 = needs_mask && mask.masked(r_bottom, c);
-            const bool m11 = needs_mask && mask.masked(r_bottom, c + 1);
-            p_ds(s[i].c0, dp[i].c0, scale_log2, lse2_top, d_top, m00);
-            p_ds(s[i].c1, dp[i].c1, scale_log2, lse2_top, d_top, m01);
-            p_ds(s[i].c2, dp[i].c2, scale_log2, lse2_bottom, d_bottom, m10);
-            p_ds(s[i].c3, dp[i].c3, scale_log2, lse2_bottom, d_bottom, m11);
+            for (int i = 0; i < Tr::kSTiles; ++i) {
+                const int c = n0 + i * 8 + 2 * t;
+                const bool m00 = needs_mask && mask.masked(r_top, c);
+                const bool m01 = needs_mask && mask.masked(r_top, c + 1);
+                const bool m10 = needs_mask && mask.masked(r_bottom, c);
+                const bool m11 = needs_mask && mask.masked(r_bottom, c + 1);
+                p_ds(s[i].c0, dp[i].c0, scale_log2, lse2_top, d_top, m00);
+                p_ds(s[i].c1, dp[i].c1, scale_log2, lse2_top, d_top, m01);
+                p_ds(s[i].c2, dp[i].c2, scale_log2, lse2_bottom, d_bottom, m10);
+                p_ds(s[i].c3, dp[i].c3, scale_log2, lse2_bottom, d_bottom, m11);
+            }
         }
 
         // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of K_j)
@@ -303,13 +343,14 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          long long do_sb, long long do_sh, long long do_sr,
                          long long dk_sb, long long dk_sh, long long dk_sr,
                          long long dv_sb, long long dv_sh, long long dv_sr,
-                         float scale, int causal) {
+                         float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            /*ROW_STATS=*/true>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
-                              dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal);
+                              dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
+                              CUFLASH_VARIANTS(T), win_left, win_right);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
     }
@@ -327,13 +368,13 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        long long v_sb, long long v_sh, long long v_sr,
                        long long do_sb, long long do_sh, long long do_sr,
                        long long dq_sb, long long dq_sh, long long dq_sr,
-                       float scale, int causal) {
+                       float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            /*ROW_STATS=*/false>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
-                            dq_sr, scale, causal);
+                            dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right);
     } else {
         __trap();
     }

@@ -16,11 +16,13 @@
 //                                                      permuted within each k8 step)
 //   epilogue   O_i = acc / ℓ_i → shared → 16-byte stores; lse_i           (lines 12-13)
 //
-// The pipeline (ring slot j % STAGES, wait_group STAGES − 2, one commit per iteration) is
+// The pipeline (ring slot j % STAGES, wait_group STAGES − 2, one commit per iteration) and
+// the attention variants (window tiles, variant_scores, dropout_fragments) are
 // flash_fwd_tc.cu's; see the comment there.
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "variants.cuh"
 #include "tc_tile.cuh"
 #include "seqlens.cuh"
 #include "tf32_tile.cuh"
@@ -33,7 +35,8 @@ __device__ __forceinline__ void flash_fwd_tf32(
     float* __restrict__ o, float* __restrict__ lse, int Hq, int group, int Nq, int Nk, int d,
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,
-    float scale, int causal, int num_m_blocks, const Seqlens& seq, float* __restrict__ o_part) {
+    float scale, int causal, int num_m_blocks, const Seqlens& seq, float* __restrict__ o_part,
+    Variants<float> var, int win_left, int win_right) {
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
 
     // Block → (m_block, split, h, b); query blocks last-first (the causal tail, as
@@ -73,8 +76,12 @@ __device__ __forceinline__ void flash_fwd_tf32(
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
     const int g = lane >> 2, t = lane % 4;
-    const CausalMask mask{Nq, Nk, causal != 0};
-    int n_begin = 0, n_end = mask.key_end(min(m0 + BM, Nq));  // causal block skipping
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    var.bind(b, h, Nq, Nk);  // softcap, ALiBi, bias, bool mask, dropout (variants.cuh)
+    // Block skipping: tiles entirely above the diagonal, or outside the window, are never
+    // loaded (the first tile starts on a BLOCK_N boundary, as in flash_fwd.cu); then this
+    // split's share of them (seqlens.cuh).
+    int n_begin = mask.key_begin(m0) / BN * BN, n_end = mask.key_end(min(m0 + BM, Nq));
     seq.clip_to_split(split, Nk, BN, n_begin, n_end);
     const int t_begin = n_begin / BN, t_end = (n_end + BN - 1) / BN;  // key tiles to visit
     const float scale_log2 = softmax_scale_log2(scale);
@@ -118,20 +125,24 @@ __device__ __forceinline__ void flash_fwd_tf32(
 #pragma unroll
         for (int i = 0; i < Tr::kSTiles; ++i) s[i] = FragC{0.f, 0.f, 0.f, 0.f};
         gemm_qk_tf32<Tr, SPLIT>(s, qf, sQ, warp_row0, sKj, g, t);
-        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
         const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
+        if (var.scores()) {  // the chain runs on the natural score scale·qk, then log2 units
+            variant_scores(s, var, mask, scale, r_top, n0 + 2 * t);
+        } else {
+            const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
 #pragma unroll
-        for (int i = 0; i < Tr::kSTiles; ++i) {
-            s[i].c0 *= scale_log2;
-            s[i].c1 *= scale_log2;
-            s[i].c2 *= scale_log2;
-            s[i].c3 *= scale_log2;
-            if (needs_mask) {
-                const int c = n0 + i * 8 + 2 * t;
-                if (mask.masked(r_top, c)) s[i].c0 = neg_inf<float>();
-                if (mask.masked(r_top, c + 1)) s[i].c1 = neg_inf<float>();
-                if (mask.masked(r_bottom, c)) s[i].c2 = neg_inf<float>();
-                if (mask.masked(r_bottom, c + 1)) s[i].c3 = neg_inf<float>();
+            for (int i = 0; i < Tr::kSTiles; ++i) {
+                s[i].c0 *= scale_log2;
+                s[i].c1 *= scale_log2;
+                s[i].c2 *= scale_log2;
+                s[i].c3 *= scale_log2;
+                if (needs_mask) {
+                    const int c = n0 + i * 8 + 2 * t;
+                    if (mask.masked(r_top, c)) s[i].c0 = neg_inf<float>();
+                    if (mask.masked(r_top, c + 1)) s[i].c1 = neg_inf<float>();
+                    if (mask.masked(r_bottom, c)) s[i].c2 = neg_inf<float>();
+                    if (mask.masked(r_bottom, c + 1)) s[i].c3 = neg_inf<float>();
+                }
             }
         }
 
@@ -142,8 +153,9 @@ __device__ __forceinline__ void flash_fwd_tf32(
         const float alpha_bottom = row_bottom.update(row_max_quad(max_bottom));
         float sum_top = 0.f, sum_bottom = 0.f;
         exp2_rows(s, row_top.shift(), row_bottom.shift(), sum_top, sum_bottom);  // S → P̃
-        row_top.l_i += sum_top;
+        row_top.l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
         row_bottom.l_i += sum_bottom;
+        if (var.dropout()) dropout_fragments(s, var, r_top, n0 + 2 * t);  // P̃ V only
         rescale_acc(acc, alpha_top, alpha_bottom);
 
         // -- acc += P̃ V_j
@@ -210,13 +222,14 @@ flash_fwd_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       long long v_sb, long long v_sh, long long v_sr,
                       long long o_sb, long long o_sh, long long o_sr,
                       float scale, int causal, int num_m_blocks,
-                      CUFLASH_SEQLENS_PARAMS(float)) {
+                      CUFLASH_SEQLENS_PARAMS(float), CUFLASH_VARIANT_PARAMS(T)) {
     static_assert(sizeof(T) == 4, "flash_fwd_tf32 runs float32 inputs");
     using Tr = Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>;
     if constexpr (TensorCoresTf32<T>::value) {
         flash_fwd_tf32<Tr, SPLIT>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb,
                                   k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal,
-                                  num_m_blocks, CUFLASH_SEQLENS, o_part);
+                                  num_m_blocks, CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T),
+                                  win_left, win_right);
     } else {
         __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
     }

@@ -20,11 +20,10 @@ __device__ __forceinline__ unsigned int mulhilo32(unsigned int a, unsigned int b
     return (unsigned int)p;
 }
 
-// Word `word` (0..3) of Philox4x32-10(counter (c0, c1, c2, c3), key (k0, k1)).
-__device__ __forceinline__ unsigned int philox4x32_10(unsigned int c0, unsigned int c1,
-                                                      unsigned int c2, unsigned int c3,
-                                                      unsigned int k0, unsigned int k1,
-                                                      int word) {
+// Philox4x32-10: the counter (c0, c1, c2, c3) is replaced by its four output words.
+__device__ __forceinline__ void philox4x32_10_words(unsigned int& c0, unsigned int& c1,
+                                                    unsigned int& c2, unsigned int& c3,
+                                                    unsigned int k0, unsigned int k1) {
     constexpr unsigned int M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;  // round multipliers
     constexpr unsigned int W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;  // Weyl key bumps
 #pragma unroll
@@ -41,6 +40,14 @@ __device__ __forceinline__ unsigned int philox4x32_10(unsigned int c0, unsigned 
         c2 = hi0 ^ c3 ^ k1;
         c3 = lo0;
     }
+}
+
+// Word `word` (0..3) of Philox4x32-10(counter (c0, c1, c2, c3), key (k0, k1)).
+__device__ __forceinline__ unsigned int philox4x32_10(unsigned int c0, unsigned int c1,
+                                                      unsigned int c2, unsigned int c3,
+                                                      unsigned int k0, unsigned int k1,
+                                                      int word) {
+    philox4x32_10_words(c0, c1, c2, c3, k0, k1);
     return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
 }
 

@@ -39,6 +39,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tc_tile.cuh"
+#include "bwd_tile.cuh"
 
 namespace cuflash {
 
@@ -101,6 +102,30 @@ __device__ __forceinline__ void p_ds(float& s, float& dp, float scale_log2, floa
     if (masked) p = 0.f;
     dp = p * (dp - Di);
     s = p;
+}
+
+// p_ds with attention variants: every element through flash_bwd.cu's chain
+// (recompute_p_ds_variants, bwd_tile.cuh), in place: s becomes P ∘ Z (dropout's keep/(1 − p),
+// for dV), dp becomes dS_raw (dS ∘ (1 − t²) under softcap, for dK and dQ). `at(e, i, j,
+// lse2, Di, hidden)` gives element e's query i, key j, lse·log2 e and D of its query, and
+// whether causal, the window or padding hide it (hidden: nothing read, P = dS = 0). One
+// rolled loop takes the elements from s[0].c0, dp[0].c0 (rotate_fragments, tc_tile.cuh):
+// the chain is inlined once.
+template <int N, typename T, class At>
+__device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], float scale,
+                                              const Variants<T>& var, At at) {
+#pragma unroll 1
+    for (int e = 0; e < 4 * N; ++e) {
+        int i, j;
+        float lse2, Di;
+        bool hidden;
+        at(e, i, j, lse2, Di, hidden);
+        float p, ds_biased, ds;
+        recompute_p_ds_variants(s[0].c0, dp[0].c0, scale, lse2, Di, hidden, var, i, j, p,
+                                ds_biased, ds);
+        rotate_fragments(s, p);
+        rotate_fragments(dp, ds);
+    }
 }
 
 // The epilogue of both kernels: acc · factor (the warp's 16 own rows x D) packed to T into

@@ -1,5 +1,5 @@
 // tc_tile.cuh — the tensor-core forward's traits, shared-memory swizzle, tile copies and
-// the online softmax on mma fragments (flash_fwd_tc.cu).
+// the online softmax and the attention variants on mma fragments (flash_fwd_tc.cu).
 //
 // Warp layout: warp w owns the 16 query rows w·16 .. w·16+15 of the block (one mma row
 // tile), so BLOCK_M = 16 · NUM_WARPS. In registers, per thread (g = lane >> 2, t = lane % 4,
@@ -21,7 +21,9 @@
 #pragma once
 
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
+#include "variants.cuh"
 
 namespace cuflash {
 
@@ -203,6 +205,77 @@ __device__ __forceinline__ void rescale_acc(FragC (&acc)[N], float alpha_top, fl
         acc[j].c1 *= alpha_top;
         acc[j].c2 *= alpha_bottom;
         acc[j].c3 *= alpha_bottom;
+    }
+}
+
+// -- attention variants on fragments (variants.cuh's chain, applied as attn_tile.cuh's
+// compute_scores and flash_fwd.cu apply it). The thread's elements of S are (r_top, c),
+// (r_top, c + 1), (r_top + 8, c), (r_top + 8, c + 1) with c = c0 + 8j: c0 + 8j is even.
+
+// One score from the raw product qk: the chain in natural units (x = scale·qk), then log2
+// units; −inf where the causal/window mask or the bool mask hides the key, and for rows
+// and keys outside [0, Nq) × [0, Nk), whose bias and mask are never read.
+template <typename T>
+__device__ __forceinline__ float variant_score(const Variants<T>& var, const CausalMask& mask,
+                                               float qk, float scale, int i, int j) {
+    float t;
+    return (i < mask.Nq && !mask.masked(i, j))
+               ? var.score(qk * scale, i, j, t) * MathConst<float>::log2e
+               : neg_inf<float>();
+}
+
+// Every element of the thread's fragments one place towards s[0].c0 (n-tile n's c0 ← c1 ←
+// c2 ← c3 ← n-tile n + 1's c0), `in` into the last: register moves only. 4·N rotations
+// bring every element back to its place, so a rolled loop can take element e from
+// s[0].c0 at step e without a dynamic index into the fragments (which would put them in
+// local memory).
+template <int N>
+__device__ __forceinline__ void rotate_fragments(FragC (&s)[N], float in) {
+#pragma unroll
+    for (int n = N - 1; n >= 0; --n) {
+        const float out = s[n].c0;
+        s[n].c0 = s[n].c1;
+        s[n].c1 = s[n].c2;
+        s[n].c2 = s[n].c3;
+        s[n].c3 = in;
+        in = out;
+    }
+}
+
+// S (raw products) → the variants' scores in log2 units, in place. The chain is inlined
+// once, not once per element: a rolled loop takes the thread's 4·N elements one by one
+// from s[0].c0 (rotate_fragments). This keeps the variant branch's code, and the compile
+// time, small.
+template <int N, typename T>
+__device__ __forceinline__ void variant_scores(FragC (&s)[N], const Variants<T>& var,
+                                               const CausalMask& mask, float scale, int r_top,
+                                               int c0) {
+#pragma unroll 1
+    for (int e = 0; e < 4 * N; ++e) {  // element e: n-tile e / 4, register e % 4
+        const int i = r_top + (e & 2) * 4, j = c0 + (e >> 2) * 8 + (e & 1);
+        rotate_fragments(s, variant_score(var, mask, s[0].c0, scale, i, j));
+    }
+}
+
+// Dropout: P̃ → P̃ ∘ keep / (1 − p) in place, after ℓ has summed P̃ (lse stays the
+// pre-dropout one). The keep decisions are drawn first, into one bit per element (a
+// rolled loop, one Philox call per row and column pair: the generator is inlined once),
+// then applied.
+template <int N, typename T>
+__device__ __forceinline__ void dropout_fragments(FragC (&p)[N], const Variants<T>& var,
+                                                  int r_top, int c0) {
+    static_assert(4 * N <= 32, "one keep bit per element of the thread's part of S");
+    unsigned int bits = 0;
+#pragma unroll 1
+    for (int e = 0; e < 2 * N; ++e)  // n-tile e / 2, row r_top + 8·(e % 2): 2 bits at 2·e
+        bits |= var.keep_pair(r_top + (e & 1) * 8, c0 + (e >> 1) * 8) << (2 * e);
+    const float ks = var.keep_scale;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        p[j].c0 = (bits >> (4 * j)) & 1u ? p[j].c0 * ks : 0.f;
+        p[j].c1 = (bits >> (4 * j)) & 2u ? p[j].c1 * ks : 0.f;
+        p[j].c2 = (bits >> (4 * j)) & 4u ? p[j].c2 * ks : 0.f;
+        p[j].c3 = (bits >> (4 * j)) & 8u ? p[j].c3 * ks : 0.f;
     }
 }
 

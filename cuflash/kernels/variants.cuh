@@ -90,6 +90,17 @@ template <typename T> struct Variants {
                                              seed_lo, seed_hi, j & 3);
         return w >= drop_threshold ? keep_scale : A(0);
     }
+
+    // keep() of (i, j) and (i, j + 1) for an even j, as bits 0 and 1 (1: kept): both are
+    // words of one Philox counter (j div 4), so one call draws the pair (the tensor-core
+    // kernels' fragments hold scores in such column pairs).
+    __device__ __forceinline__ unsigned int keep_pair(int i, int j) const {
+        unsigned int w0 = (unsigned int)j >> 2, w1 = (unsigned int)i, w2 = (unsigned int)h,
+                     w3 = (unsigned int)b;
+        philox4x32_10_words(w0, w1, w2, w3, seed_lo, seed_hi);
+        const unsigned int x0 = (j & 2) ? w2 : w0, x1 = (j & 2) ? w3 : w1;
+        return (x0 >= drop_threshold ? 1u : 0u) | (x1 >= drop_threshold ? 2u : 0u);
+    }
 };
 
 }  // namespace cuflash

@@ -100,7 +100,7 @@ def _attend_kernels(be, q, cache, lengths, slopes, *, causal, scale, window, sof
     var = None if var.is_plain() else var
     table = None
     if cache.paged:
-        plan = kernel_forward.forward_plan(be, q, cache.k_cache, cache.v_cache, variants=var)
+        plan = kernel_forward.forward_plan(be, q, cache.k_cache, cache.v_cache)
         if cache.page % plan.block_n:
             return None
         table = xp.asarray(cache.table, dtype=np.int32)

@@ -138,7 +138,7 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
     if be.name != "numpy" and q.shape[1] and k.shape[1]:
         var = _variants(xp, dtype, slopes, **opts)
         packed = tuple(a[None] for a in (do, q, k, v))
-        if kernel_backward.takes_segments(be, *packed, variants=var):
+        if kernel_backward.takes_segments(be, *packed):
             # the SIMT kernels: one launch, each block finding its sequence (seqlens.cuh)
             grads = be.backward(*packed, o[None], lse[None], causal=causal, scale=scale,
                                 variants=var, segments=_segments(xp, cq, ck))

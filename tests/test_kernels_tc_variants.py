@@ -1,0 +1,250 @@
+"""Attention variants on the tensor-core kernels in the emulator: the forwards
+(flash_fwd_tc.cu: float16 and bfloat16; flash_fwd_tf32.cu: float32, split and one-pass
+tf32) and the 16-bit backward (flash_bwd_tc.cu). Every option alone and all of them at
+once, against the float64 reference with the tolerance rule of conftest
+(`plain_attention` / `plain_backward` with the variants, for 16-bit inputs); dropout's
+keep decisions against `cuflash.dropout_mask` and the NumPy backend, bit for bit; bias and
+mask in checked mode at ragged sizes.
+
+The options are run-time arguments, so one build per (specialization, arch) serves every
+case here: each configuration below builds one kernel.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _dtypes, emulator, reference, tiling, variants
+from cuflash.backends import kernel_backward, kernel_forward, kernels
+
+from conftest import HAS_GXX, assert_close_to_reference, plain_attention, plain_backward
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
+
+# (dtype, arch, split tf32; None for 16-bit)
+CONFIGS = [
+    pytest.param(F16, "sm_75", None, id="float16-sm_75"),
+    pytest.param(F16, "sm_86", None, id="float16-sm_86"),
+    pytest.param(BF16, "sm_90", None, id="bfloat16-sm_90"),
+    pytest.param(F32, "sm_80", True, id="float32-split-sm_80"),
+    pytest.param(F32, "sm_89", False, id="float32-tf32-sm_89"),
+]
+
+# B, Hq, Hkv, Nq, Nk, d: GQA, ragged tiles, Nq < Nk; the window's left edge lies beyond
+# the first key tile of every plan, so the key loop starts past tile 0.
+SHAPE = (2, 4, 2, 50, 170, 40)
+
+
+def _backend(arch, *, checked=False, schedule="round-robin"):
+    if not checked:
+        return kernels.emulator_backend(arch=arch)
+    lim = kernels.emulator_limits(arch)
+    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
+                                 limits=lambda: dict(lim),
+                                 module_options=dict(checked=True, schedule=schedule, seed=5,
+                                                     arch=arch))
+
+
+def _inputs(dtype, shape=SHAPE, seed=0):
+    B, Hq, Hkv, Nq, Nk, d = shape
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((B, h, n, d)).astype(dtype)
+                 for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+
+
+def _options(names, dtype, shape=SHAPE, seed=1):
+    """The user's options (as flash_attention takes them) by name."""
+    B, Hq, _, Nq, Nk, _ = shape
+    rng = np.random.default_rng(seed)
+    opts = {}
+    for n in names:
+        if n == "causal":
+            opts["causal"] = True
+        elif n == "window":
+            opts["window"] = (20, 4)
+        elif n == "window_left":
+            opts["window"] = (90, -1)
+        elif n == "softcap":
+            opts["softcap"] = 0.7
+        elif n == "alibi":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq))
+        elif n == "bias":               # the input dtype, full shape
+            opts["bias"] = rng.uniform(-1, 1, (B, Hq, Nq, Nk)).astype(dtype)
+        elif n == "bias_f32":           # float32, broadcast over batch and query rows
+            opts["bias"] = rng.uniform(-1, 1, (1, Hq, 1, Nk)).astype(np.float32)
+        elif n == "mask":
+            m = rng.random((B, 1, Nq, Nk)) > 0.3
+            m[0, 0, 3] = False          # a row that sees no key
+            opts["mask"] = m
+        elif n == "dropout":
+            opts["dropout_p"], opts["seed"] = 0.3, 1234
+        else:
+            raise KeyError(n)
+    return opts
+
+
+def _variants(opts):
+    """cuflash.variants.Variants from 4-D options (what cuflash.api hands a backend)."""
+    alibi = opts.get("alibi_slopes")
+    return variants.Variants(
+        window=opts.get("window"), softcap=opts.get("softcap"),
+        alibi=None if alibi is None else np.ascontiguousarray(alibi, np.float32),
+        bias=opts.get("bias"), mask=opts.get("mask"),
+        dropout_p=opts.get("dropout_p", 0.0), seed=opts.get("seed", 0))
+
+
+def _tf32(x):
+    """x rounded to tf32 as cvt.rna.tf32.f32 does (10 fraction bits, ties away from zero)."""
+    bits = np.asarray(x, F32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(F32).astype(np.float64)
+
+
+def _plain_tf32(q, k, v, *, scale, **opts):
+    """A plain one-pass tf32 implementation: S from tf32 operands, the chain and softmax in
+    fp32 (conftest.plain_attention), P̃ (after dropout) and V rounded to tf32 for P V."""
+    _, p = plain_attention(_tf32(q), _tf32(k), v, scale=scale, dtype=F32, **opts)
+    if opts.get("dropout_p"):
+        keep = cuflash.dropout_mask(p.shape, opts["dropout_p"], opts["seed"])
+        p = (p * keep / (1 - opts["dropout_p"])).astype(F32)
+    v = np.repeat(np.asarray(v, np.float64), q.shape[1] // v.shape[1], axis=1)
+    return (_tf32(p) @ _tf32(v)).astype(F32).astype(np.float64)
+
+
+def _run(dtype, arch, split, q, k, v, opts, *, checked=False, schedule="round-robin"):
+    """The tensor-core forward with `opts` on the emulated `arch`, checked against the
+    reference; returns O."""
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    be = _backend(arch, checked=checked, schedule=schedule)
+    lim = be.limits()
+    plan, why = tiling.forward_path(d, dtype, lim["cc"], kernel_forward.loads_16b_aligned(q, k, v),
+                                    max_smem=lim["max_smem"], allow_tf32=split is False)
+    want = "flash_fwd_tf32" if dtype == F32 else "flash_fwd_tc"
+    assert plan.kernel == want and why.startswith("tensor cores"), why
+    o, lse = kernel_forward.forward(be, q, k, v, causal=causal, scale=scale, algorithm="fa2",
+                                    variants=_variants(opts), allow_tf32=split is False)
+    ref, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
+                                             return_lse=True, **opts)
+    if dtype != F32:
+        plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **opts)
+        assert_close_to_reference(o, ref, plain, dtype, what=f"O ({why})")
+    elif split:
+        assert_close_to_reference(o, ref, None, F32, what=f"O ({why})")
+    else:
+        fin = np.isfinite(ref)
+        big = max(1.0, float(np.max(np.abs(ref[fin]))))
+        plain = _plain_tf32(q, k, v, causal=causal, scale=scale, **opts)
+        err = np.max(np.abs(np.asarray(o, np.float64)[fin] - ref[fin]))
+        bound = 2 * np.max(np.abs(plain[fin] - ref[fin])) + 1e-5 * big
+        assert err <= bound, f"O ({why}): max error {err:.3g} > bound {bound:.3g}"
+    # lse: the pre-dropout one, in fp32 (one-pass tf32 rounds the scores' operands)
+    tol = 2e-3 if split is False else 2e-5
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+    return o
+
+
+CASES = [
+    ["window"], ["causal", "window_left"], ["softcap"], ["alibi"], ["bias"], ["bias_f32"],
+    ["mask"], ["dropout"],
+    ["causal", "window", "softcap", "alibi", "bias", "mask", "dropout"],
+]
+
+
+@pytest.mark.parametrize("names", CASES, ids="+".join)
+@pytest.mark.parametrize("dtype,arch,split", CONFIGS)
+def test_variant_matches_reference(dtype, arch, split, names):
+    q, k, v = _inputs(dtype)
+    _run(dtype, arch, split, q, k, v, _options(names, dtype))
+
+
+@pytest.mark.parametrize("dtype,arch,split", CONFIGS)
+def test_dropout_keeps_what_dropout_mask_keeps(dtype, arch, split):
+    """V = the identity (d = Nk) makes O[i, j] = P̃_ij · keep_ij / ((1 − p) ℓ_i): O is 0
+    exactly where the kernel dropped key j of row i. That pattern is cuflash.dropout_mask's,
+    and the NumPy backend's, bit for bit."""
+    B, Hq, Nq, Nk = 2, 3, 37, 61
+    d = 64
+    rng = np.random.default_rng(8)
+    q = (0.3 * rng.standard_normal((B, Hq, Nq, d))).astype(dtype)
+    k = (0.3 * rng.standard_normal((B, Hq, Nk, d))).astype(dtype)
+    v = np.tile(np.eye(Nk, d).astype(dtype), (B, Hq, 1, 1))
+    opts = dict(dropout_p=0.4, seed=2**40 + 77)
+    o = _run(dtype, arch, split, q, k, v, opts)
+    dropped = np.asarray(o, np.float64)[..., :Nk] == 0
+    keep = cuflash.dropout_mask((B, Hq, Nq, Nk), 0.4, 2**40 + 77)
+    np.testing.assert_array_equal(dropped, ~keep)
+    o_np = cuflash.flash_attention(q, k, v, backend="numpy", **opts)
+    np.testing.assert_array_equal(dropped, np.asarray(o_np, np.float64)[..., :Nk] == 0)
+
+
+@pytest.mark.parametrize("dtype,arch,split,schedule", [
+    (F16, "sm_80", None, "random"),
+    (F32, "sm_86", True, "reversed"),
+])
+def test_checked_bias_and_mask_at_ragged_sizes(dtype, arch, split, schedule):
+    """Every option, Nq and Nk not multiples of the tile: no race, no out-of-bounds read
+    (bias and mask are never read outside [0, Nq) x [0, Nk))."""
+    shape = (1, 2, 1, 37, 75, 40)
+    q, k, v = _inputs(dtype, shape, seed=4)
+    opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
+                    dtype, shape, seed=6)
+    _run(dtype, arch, split, q, k, v, opts, checked=True, schedule=schedule)
+
+
+# -- the backward (flash_bwd_tc.cu) -------------------------------------------------------
+
+def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="round-robin"):
+    """The tensor-core backward with `opts`, o and lse from the float64 forward (rounded, so
+    the errors are the backward's own), each gradient within FlashAttention's rule for
+    gradients (factor 3 over conftest.plain_backward with the variants)."""
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    be = _backend(arch, checked=checked, schedule=schedule)
+    lim = be.limits()
+    plans, why = tiling.backward_path(d, dtype, lim["cc"],
+                                      kernel_forward.loads_16b_aligned(q, k, v, do),
+                                      max_smem=lim["max_smem"])
+    assert {p.kernel for p in plans} == set(tiling.TC_BWD_KERNELS), why
+    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                       **opts)
+    o, lse = o.astype(dtype), lse.astype(np.float32)
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
+                                     variants=_variants(opts))
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
+    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
+    for name, out, r, pl in zip(("dq", "dk", "dv"), grads, ref, plain):
+        assert_close_to_reference(out, r, pl, dtype, factor=3.0, what=f"{name} ({why})")
+
+
+BWD_CONFIGS = [
+    pytest.param(F16, "sm_75", id="float16-sm_75"),
+    pytest.param(BF16, "sm_80", id="bfloat16-sm_80"),
+]
+
+
+@pytest.mark.parametrize("names", CASES, ids="+".join)
+@pytest.mark.parametrize("dtype,arch", BWD_CONFIGS)
+def test_backward_variant_matches_reference(dtype, arch, names):
+    q, k, v = _inputs(dtype)
+    do = np.random.default_rng(2).standard_normal(q.shape).astype(dtype)
+    _run_backward(dtype, arch, do, q, k, v, _options(names, dtype))
+
+
+def test_backward_checked_bias_and_mask_at_ragged_sizes():
+    """Every option at ragged sizes in checked mode: neither backward kernel races or reads
+    bias or mask outside [0, Nq) x [0, Nk)."""
+    shape = (1, 2, 1, 37, 75, 40)
+    q, k, v = _inputs(F16, shape, seed=4)
+    do = np.random.default_rng(3).standard_normal(q.shape).astype(F16)
+    opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
+                    F16, shape, seed=6)
+    _run_backward(F16, "sm_80", do, q, k, v, opts, checked=True, schedule="random")
