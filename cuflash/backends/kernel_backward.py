@@ -15,9 +15,11 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
-128, 16-byte aligned q, k, v, dO, no attention variant), launches 2 and 3 are the
+256, 16-byte aligned q, k, v, dO, no attention variant), launches 2 and 3 are the
 `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
-the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
+dynamic shared memory, no chunk argument; a chunked plan, d > 128 for dK/dV, has
+`plan.num_d_chunks(d)` blocks per row block, a count the kernel derives from d); the
+preprocess is shared.
 
 Attention variants run on the SIMT kernels (run-time arguments, `kernel_variants`). With
 `return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
@@ -48,9 +50,12 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     plain = variants is None or variants.is_plain()
     (p_dkdv, p_dq), _why = tiling.backward_path(d, q.dtype, aligned=loads_16b_aligned(q, k, v, do),
                                                 plain=plain, **backend.limits())
-    tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 128, one chunk
+    tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 256
     pre = tiling.bwd_preprocess_plan(q.dtype)
-    num_d_chunks = tiling.bwd_head_dim_chunks(d)
+    num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
+    # tensor cores: each plan's own chunks (the kernels count them from d)
+    chunks_kv, chunks_q = ((p_dkdv.num_d_chunks(d), p_dq.num_d_chunks(d)) if tc
+                           else (num_d_chunks, num_d_chunks))
     lse = xp.ascontiguousarray(lse, dtype=acc)
     Dvec = xp.empty((B, Hq, Nq), dtype=acc)
     dq = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
@@ -61,8 +66,8 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     rows = i32(B * Hq * Nq, "batch x heads x Nq")
     for n, what in ((B, "batch"), (Hq, "query heads"), (Hkv, "key/value heads")):
         check_grid_yz(n, what)
-    grid_kv = i32(-(-Nk // p_dkdv.block_rows) * num_d_chunks, "dK/dV blocks per head")
-    grid_q = i32(-(-Nq // p_dq.block_rows) * num_d_chunks, "dQ blocks per head")
+    grid_kv = i32(-(-Nk // p_dkdv.block_rows) * chunks_kv, "dK/dV blocks per head")
+    grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
     sizes = (i32(Hq, "query heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
     s3 = lambda a: elem_strides(a)[:3]  # noqa: E731  (batch, head, row) element strides

@@ -56,9 +56,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     long long dv_sh, long long dv_sr, float scale, int causal) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
-    // Block → (key block, K/V head, batch). Key blocks first-first: under causal masking
-    // the first keys are seen by the most queries, so the longest blocks start first.
-    const int n0 = blockIdx.x * BN;
+    // Block → (key block, head-dim chunk, K/V head, batch). Key blocks first-first: under
+    // causal masking the first keys are seen by the most queries, so the longest blocks
+    // start first. Chunked (CHUNK_COLS < D): the block owns columns [col0, col0 +
+    // CHUNK_COLS) of dK_j, dV_j; Sᵀ and dPᵀ still sum over the full head dim.
+    const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
+    const int n0 = (blockIdx.x / n_chunks) * BN;
+    const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
     const T* k_bh = k + b * k_sb + h_kv * k_sh;
@@ -88,8 +92,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         if (i < n_tiles) {
             const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
             const int slot = i % STAGES;
-            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr, m0, Nq, d);
-            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr, m0, Nq, d);
+            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr, m0,
+                                         Nq, d);
+            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
+                                         m0, Nq, d);
             const long long row_bh = (b * Hq + h) * (long long)Nq;  // lse, D: (B, Hq, Nq)
             copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
             copy_stats_async<Tr, BM>(sD + slot * BM, Delta + row_bh, m0, Nq);
@@ -161,16 +167,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, m11);
         }
 
-        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in registers)
-        gemm_pv_tc<Tr>(dv_acc, s, sdOi, lane);
-        gemm_pv_tc<Tr>(dk_acc, dp, sQi, lane);
+        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in
+        // registers; the block's chunk of the columns of dO_i, Q_i)
+        gemm_pv_tc<Tr>(dv_acc, s, sdOi, lane, col0);
+        gemm_pv_tc<Tr>(dk_acc, dp, sQi, lane, col0);
     }
 
-    // -- epilogue: dK_j = (Σ dSᵀ Q_i) · scale, dV_j, through the warp's own rows of sK, sV
+    // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
+    // rows of sK, sV
     store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh, dk_sr, dk_acc, scale, sK, warp_row0, n0,
-                       Nk, d, lane);
-    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dv_acc, 1.f, sV, warp_row0, n0, Nk,
-                       d, lane);
+                       col0, Nk, d, lane);
+    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dv_acc, 1.f, sV, warp_row0, n0,
+                       col0, Nk, d, lane);
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -186,9 +194,12 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal) {
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
-    // Block → (query block, query head, batch); query blocks last-first (the causal tail,
-    // as flash_fwd_tc.cu). GQA/MQA: query head h reads K/V head h / group.
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    // Block → (query block, head-dim chunk, query head, batch); query blocks last-first (the
+    // causal tail, as flash_fwd_tc.cu). GQA/MQA: query head h reads K/V head h / group.
+    // Chunked: the block owns columns [col0, col0 + CHUNK_COLS) of dQ_i.
+    const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
+    const int m0 = (gridDim.x / n_chunks - 1 - blockIdx.x / n_chunks) * BM;
+    const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h = blockIdx.y;
     const long long b = blockIdx.z;
     const int h_kv = h / group;
@@ -213,8 +224,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const int n_tiles = (n_end + BN - 1) / BN;
     auto issue = [&](int j) {
         if (j < n_tiles) {
-            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, j * BN, Nk, d);
-            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, j * BN, Nk, d);
+            copy_ring_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, j * BN, Nk, d);
+            copy_ring_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, j * BN, Nk, d);
         }
         cp_async_commit();
     };
@@ -277,20 +288,20 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
             p_ds(s[i].c3, dp[i].c3, scale_log2, lse2_bottom, d_bottom, m11);
         }
 
-        // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of K_j)
-        gemm_pv_tc<Tr>(dq_acc, dp, sKj, lane);
+        // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of the chunk of K_j)
+        gemm_pv_tc<Tr>(dq_acc, dp, sKj, lane, col0);
     }
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
-    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dq_acc, scale, sQ, warp_row0, m0, Nq,
-                       d, lane);
+    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dq_acc, scale, sQ, warp_row0, m0, col0,
+                       Nq, d, lane);
 }
 
 // A block of NUM_WARPS · 32 threads per (key block | query block, head, batch) in
 // blockIdx (x, y, z). minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers
 // it needs (up to 255) rather than aim at an occupancy that spills.
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS>
+          bool OWN_IN_REGS, int CHUNK_COLS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, const T* __restrict__ dO,
@@ -305,7 +316,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          long long dv_sb, long long dv_sh, long long dv_sr,
                          float scale, int causal) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           /*ROW_STATS=*/true>;
+                           CHUNK_COLS, /*ROW_STATS=*/true>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
@@ -316,7 +327,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS>
+          bool OWN_IN_REGS, int CHUNK_COLS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        const T* __restrict__ v, const T* __restrict__ dO,
@@ -329,7 +340,7 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        long long dq_sb, long long dq_sh, long long dq_sr,
                        float scale, int causal) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           /*ROW_STATS=*/false>;
+                           CHUNK_COLS, /*ROW_STATS=*/false>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
