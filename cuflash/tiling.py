@@ -639,10 +639,12 @@ TC_BWD_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 
 _TC_BWD_CANDIDATES = {
     (FLASH_BWD_DKDV_TC.name, 64): ((64, 64, 4, 2, True, 64),),
     (FLASH_BWD_DKDV_TC.name, 128): ((64, 16, 4, 2, False, 128),),
-    (FLASH_BWD_DKDV_TC.name, 256): ((64, 16, 4, 2, False, 128), (16, 16, 1, 2, False, 128)),
+    (FLASH_BWD_DKDV_TC.name, 256): ((128, 16, 8, 2, False, 128), (64, 16, 4, 2, False, 128),
+                                    (16, 16, 1, 2, False, 128)),
     (FLASH_BWD_DQ_TC.name, 64): ((64, 64, 4, 2, True, 64),),
     (FLASH_BWD_DQ_TC.name, 128): ((64, 32, 4, 2, True, 128),),
-    (FLASH_BWD_DQ_TC.name, 256): ((64, 16, 4, 2, False, 256), (32, 16, 2, 2, False, 256)),
+    (FLASH_BWD_DQ_TC.name, 256): ((128, 16, 8, 2, False, 256), (64, 16, 4, 2, False, 256),
+                                  (32, 16, 2, 2, False, 256)),
 }
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
