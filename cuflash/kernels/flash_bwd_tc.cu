@@ -11,9 +11,9 @@
 // row); as in flash_bwd.cu every output element has one writer and a fixed order, so
 // runs are bitwise reproducible.
 //
-//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, K/V head, batch)
+//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, head-dim chunk, K/V head, batch)
 //     prologue   K_j, V_j → shared (cp.async) → A fragments in registers (D = 64; for
-//                D = 128 they stay in shared memory beside dK_j, dV_j's 128 registers)
+//                D ≥ 128 they stay in shared memory beside dK_j, dV_j's 128 registers)
 //                start copying the first STAGES − 1 (Q_i, dO_i, lse_i, D_i) tiles
 //     main loop  for each query head of the GQA group, each Q_i tile below the diagonal
 //                  wait for tile i; barrier; start copying tile i + STAGES − 1
@@ -21,7 +21,11 @@
 //                  Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
 //                  dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i        (C fragments as A fragments)
 //     epilogue   dK_j · scale, dV_j → T in shared → 16-byte stores
-//   dQ: one block per (Q block of BLOCK_ROWS queries, query head, batch)
+//   head-dim chunks (CHUNK_COLS < HEAD_DIM, D = 256): dK_j, dV_j whole would be 256
+//     accumulator registers, so a block accumulates only its CHUNK_COLS (128) columns of
+//     dV_j and dK_j; Sᵀ and dPᵀ still run over the full head dim (computed once per chunk)
+//   dQ: one block per (Q block of BLOCK_ROWS queries, head-dim chunk, query head, batch);
+//     every dQ plan has one chunk (at D = 256 Q_i, dO_i stay in shared memory)
 //     prologue   Q_i, dO_i → A fragments; lse_i, D_i of the thread's rows g, g + 8
 //     main loop  for each K_j, V_j tile below the diagonal (the same ring)
 //                  S = Q_i K_jᵀ, dP = dO_i V_jᵀ, P, dS as above, dQ_i += dS K_j

@@ -26,7 +26,8 @@
 // (C fragments as A × streamed tile), which read these traits by the forward's names:
 // kQInRegs / kQFrags are the own operands' A fragments (held in registers, or re-read from
 // shared memory at every k16 step), kSTiles the n-tiles of S (TILE_ROWS / 8), kPVSteps the
-// k16 steps over the streamed rows, kOTiles the n-tiles of an accumulator (D / 8).
+// k16 steps over the streamed rows, kOTiles the n-tiles of an accumulator (CHUNK_COLS / 8:
+// a block accumulates CHUNK_COLS of the output's columns, HEAD_DIM unless chunked).
 //
 // Shared memory (dynamic, tiles in T, swizzled as in tc_tile.cuh):
 //   own pair     2 x [BLOCK_ROWS][D]            K_j, V_j  |  Q_i, dO_i   (then: the
