@@ -3,11 +3,13 @@ arch, against the float64 reference backward with FlashAttention's rule for grad
 (conftest.assert_close_to_reference with factor 3 over a plain 16-bit backward); its
 dispatch (`tiling.backward_path`); its shared-memory formula through ptxas; its machine code.
 
-Each (dtype, head dim) picks one dK/dV and one dQ specialization; each is built once per
-arch it runs on (a g++ build of a few seconds), so the matrix runs every specialization on
-an sm_80+ arch, every float16 one on sm_75 too (two m16n8k8 per k16 step, synchronous
-copies), and reuses those builds for the features (causal, GQA/MQA, Nq != Nk, odd sizes,
-fully masked rows, strides).
+Each (dtype, head dim, shared memory) picks one dK/dV and one dQ specialization; each is
+built once per arch it runs on (a g++ build of a few seconds), so the matrix runs every
+specialization on an sm_80+ arch (the tiles sized for sm_75 through a backend whose
+max_smem is 64 KB), every float16 one that fits sm_75 there too (two m16n8k8 per k16 step,
+synchronous copies), and reuses those builds for the features (causal, GQA/MQA, Nq != Nk,
+odd sizes, fully masked rows, strides) and for 128 < d <= 256, where the dK/dV blocks own
+128-column chunks of dK, dV.
 """
 import math
 
