@@ -198,8 +198,12 @@ def test_checked(arch, dt, D, schedule, smem):
     # partial and fully masked tiles; the rings wrap
     args, scale = _problem(1, 2, 1, 100, 70, D - 16, dt, True, seed=D)
     be = _backend(arch, checked=True, schedule=schedule, max_smem=smem)
-    assert _check(be, args, scale, causal=True,
-                  expect=_plans(dt, D, arch, smem))[0] == TC_BWD
+    kinds, grads = _check(be, args, scale, causal=True, expect=_plans(dt, D, arch, smem))
+    assert kinds == TC_BWD
+    # one writer per element, a fixed order: the same bits as the round-robin schedule
+    plain = _backend(arch, max_smem=smem).backward(*args, causal=True, scale=scale)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, plain):
+        assert np.array_equal(x.view(np.uint16), y.view(np.uint16)), name
 
 
 # -- dispatch ---------------------------------------------------------------------------------
