@@ -70,9 +70,9 @@ def cmd_info(args):
         for d in (64, 128, 256):
             try:
                 fwd, why = tiling.forward_path(d, dtype, limits["cc"], max_smem=limits["max_smem"])
-                dkdv, dq = tiling.plan_backward(d, dtype, **limits)
+                (dkdv, dq), bwd_why = tiling.backward_path(d, dtype, **limits)
                 print(f"  {str(dtype):9s} d={d:<4d} forward {fwd}\n{'':19s}path: {why}"
-                      f"\n{'':19s}backward {dkdv}; {dq}")
+                      f"\n{'':19s}backward {dkdv}; {dq}\n{'':19s}path: {bwd_why}")
             except ValueError as exc:
                 print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
     fwd, _ = tiling.forward_path(128, np.float16, limits["cc"], max_smem=limits["max_smem"])

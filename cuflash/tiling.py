@@ -648,20 +648,34 @@ def all_bwd_plans() -> tuple[BwdPlan | BwdPreprocessPlan, ...]:
 # the dK/dV kernel computes Sᵀ = K Qᵀ, so Pᵀ and dSᵀ are already the A fragments of
 # dV += Pᵀ dO and dK += dSᵀ Q. D = rowsum(dO ∘ O) stays flash_bwd.cu's preprocess kernel.
 # See `TcBwdTraits` in kernels/tc_bwd_tile.cuh and docs/kernels.md.
-TC_BWD_HEAD_DIMS = (64, 128)   # HEAD_DIM buckets; d a multiple of 8 up to 128 runs in one
+TC_BWD_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 runs in one
 
-# Candidate (block_rows, tile_rows, num_warps, stages, own_in_regs) per (kernel, HEAD_DIM),
-# best first; every one fits 64 KB (sm_75's opt-in limit). `own_in_regs`: the warp's own
-# operands (K_j, V_j | Q_i, dO_i) as A fragments in registers, else re-read from shared
-# memory at every k16 step. ptxas registers (sm_80 / sm_75): dK/dV D=64 226 / 245,
-# D=128 228 / 228; dQ D=64 232 / 230, D=128 244 / 252. Tried and rejected: dK/dV D=128
-# with 32-row Q tiles (ptxas spills 16 bytes on sm_75 at 255 registers). D = 256 has no
-# tile: dK_j and dV_j alone are 2 · D/2 = 256 accumulator registers per thread.
+# Candidate (block_rows, tile_rows, num_warps, stages, own_in_regs, chunk_cols) per
+# (kernel, HEAD_DIM), best first; the last of each fits 64 KB (sm_75's opt-in limit).
+# `own_in_regs`: the warp's own operands (K_j, V_j | Q_i, dO_i) as A fragments in
+# registers, else re-read from shared memory at every k16 step. `chunk_cols`: the output
+# columns one block accumulates; below HEAD_DIM the output's columns are split into
+# chunks over blocks (grid x), each block recomputing Sᵀ, dPᵀ over the full head dim.
+# ptxas registers (sm_80 / sm_75): dK/dV D=64 237 / 244, D=128 217 / 224; dQ D=64
+# 241 / 227, D=128 242 / 250. Tried and rejected: dK/dV D=128 with 32-row Q tiles (ptxas
+# spills 16 bytes on sm_75 at 255 registers).
+# D = 256: dK_j and dV_j whole would be 2 · D/2 = 256 accumulator registers per thread, so
+# the dK/dV blocks own 128-column chunks (two blocks per key block: the scores are
+# computed twice), which leaves them the D = 128 tile's 128 accumulators; dQ_i alone is
+# 128, so the dQ kernel keeps all 256 columns with Q_i, dO_i in shared memory. Three
+# tiles: 8 warps (sm_80, sm_90), 4 (sm_86, sm_89's 99 KB), and for sm_75's 64 KB 16 keys
+# (one warp: 32 keys need 64 KB + 256 bytes of row statistics) and 32 queries. ptxas
+# registers (sm_80 / sm_75): dK/dV 221 / 232, 229 / 240, 213 / 224; dQ 238 / 245,
+# 242 / 251, 224 / 222.
 _TC_BWD_CANDIDATES = {
-    (FLASH_BWD_DKDV_TC.name, 64): ((64, 64, 4, 2, True),),
-    (FLASH_BWD_DKDV_TC.name, 128): ((64, 16, 4, 2, False),),
-    (FLASH_BWD_DQ_TC.name, 64): ((64, 64, 4, 2, True),),
-    (FLASH_BWD_DQ_TC.name, 128): ((64, 32, 4, 2, True),),
+    (FLASH_BWD_DKDV_TC.name, 64): ((64, 64, 4, 2, True, 64),),
+    (FLASH_BWD_DKDV_TC.name, 128): ((64, 16, 4, 2, False, 128),),
+    (FLASH_BWD_DKDV_TC.name, 256): ((128, 16, 8, 2, False, 128), (64, 16, 4, 2, False, 128),
+                                    (16, 16, 1, 2, False, 128)),
+    (FLASH_BWD_DQ_TC.name, 64): ((64, 64, 4, 2, True, 64),),
+    (FLASH_BWD_DQ_TC.name, 128): ((64, 32, 4, 2, True, 128),),
+    (FLASH_BWD_DQ_TC.name, 256): ((128, 16, 8, 2, False, 256), (64, 16, 4, 2, False, 256),
+                                  (32, 16, 2, 2, False, 256)),
 }
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
@@ -684,7 +698,7 @@ def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: i
 class TcBwdPlan(_Plan):
     """One launchable specialization of a tensor-core backward kernel; the fields after
     `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_ROWS,
-    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS in flash_bwd_tc.cu)."""
+    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS, CHUNK_COLS in flash_bwd_tc.cu)."""
 
     dynamic_smem = True
 
@@ -696,6 +710,7 @@ class TcBwdPlan(_Plan):
     num_warps: int
     stages: int            # depth of the cp.async ring
     own_in_regs: bool      # the own operands' A fragments held in registers
+    chunk_cols: int        # output columns per block (< head_dim: head-dim chunks)
 
     @property
     def num_threads(self) -> int:
@@ -706,6 +721,15 @@ class TcBwdPlan(_Plan):
         return self.head_dim
 
     @property
+    def chunked(self) -> bool:
+        return self.chunk_cols < self.head_dim
+
+    def num_d_chunks(self, d: int) -> int:
+        """Blocks per row block for head dim d: the chunks that hold a column < d (the
+        kernel computes the same count from d)."""
+        return -(-d // self.chunk_cols) if self.chunked else 1
+
+    @property
     def smem_bytes(self) -> int:
         return tc_bwd_smem_bytes(self.kernel, np.dtype(self.dtype).itemsize, self.head_dim,
                                  self.block_rows, self.tile_rows, self.stages)
@@ -713,12 +737,15 @@ class TcBwdPlan(_Plan):
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} rows={self.block_rows} "
                 f"tile={self.tile_rows} warps={self.num_warps} stages={self.stages} "
-                f"{'regs' if self.own_in_regs else 'smem'} smem={self.smem_bytes} B")
+                f"{'regs' if self.own_in_regs else 'smem'}"
+                f"{f' chunks of {self.chunk_cols}' if self.chunked else ''} "
+                f"smem={self.smem_bytes} B")
 
     @property
     def name_expression(self) -> str:
         return self._instantiate(self.head_dim, self.block_rows, self.tile_rows, self.num_warps,
-                                 self.stages, "true" if self.own_in_regs else "false")
+                                 self.stages, "true" if self.own_in_regs else "false",
+                                 self.chunk_cols)
 
 
 def _tc_bwd_candidates(kernel, dtype, head_dim):
@@ -739,9 +766,12 @@ def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
 
     Tensor cores (two `TcBwdPlan`s) where dbias is not asked for (`dbias`: the SIMT dQ
     kernel writes it), the dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple
-    of 8 up to 128, q, k, v and dO allow 16-byte loads (`aligned`) and both tiles fit
-    `max_smem`; otherwise the SIMT kernels of `plan_backward`. Attention variants (window,
-    softcap, ALiBi, bias, mask, dropout) take the same path as a plain call.
+    of 8 up to 256, q, k, v and dO allow 16-byte loads (`aligned`) and a tile of each
+    kernel fits `max_smem` (the first candidate that does: for 128 < d ≤ 256 the dK/dV
+    plan splits dK, dV into 128-column chunks, `TcBwdPlan.num_d_chunks`); otherwise the
+    SIMT kernels of `plan_backward`. Attention variants (window, softcap, ALiBi, bias,
+    mask, dropout) take the same path as a plain call. The reason names the instruction
+    and, for chunked plans, the chunks.
     `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
 
@@ -765,9 +795,8 @@ def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
         return simt(), (f"SIMT: head dim d={d} is not a multiple of {TC_D_MULTIPLE} "
                         f"(tensor-core rows are whole 16-byte chunks)")
     if d > TC_BWD_HEAD_DIMS[-1]:
-        return simt(), (f"SIMT: head dim d={d} > {TC_BWD_HEAD_DIMS[-1]}: the tensor-core "
-                        f"backward keeps dK_j and dV_j in mma accumulators, d registers per "
-                        f"thread, and the 256-wide tile's would fill all 255")
+        return simt(), (f"SIMT: head dim d={d} > {TC_BWD_HEAD_DIMS[-1]}, the largest "
+                        f"tensor-core backward tile")
     if not aligned:
         return simt(), ("SIMT: q, k, v or dO is not 16-byte aligned (a base pointer, or a "
                         "batch, head or row stride that is not a multiple of 8 elements)")
@@ -778,7 +807,9 @@ def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
         return simt(), (f"SIMT: no tensor-core backward tile for D={D} fits {max_smem} bytes "
                         f"of shared memory per block")
     instr = "mma.m16n8k16" if cc >= (8, 0) else "2 x mma.m16n8k8"
-    return tuple(fits), f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}"
+    chunks = "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"
+                     for p in fits if p.num_d_chunks(d) > 1)
+    return tuple(fits), f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}{chunks}"
 
 
 # ── online softmax (online_softmax.cu) ─────────────────────────────────────────────────

@@ -3,11 +3,13 @@ arch, against the float64 reference backward with FlashAttention's rule for grad
 (conftest.assert_close_to_reference with factor 3 over a plain 16-bit backward); its
 dispatch (`tiling.backward_path`); its shared-memory formula through ptxas; its machine code.
 
-Each (dtype, head dim) picks one dK/dV and one dQ specialization; each is built once per
-arch it runs on (a g++ build of a few seconds), so the matrix runs every specialization on
-an sm_80+ arch, every float16 one on sm_75 too (two m16n8k8 per k16 step, synchronous
-copies), and reuses those builds for the features (causal, GQA/MQA, Nq != Nk, odd sizes,
-fully masked rows, strides).
+Each (dtype, head dim, shared memory) picks one dK/dV and one dQ specialization; each is
+built once per arch it runs on (a g++ build of a few seconds), so the matrix runs every
+specialization on an sm_80+ arch (the tiles sized for sm_75 through a backend whose
+max_smem is 64 KB), every float16 one that fits sm_75 there too (two m16n8k8 per k16 step,
+synchronous copies), and reuses those builds for the features (causal, GQA/MQA, Nq != Nk,
+odd sizes, fully masked rows, strides) and for 128 < d <= 256, where the dK/dV blocks own
+128-column chunks of dK, dV.
 """
 import math
 
@@ -25,10 +27,14 @@ F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
 TC_BWD = set(tiling.TC_BWD_KERNELS)
 
 
-def _backend(arch, *, checked=False, schedule="round-robin"):
-    if schedule == "round-robin":
+def _backend(arch, *, checked=False, schedule="round-robin", max_smem=None):
+    """The emulator on `arch`; `max_smem` below the arch's limit makes its plans pick the
+    smaller tiles (an sm_80+ run of the tiles sized for sm_75)."""
+    if schedule == "round-robin" and max_smem is None:
         return kernels.emulator_backend(arch=arch, checked=checked)
     lim = kernels.emulator_limits(arch)
+    if max_smem is not None:
+        lim["max_smem"] = max_smem
     return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
                                  limits=lambda: dict(lim),
                                  module_options=dict(checked=checked, schedule=schedule, seed=5,
@@ -65,35 +71,78 @@ def _check(be, args, scale, *, causal, expect=None):
     return {p.kernel for p in plans}, grads
 
 
-def _plans(dtype, D):
-    return tuple(p for k in tiling.TC_BWD_KERNELS for p in tiling.all_tc_bwd_plans()
-                 if p.kernel == k and p.dtype == np.dtype(dtype).name and p.head_dim == D)
+def _plans(dtype, D, arch=None, max_smem=None):
+    """The (dK/dV, dQ) plans for bucket D: each kernel's first candidate (all_tc_bwd_plans
+    lists them best first) within `max_smem`, else within `arch`'s limit."""
+    if max_smem is None:
+        max_smem = kernels.emulator_limits(arch)["max_smem"]
+    return tuple(next(p for p in tiling.all_tc_bwd_plans()
+                      if p.kernel == k and p.dtype == np.dtype(dtype).name and p.head_dim == D
+                      and p.smem_bytes <= max_smem)
+                 for k in tiling.TC_BWD_KERNELS)
 
 
 # -- every specialization, on the archs it targets --------------------------------------------
-SPECS = [(F16, 64, "sm_75"), (F16, 128, "sm_75"), (F16, 64, "sm_80"), (F16, 128, "sm_89"),
-         (BF16, 64, "sm_86"), (BF16, 128, "sm_90"), (BF16, 128, "sm_80"), (BF16, 64, "sm_90")]
+SM75_SMEM = 64 * 1024  # on an sm_80+ arch: the tiles sized for sm_75's limit
+SPECS = [(F16, 64, "sm_75", None), (F16, 128, "sm_75", None), (F16, 64, "sm_80", None),
+         (F16, 128, "sm_89", None), (BF16, 64, "sm_86", None), (BF16, 128, "sm_90", None),
+         (BF16, 128, "sm_80", None), (BF16, 64, "sm_90", None),
+         # D = 256: the dK/dV blocks own 128-column chunks of dK, dV
+         (F16, 256, "sm_75", None), (F16, 256, "sm_80", None), (F16, 256, "sm_89", None),
+         (F16, 256, "sm_80", SM75_SMEM), (BF16, 256, "sm_90", None), (BF16, 256, "sm_86", None),
+         (BF16, 256, "sm_80", SM75_SMEM)]
 
 
 def test_the_matrix_covers_every_specialization_and_arch():
-    built = {(p, arch) for dt, D, arch in SPECS for p in _plans(dt, D)}
+    built = {(p, arch) for dt, D, arch, smem in SPECS for p in _plans(dt, D, arch, smem)}
     for plan in tiling.all_tc_bwd_plans():
         archs = {a for p, a in built if p == plan}
         assert archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
-        if plan.dtype == "float16":
+        if plan.dtype == "float16" and plan.smem_bytes <= SM75_SMEM:  # those sm_75 can launch
             assert "sm_75" in archs, f"{plan} never runs with m16n8k8 (sm_75)"
     assert {a for _, a in built} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
 
 
-@pytest.mark.parametrize("dt,D,arch", SPECS, ids=lambda x: getattr(x, "name", str(x)))
-def test_specialization(dt, D, arch):
+@pytest.mark.parametrize("dt,D,arch,smem", SPECS, ids=lambda x: getattr(x, "name", str(x)))
+def test_specialization(dt, D, arch, smem):
     """Causal with Nq < Nk, partial key and query tiles, head-dim columns d..D-1 padded;
     then the full-width head dim without the mask."""
-    be = _backend(arch)
+    be = _backend(arch, max_smem=smem)
+    expect = _plans(dt, D, arch, smem)
     args, scale = _problem(1, 2, 1, 37, 2 * 64 + 3, D - 8, dt, True, seed=D)
-    assert _check(be, args, scale, causal=True, expect=_plans(dt, D))[0] == TC_BWD
+    assert _check(be, args, scale, causal=True, expect=expect)[0] == TC_BWD
     args, scale = _problem(1, 1, 1, 70, 17, D, dt, False, seed=D + 1)
-    _check(be, args, scale, causal=False, expect=_plans(dt, D))
+    _check(be, args, scale, causal=False, expect=expect)
+
+
+# -- 128 < d <= 256: head-dim chunks of dK, dV ----------------------------------------------
+
+@pytest.mark.parametrize("arch,dt,smem,Hq,Hkv,Nq,Nk,d,causal", [
+    # d = 136: the second chunk holds 8 columns; GQA, Nq < Nk
+    ("sm_75", F16, None, 4, 2, 45, 70, 136, True),
+    ("sm_80", F16, None, 4, 2, 45, 70, 136, True),
+    # d = 200, not a bucket; GQA with Nq > Nk: the first rows see no key
+    ("sm_89", F16, None, 6, 2, 113, 40, 200, True),
+    ("sm_80", F16, SM75_SMEM, 6, 2, 113, 40, 200, True),
+    # d = 192, MQA, not causal; the sm_75-sized tiles on sm_80
+    ("sm_80", BF16, SM75_SMEM, 3, 1, 70, 53, 192, False),
+    ("sm_90", BF16, None, 3, 1, 70, 53, 192, False),
+    # d = 256, ragged Nq != Nk, several key blocks and query tiles
+    ("sm_75", F16, None, 2, 1, 33, 97, 256, True),
+    ("sm_86", BF16, None, 2, 2, 97, 81, 256, True),
+])
+def test_head_dims_above_128(arch, dt, smem, Hq, Hkv, Nq, Nk, d, causal):
+    """The chunked dK/dV plan (every chunk of dK, dV written: the columns beyond the first
+    chunk are judged as the first) and the 256-wide dQ, against the float64 gradients."""
+    be = _backend(arch, max_smem=smem)
+    args, scale = _problem(2, Hq, Hkv, Nq, Nk, d, dt, causal, seed=Nq + Nk + d)
+    plans, why = tiling.backward_path(d, dt, be.limits()["cc"], max_smem=be.limits()["max_smem"])
+    assert plans == _plans(dt, 256, arch, smem) and plans[0].num_d_chunks(d) == 2, why
+    assert "2 head-dim chunks of 128" in why
+    kinds, (dq, dk, dv) = _check(be, args, scale, causal=causal, expect=plans)
+    assert kinds == TC_BWD
+    if causal and Nq > Nk:  # rows that see no key: zero dQ
+        assert np.all(dq[..., :Nq - Nk, :].astype(np.float64) == 0)
 
 
 # -- features on the default tile of each arch -----------------------------------------------
@@ -137,17 +186,24 @@ def test_strided_inputs_aligned_and_not():
 
 # -- checked mode: no races, no out-of-bounds access, no read of a pending cp.async ----------
 
-@pytest.mark.parametrize("arch,dt,D,schedule", [
-    ("sm_80", F16, 64, "random"),      # K_j, V_j fragments in registers
-    ("sm_75", F16, 128, "reversed"),   # synchronous copies, K_j, V_j re-read from shared memory
-    ("sm_90", BF16, 128, "random"),
+@pytest.mark.parametrize("arch,dt,D,schedule,smem", [
+    ("sm_80", F16, 64, "random", None),      # K_j, V_j fragments in registers
+    ("sm_75", F16, 128, "reversed", None),   # synchronous copies, K_j, V_j re-read from smem
+    ("sm_90", BF16, 128, "random", None),
+    ("sm_90", BF16, 256, "reversed", None),  # two dK/dV blocks per key block (head-dim chunks)
+    ("sm_80", F16, 256, "random", SM75_SMEM),  # one-warp dK/dV, two-warp dQ, rolled ring copies
 ])
-def test_checked(arch, dt, D, schedule):
+def test_checked(arch, dt, D, schedule, smem):
     # GQA (the dK/dV ring runs across two query heads), Nq > Nk and causal: skipped,
     # partial and fully masked tiles; the rings wrap
     args, scale = _problem(1, 2, 1, 100, 70, D - 16, dt, True, seed=D)
-    be = _backend(arch, checked=True, schedule=schedule)
-    assert _check(be, args, scale, causal=True, expect=_plans(dt, D))[0] == TC_BWD
+    be = _backend(arch, checked=True, schedule=schedule, max_smem=smem)
+    kinds, grads = _check(be, args, scale, causal=True, expect=_plans(dt, D, arch, smem))
+    assert kinds == TC_BWD
+    # one writer per element, a fixed order: the same bits as the round-robin schedule
+    plain = _backend(arch, max_smem=smem).backward(*args, causal=True, scale=scale)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, plain):
+        assert np.array_equal(x.view(np.uint16), y.view(np.uint16)), name
 
 
 # -- dispatch ---------------------------------------------------------------------------------
@@ -159,10 +215,17 @@ def test_backward_path_and_its_reasons():
         return tiling.backward_path(d, dtype, cc, aligned, max_smem=max_smem, dbias=dbias)
 
     for dt, cc in ((F16, (7, 5)), (F16, (9, 0)), (BF16, (8, 6))):
-        for d in (8, 64, 72, 128):
+        for d in (8, 64, 72, 128, 136, 200, 256):
             plans, why = path(d, dt, cc)
             assert [p.kernel for p in plans] == list(tiling.TC_BWD_KERNELS), why
             assert all(d <= p.head_dim for p in plans) and "tensor cores" in why
+            # above 128 the dK/dV blocks own chunks of 128 columns, dQ's all 256
+            assert [p.num_d_chunks(d) for p in plans] == ([2, 1] if d > 128 else [1, 1]), why
+            assert ("2 head-dim chunks of 128" in why) == (d > 128), why
+    # the largest tile that fits: 8 warps in 163 KB, 4 in 99 KB, 1 (dK/dV) and 2 (dQ) in 64 KB
+    for smem, warps in ((163 * 1024, [8, 8]), (99 * 1024, [4, 4]), (64 * 1024, [1, 2])):
+        plans, why = path(256, max_smem=smem)
+        assert [p.num_warps for p in plans] == warps and "tensor cores" in why, why
     assert "m16n8k8" in path(cc=(7, 5))[1] and "m16n8k16" in path(cc=(8, 0))[1]
     fallbacks = [
         (path(dtype=F32), "float32"),
@@ -170,8 +233,8 @@ def test_backward_path_and_its_reasons():
         (path(cc=(7, 0)), "sm_70"),
         (path(dtype=BF16, cc=(7, 5)), "sm_80"),
         (path(d=60), "multiple of 8"),
-        (path(d=136), "> 128"),
-        (path(d=256), "registers"),
+        (path(d=264), "> 256"),
+        (path(d=200, max_smem=60 * 1024), "fits"),
         (path(aligned=False), "16-byte aligned"),
         (path(cc=None), "unknown"),
         (path(dbias=True), "dbias"),
@@ -179,19 +242,32 @@ def test_backward_path_and_its_reasons():
     ]
     for (plans, why), word in fallbacks:
         assert not {p.kernel for p in plans} & TC_BWD and why.startswith("SIMT") and word in why, why
-    # every emulated tensor-core arch takes the tensor-core backward for float16 by default
+    # every emulated tensor-core arch takes the tensor-core backward for float16 by default,
+    # up to d = 256
     for arch in ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
         lim = kernels.emulator_limits(arch)
-        assert {p.kernel for p in path(64, F16, lim["cc"], max_smem=lim["max_smem"])[0]} == TC_BWD
+        for d in (64, 256):
+            plans = path(d, F16, lim["cc"], max_smem=lim["max_smem"])[0]
+            assert {p.kernel for p in plans} == TC_BWD, (arch, d)
 
 
 def test_tc_bwd_plans_fit_and_are_listed():
+    """Every plan is compiled by the gate and fits some arch; each (kernel, dtype, D) has a
+    tile within sm_75's 64 KB; the chunks tile the head dim."""
     specs = tiling.specializations()["flash_bwd_tc.cu"]
     t4 = kernels.emulator_limits("sm_75")["max_smem"]
+    h100 = kernels.emulator_limits("sm_90")["max_smem"]
+    smallest = {}
     for plan in tiling.all_tc_bwd_plans():
         assert plan.name_expression in specs
         assert plan.block_rows == 16 * plan.num_warps and plan.stages >= 2
-        assert plan.tile_rows % 16 == 0 and plan.smem_bytes <= t4
+        assert plan.tile_rows % 16 == 0 and plan.smem_bytes <= h100
+        assert plan.chunk_cols % 16 == 0 and plan.head_dim % plan.chunk_cols == 0
+        assert plan.chunked == (plan.chunk_cols < plan.head_dim)
+        key = (plan.kernel, plan.dtype, plan.head_dim)
+        smallest[key] = min(smallest.get(key, plan.smem_bytes), plan.smem_bytes)
+    assert {D for _, _, D in smallest} == set(tiling.TC_BWD_HEAD_DIMS)
+    assert all(b <= t4 for b in smallest.values()), smallest
 
 
 # -- the shared-memory formula, through ptxas -------------------------------------------------
@@ -212,10 +288,11 @@ SMEM_PROBE = r"""
 // The kernels' shared memory is dynamic, so ptxas cannot see it: this probe declares a
 // quarter of TcBwdTraits::kSmemBytes statically (the whole may exceed 48 KB).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, bool ROW_STATS>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS>
 __global__ void smem_probe(unsigned char* out) {
     constexpr int kBytes = cuflash::TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS,
-                                                STAGES, OWN_IN_REGS, ROW_STATS>::kSmemBytes;
+                                                STAGES, OWN_IN_REGS, CHUNK_COLS,
+                                                ROW_STATS>::kSmemBytes;
     static_assert(kBytes % 4 == 0, "a quarter of the bytes");
     __shared__ unsigned char s[kBytes / 4];
     s[threadIdx.x] = (unsigned char)threadIdx.x;
@@ -263,11 +340,11 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
         if p.dtype == "bfloat16" and r.arch == "sm_75":
             assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
             continue
-        D, tr = p.head_dim, p.tile_rows
+        D, tr, cols = p.head_dim, p.tile_rows, p.chunk_cols
         s_mma = (D // 16) * (tr // 8)          # S (or Sᵀ): k16 steps x n-tiles
-        x_mma = (tr // 16) * (D // 8)          # P·X: k16 steps x n-tiles of the accumulator
+        x_mma = (tr // 16) * (cols // 8)       # P·X: k16 steps x n-tiles of the accumulator (a chunk)
         ldsm_s = (D // 16) * (tr // 16)        # B fragments of S, one ldmatrix.x4 per 2 n-tiles
-        ldsm_x = (tr // 16) * (D // 16)
+        ldsm_x = (tr // 16) * (cols // 16)
         if p.kernel == "flash_bwd_dkdv_tc":    # Sᵀ, dPᵀ, dV, dK
             mma, ldsm = 2 * s_mma + 2 * x_mma, 2 * ldsm_s + 2 * ldsm_x
         else:                                  # S, dP, dQ

@@ -15,9 +15,11 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
-128, 16-byte aligned q, k, v, dO, no dbias asked for), launches 2 and 3 are the
+256, 16-byte aligned q, k, v, dO, no dbias asked for), launches 2 and 3 are the
 `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
-the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
+dynamic shared memory, no chunk argument; a chunked plan, d > 128 for dK/dV, has
+`plan.num_d_chunks(d)` blocks per row block, a count the kernel derives from d); the
+preprocess is shared.
 
 Attention variants run on every kernel (run-time arguments, `kernel_variants`). With
 `return_dbias` (the SIMT kernels only) the dQ kernel also writes dbias; where the bias is
@@ -67,12 +69,15 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, return_dbias=return_dbias)
-    tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 128, one chunk
+    tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 256
     if segments is not None and tc:
         raise ValueError("the tensor-core backward kernels take no packed sequences "
                          "(takes_segments)")
     pre = tiling.bwd_preprocess_plan(q.dtype)
-    num_d_chunks = tiling.bwd_head_dim_chunks(d)
+    num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
+    # tensor cores: each plan's own chunks (the kernels count them from d)
+    chunks_kv, chunks_q = ((p_dkdv.num_d_chunks(d), p_dq.num_d_chunks(d)) if tc
+                           else (num_d_chunks, num_d_chunks))
     lse = xp.ascontiguousarray(lse, dtype=acc)
     Dvec = xp.empty(lse.shape, dtype=acc)
     dq = xp.empty(q.shape, dtype=q.dtype)
@@ -83,8 +88,8 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     rows = i32(lse.size, "batch x heads x Nq")
     for n, what in ((B, "batch"), (Hq, "query heads"), (Hkv, "key/value heads")):
         check_grid_yz(n, what)
-    grid_kv = i32(-(-Nk // p_dkdv.block_rows) * num_d_chunks, "dK/dV blocks per head")
-    grid_q = i32(-(-Nq // p_dq.block_rows) * num_d_chunks, "dQ blocks per head")
+    grid_kv = i32(-(-Nk // p_dkdv.block_rows) * chunks_kv, "dK/dV blocks per head")
+    grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
     sizes = (i32(Hq, "query heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
     def s3(a):  # (batch, head, row) element strides; packed rows carry the batch offset

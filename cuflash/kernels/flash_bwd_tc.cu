@@ -11,9 +11,9 @@
 // row); as in flash_bwd.cu every output element has one writer and a fixed order, so
 // runs are bitwise reproducible.
 //
-//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, K/V head, batch)
+//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, head-dim chunk, K/V head, batch)
 //     prologue   K_j, V_j → shared (cp.async) → A fragments in registers (D = 64; for
-//                D = 128 they stay in shared memory beside dK_j, dV_j's 128 registers)
+//                D ≥ 128 they stay in shared memory beside dK_j, dV_j's 128 registers)
 //                start copying the first STAGES − 1 (Q_i, dO_i, lse_i, D_i) tiles
 //     main loop  for each query head of the GQA group, each Q_i tile below the diagonal
 //                  wait for tile i; barrier; start copying tile i + STAGES − 1
@@ -21,7 +21,11 @@
 //                  Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
 //                  dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i        (C fragments as A fragments)
 //     epilogue   dK_j · scale, dV_j → T in shared → 16-byte stores
-//   dQ: one block per (Q block of BLOCK_ROWS queries, query head, batch)
+//   head-dim chunks (CHUNK_COLS < HEAD_DIM, D = 256): dK_j, dV_j whole would be 256
+//     accumulator registers, so a block accumulates only its CHUNK_COLS (128) columns of
+//     dV_j and dK_j; Sᵀ and dPᵀ still run over the full head dim (computed once per chunk)
+//   dQ: one block per (Q block of BLOCK_ROWS queries, head-dim chunk, query head, batch);
+//     every dQ plan has one chunk (at D = 256 Q_i, dO_i stay in shared memory)
 //     prologue   Q_i, dO_i → A fragments; lse_i, D_i of the thread's rows g, g + 8
 //     main loop  for each K_j, V_j tile below the diagonal (the same ring)
 //                  S = Q_i K_jᵀ, dP = dO_i V_jᵀ, P, dS as above, dQ_i += dS K_j
@@ -63,9 +67,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     int win_right) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
-    // Block → (key block, K/V head, batch). Key blocks first-first: under causal masking
-    // the first keys are seen by the most queries, so the longest blocks start first.
-    const int n0 = blockIdx.x * BN;
+    // Block → (key block, head-dim chunk, K/V head, batch). Key blocks first-first: under
+    // causal masking the first keys are seen by the most queries, so the longest blocks
+    // start first. Chunked (CHUNK_COLS < D): the block owns columns [col0, col0 +
+    // CHUNK_COLS) of dK_j, dV_j; Sᵀ and dPᵀ still sum over the full head dim.
+    const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
+    const int n0 = (blockIdx.x / n_chunks) * BN;
+    const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
     const T* k_bh = k + b * k_sb + h_kv * k_sh;
@@ -98,8 +106,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         if (i < n_tiles) {
             const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
             const int slot = i % STAGES;
-            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr, m0, Nq, d);
-            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr, m0, Nq, d);
+            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr, m0,
+                                         Nq, d);
+            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
+                                         m0, Nq, d);
             const long long row_bh = (b * Hq + h) * (long long)Nq;  // lse, D: (B, Hq, Nq)
             copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
             copy_stats_async<Tr, BM>(sD + slot * BM, Delta + row_bh, m0, Nq);
@@ -184,16 +194,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             }
         }
 
-        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in registers)
-        gemm_pv_tc<Tr>(dv_acc, s, sdOi, lane);
-        gemm_pv_tc<Tr>(dk_acc, dp, sQi, lane);
+        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in
+        // registers; the block's chunk of the columns of dO_i, Q_i)
+        gemm_pv_tc<Tr>(dv_acc, s, sdOi, lane, col0);
+        gemm_pv_tc<Tr>(dk_acc, dp, sQi, lane, col0);
     }
 
-    // -- epilogue: dK_j = (Σ dSᵀ Q_i) · scale, dV_j, through the warp's own rows of sK, sV
+    // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
+    // rows of sK, sV
     store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh, dk_sr, dk_acc, scale, sK, warp_row0, n0,
-                       Nk, d, lane);
-    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dv_acc, 1.f, sV, warp_row0, n0, Nk,
-                       d, lane);
+                       col0, Nk, d, lane);
+    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dv_acc, 1.f, sV, warp_row0, n0,
+                       col0, Nk, d, lane);
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -210,9 +222,12 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     Variants<T> var, int win_left, int win_right) {
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
-    // Block → (query block, query head, batch); query blocks last-first (the causal tail,
-    // as flash_fwd_tc.cu). GQA/MQA: query head h reads K/V head h / group.
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    // Block → (query block, head-dim chunk, query head, batch); query blocks last-first (the
+    // causal tail, as flash_fwd_tc.cu). GQA/MQA: query head h reads K/V head h / group.
+    // Chunked: the block owns columns [col0, col0 + CHUNK_COLS) of dQ_i.
+    const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
+    const int m0 = (gridDim.x / n_chunks - 1 - blockIdx.x / n_chunks) * BM;
+    const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h = blockIdx.y;
     const long long b = blockIdx.z;
     const int h_kv = h / group;
@@ -241,8 +256,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     auto issue = [&](int j) {
         if (j < n_tiles) {
             const int n0 = n_begin + j * BN;
-            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, n0, Nk, d);
-            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, n0, Nk, d);
+            copy_ring_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, n0, Nk, d);
+            copy_ring_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, n0, Nk, d);
         }
         cp_async_commit();
     };
@@ -317,20 +332,20 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
             }
         }
 
-        // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of K_j)
-        gemm_pv_tc<Tr>(dq_acc, dp, sKj, lane);
+        // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of the chunk of K_j)
+        gemm_pv_tc<Tr>(dq_acc, dp, sKj, lane, col0);
     }
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
-    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dq_acc, scale, sQ, warp_row0, m0, Nq,
-                       d, lane);
+    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dq_acc, scale, sQ, warp_row0, m0, col0,
+                       Nq, d, lane);
 }
 
-// A block of NUM_WARPS · 32 threads per (key block | query block, head, batch) in
-// blockIdx (x, y, z). minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers
+// A block of NUM_WARPS · 32 threads per (key block | query block, head-dim chunk), head,
+// batch in blockIdx (x, y, z); CHUNK_COLS = HEAD_DIM: one chunk, blockIdx.x the row block. minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers
 // it needs (up to 255) rather than aim at an occupancy that spills.
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS>
+          bool OWN_IN_REGS, int CHUNK_COLS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, const T* __restrict__ dO,
@@ -345,7 +360,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          long long dv_sb, long long dv_sh, long long dv_sr,
                          float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           /*ROW_STATS=*/true>;
+                           CHUNK_COLS, /*ROW_STATS=*/true>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
@@ -357,7 +372,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS>
+          bool OWN_IN_REGS, int CHUNK_COLS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        const T* __restrict__ v, const T* __restrict__ dO,
@@ -370,7 +385,7 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        long long dq_sb, long long dq_sh, long long dq_sr,
                        float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           /*ROW_STATS=*/false>;
+                           CHUNK_COLS, /*ROW_STATS=*/false>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,

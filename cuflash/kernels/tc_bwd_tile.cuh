@@ -26,7 +26,8 @@
 // (C fragments as A × streamed tile), which read these traits by the forward's names:
 // kQInRegs / kQFrags are the own operands' A fragments (held in registers, or re-read from
 // shared memory at every k16 step), kSTiles the n-tiles of S (TILE_ROWS / 8), kPVSteps the
-// k16 steps over the streamed rows, kOTiles the n-tiles of an accumulator (D / 8).
+// k16 steps over the streamed rows, kOTiles the n-tiles of an accumulator (CHUNK_COLS / 8:
+// a block accumulates CHUNK_COLS of the output's columns, HEAD_DIM unless chunked).
 //
 // Shared memory (dynamic, tiles in T, swizzled as in tc_tile.cuh):
 //   own pair     2 x [BLOCK_ROWS][D]            K_j, V_j  |  Q_i, dO_i   (then: the
@@ -44,7 +45,7 @@
 namespace cuflash {
 
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, bool ROW_STATS>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS>
 struct TcBwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockRows = BLOCK_ROWS;       // own rows: Bc keys | Br queries
@@ -57,7 +58,9 @@ struct TcBwdTraits {
     static constexpr int kKSteps = HEAD_DIM / 16;       // k16 steps of S (over the head dim)
     static constexpr int kSTiles = TILE_ROWS / 8;       // n-tiles of S, dP (streamed rows)
     static constexpr int kPVSteps = TILE_ROWS / 16;     // k16 steps of P·X (streamed rows)
-    static constexpr int kOTiles = HEAD_DIM / 8;        // n-tiles of dK, dV, dQ
+    static constexpr int kChunkCols = CHUNK_COLS;       // output columns per block
+    static constexpr bool kChunked = CHUNK_COLS < HEAD_DIM;
+    static constexpr int kOTiles = CHUNK_COLS / 8;      // n-tiles of dK, dV, dQ (one chunk)
     static constexpr bool kQInRegs = OWN_IN_REGS;       // own A fragments in registers
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
     static constexpr int kSmemOwn = BLOCK_ROWS * HEAD_DIM;           // elements, each of 2
@@ -74,10 +77,35 @@ struct TcBwdTraits {
     static_assert(HEAD_DIM % 64 == 0,
                   "HEAD_DIM must be a multiple of 64: the swizzle permutes 8 chunks of 16 bytes");
     static_assert(STAGES >= 2, "the cp.async pipeline needs at least two stages");
+    static_assert(CHUNK_COLS % 16 == 0 && HEAD_DIM % CHUNK_COLS == 0,
+                  "CHUNK_COLS must divide HEAD_DIM in multiples of 16 (ldmatrix.x4.trans pairs)");
     static_assert((2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) % 16 == 0,
                   "the row statistics start 16-byte aligned");
     static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
 };
+
+// A streamed tile into its ring slot: tc_tile.cuh's copy_tile_async, unrolled where each
+// thread copies at most 4 chunks (every tile of 4 warps), else as a rolled loop. Unrolled
+// in the main loop, ptxas hoists every chunk's addresses out of it (they are loop-invariant
+// but for the tile's row offset) and keeps them in registers: with 1 or 2 warps, 8-16
+// chunks per thread of a 256-wide tile, that spilled (as tf32_tile.cuh's float tiles).
+template <class Tr, int ROWS, typename T>
+__device__ __forceinline__ void copy_ring_tile_async(T* __restrict__ s, const T* __restrict__ g,
+                                                     long long ld, int row0, int n_rows, int d) {
+    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
+    constexpr int kChunks = ROWS * CPR, NT = Tr::kThreads;
+    if constexpr (kChunks <= 4 * NT) {
+        copy_tile_async<Tr, ROWS>(s, g, ld, row0, n_rows, d);
+    } else {
+#pragma unroll 1
+        for (int i = threadIdx.x; i < kChunks; i += NT) {
+            const int r = i / CPR, c = i % CPR;
+            const bool valid = row0 + r < n_rows && c * C < d;
+            const T* src = valid ? g + (long long)(row0 + r) * ld + c * C : g;
+            cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
+        }
+    }
+}
 
 // Rows [row0, row0 + ROWS) of a contiguous float vector (lse or D of one head) into s by
 // 4-byte cp.async (the rows are not 16-byte aligned); rows >= n_rows are zero-filled.
@@ -128,33 +156,34 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
     }
 }
 
-// The epilogue of both kernels: acc · factor (the warp's 16 own rows x D) packed to T into
-// the warp's own rows of the swizzled tile s (no other warp touches them), then whole
-// 16-byte chunks of rows < n and columns < d to out (row stride sr).
+// The epilogue of both kernels: acc · factor (the warp's 16 own rows x the CHUNK_COLS
+// columns from col0 on) packed to T into the same rows and columns of the swizzled tile s
+// (no other warp touches those rows), then whole 16-byte chunks of rows < n and columns
+// < d to out (row stride sr).
 template <class Tr, typename T>
 __device__ __forceinline__ void store_rows_16b(T* __restrict__ out, long long sr,
                                                const FragC (&acc)[Tr::kOTiles], float factor,
-                                               T* s, int warp_row0, int row0, int n, int d,
-                                               int lane) {
+                                               T* s, int warp_row0, int row0, int col0, int n,
+                                               int d, int lane) {
     const int g = lane >> 2, t = lane % 4;
     __syncwarp();  // the warp's own reads of these rows (ldmatrix) precede the writes
 #pragma unroll
     for (int j = 0; j < Tr::kOTiles; ++j) {
-        const int col = j * 8 + 2 * t;
+        const int col = col0 + j * 8 + 2 * t;
         *reinterpret_cast<unsigned*>(s + tile_offset<Tr>(warp_row0 + g, col)) =
             pack2<T>(acc[j].c0 * factor, acc[j].c1 * factor);
         *reinterpret_cast<unsigned*>(s + tile_offset<Tr>(warp_row0 + g + 8, col)) =
             pack2<T>(acc[j].c2 * factor, acc[j].c3 * factor);
     }
     __syncwarp();
-    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
+    constexpr int CPR = Tr::kChunkCols / Tr::kChunkElems, C = Tr::kChunkElems;
 #pragma unroll
     for (int i = lane; i < Tr::kWarpRows * CPR; i += 32) {
-        const int r = i / CPR, c = i % CPR;
+        const int r = i / CPR, c = col0 + (i % CPR) * C;
         const int gi = row0 + warp_row0 + r;
-        if (gi < n && c * C < d)
-            *reinterpret_cast<uint4*>(out + (long long)gi * sr + c * C) =
-                *reinterpret_cast<const uint4*>(s + tile_offset<Tr>(warp_row0 + r, c * C));
+        if (gi < n && c < d)
+            *reinterpret_cast<uint4*>(out + (long long)gi * sr + c) =
+                *reinterpret_cast<const uint4*>(s + tile_offset<Tr>(warp_row0 + r, c));
     }
 }
 
