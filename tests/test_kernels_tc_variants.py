@@ -248,3 +248,14 @@ def test_backward_checked_bias_and_mask_at_ragged_sizes():
     opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
                     F16, shape, seed=6)
     _run_backward(F16, "sm_80", do, q, k, v, opts, checked=True, schedule="random")
+
+
+def test_backward_variants_with_head_dim_chunks():
+    """d = 200: the dK/dV blocks own 128-column chunks and recompute the scores per chunk;
+    every option (the chain and dropout's redraw in each chunk's block) at ragged sizes."""
+    shape = (1, 2, 1, 37, 75, 200)
+    q, k, v = _inputs(F16, shape, seed=7)
+    do = np.random.default_rng(8).standard_normal(q.shape).astype(F16)
+    opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
+                    F16, shape, seed=9)
+    _run_backward(F16, "sm_80", do, q, k, v, opts)
