@@ -216,18 +216,22 @@ def test_paged_cache_is_read_through_the_block_table(dtype, arch, kernel):
     assert _plan_kernel(be, q)[0].kernel == kernel
 
 
-@pytest.mark.parametrize("dtype, arch", [(F32, "sm_70"), (F64, "sm_80"), (F16, "sm_70")])
-def test_varlen_backward_blocks_find_their_sequence(dtype, arch, monkeypatch):
-    """The SIMT backward over packed sequences (empty ones among them) in one launch of
-    each kernel (preprocess, dK/dV, dQ), checked mode: each sequence's gradients equal the
-    float64 reference's for that sequence alone."""
+@pytest.mark.parametrize("dtype, arch, d", [(F32, "sm_70", 40), (F64, "sm_80", 40),
+                                           (F16, "sm_70", 40), (F16, "sm_75", 40),
+                                           (BF16, "sm_80", 200)])
+def test_varlen_backward_blocks_find_their_sequence(dtype, arch, d, monkeypatch):
+    """The backward over packed sequences (empty ones among them) in one launch of each
+    kernel (preprocess, dK/dV, dQ; SIMT on sm_70, tensor cores from sm_75, in head-dim
+    chunks at d = 200), checked mode: each sequence's gradients equal the float64
+    reference's for that sequence alone."""
     lq, lk = [5, 0, 1, 40, 9], [8, 6, 0, 70, 9]
-    q, k, v, cq, ck = _packed(lq, lk, 4, 2, 40, dtype)
+    q, k, v, cq, ck = _packed(lq, lk, 4, 2, d, dtype)
     do = np.random.default_rng(9).standard_normal(q.shape).astype(dtype)
     be = kernels.emulator_backend(arch=arch, checked=True)
     seg = Segments(batch=len(lq), max_q=max(lq), max_k=max(lk), cu_q=cq, cu_k=ck)
     o, lse = be.forward(q, k, v, causal=True, scale=0.15, segments=seg, num_splits=1)
-    assert kernel_backward.takes_segments(be, do, q, k, v)
+    (plan, _), why = kernel_backward.backward_plans(be, do, q, k, v)
+    assert ("tc" in plan.kernel) == (dtype.itemsize == 2 and arch != "sm_70"), why
     launches = []
     fn = be.get_function
     monkeypatch.setattr(be, "get_function", lambda plan: launches.append(plan) or fn(plan))

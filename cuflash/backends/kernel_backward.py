@@ -44,13 +44,6 @@ def backward_plans(backend, do, q, k, v, *, return_dbias=False):
                                 dbias=return_dbias, **backend.limits())
 
 
-def takes_segments(backend, do, q, k, v) -> bool:
-    """Whether `backward` runs packed sequences in one launch here: the SIMT kernels read
-    cu_seqlens (flash_bwd.cu); the tensor-core ones do not."""
-    (p_dkdv, _), _ = backward_plans(backend, do, q, k, v)
-    return p_dkdv.kernel != FLASH_BWD_DKDV_TC.name
-
-
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False, segments=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
@@ -58,8 +51,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     (cuflash.variants.Variants): the options; with `return_dbias` (SIMT) a fourth
     result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype.
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
-    (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q); SIMT only
-    (`takes_segments`)."""
+    (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q)."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     _, Hq, rows_q, d = q.shape
@@ -70,9 +62,6 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     acc = _dtypes.accum_dtype(q.dtype)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, return_dbias=return_dbias)
     tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 256
-    if segments is not None and tc:
-        raise ValueError("the tensor-core backward kernels take no packed sequences "
-                         "(takes_segments)")
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
     # tensor cores: each plan's own chunks (the kernels count them from d)
@@ -108,7 +97,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # without its query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu).
     heads_per_block = batch_per_block = 1
     vflags = variant_args(xp, variants, acc)
-    dq_extra = dkdv_extra = ()
+    dq_extra = dkdv_extra = varlen  # tensor cores: the packed rows only
     by_cols = False
     if not tc:
         dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(

@@ -47,6 +47,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "variants.cuh"
+#include "seqlens.cuh"
 #include "tc_tile.cuh"
 #include "tc_bwd_tile.cuh"
 
@@ -64,7 +65,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
     long long do_sr, long long dk_sb, long long dk_sh, long long dk_sr, long long dv_sb,
     long long dv_sh, long long dv_sr, float scale, int causal, Variants<T> var, int win_left,
-    int win_right) {
+    int win_right, const Seqlens& seq) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (key block, head-dim chunk, K/V head, batch). Key blocks first-first: under
@@ -76,8 +77,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+    Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
+    Nk = seq.len_k(b, Nk);
+    if (n0 >= Nk) return;  // past this sequence's keys (the grid fits the longest)
+    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
@@ -106,11 +111,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         if (i < n_tiles) {
             const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
             const int slot = i % STAGES;
-            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr, m0,
+            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh + q_row0 * q_sr,
+                                         q_sr, m0, Nq, d);
+            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot,
+                                         dO + b * do_sb + h * do_sh + q_row0 * do_sr, do_sr, m0,
                                          Nq, d);
-            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
-                                         m0, Nq, d);
-            const long long row_bh = (b * Hq + h) * (long long)Nq;  // lse, D: (B, Hq, Nq)
+            const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
             copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
             copy_stats_async<Tr, BM>(sD + slot * BM, Delta + row_bh, m0, Nq);
         }
@@ -202,10 +208,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
 
     // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
     // rows of sK, sV
-    store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh, dk_sr, dk_acc, scale, sK, warp_row0, n0,
-                       col0, Nk, d, lane);
-    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh, dv_sr, dv_acc, 1.f, sV, warp_row0, n0,
-                       col0, Nk, d, lane);
+    store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh + k_row0 * dk_sr, dk_sr, dk_acc, scale, sK,
+                       warp_row0, n0, col0, Nk, d, lane);
+    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh + k_row0 * dv_sr, dv_sr, dv_acc, 1.f, sV,
+                       warp_row0, n0, col0, Nk, d, lane);
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -219,7 +225,7 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
     long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal,
-    Variants<T> var, int win_left, int win_right) {
+    Variants<T> var, int win_left, int win_right, const Seqlens& seq) {
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (query block, head-dim chunk, query head, batch); query blocks last-first (the
@@ -230,11 +236,15 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h = blockIdx.y;
     const long long b = blockIdx.z;
+    Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
+    Nk = seq.len_k(b, Nk);
+    if (m0 >= Nq) return;  // past this sequence's rows (the grid fits the longest)
+    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
     const int h_kv = h / group;
-    const T* q_bh = q + b * q_sb + h * q_sh;
-    const T* do_bh = dO + b * do_sb + h * do_sh;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+    const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
+    const T* do_bh = dO + b * do_sb + h * do_sh + q_row0 * do_sr;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -269,8 +279,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);
     const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
-    const float* lse_bh = lse + (b * Hq + h) * (long long)Nq;
-    const float* delta_bh = Delta + (b * Hq + h) * (long long)Nq;
+    const float* lse_bh = lse + seq.lse_row(0, (int)b, h, 0);
+    const float* delta_bh = Delta + seq.lse_row(0, (int)b, h, 0);
     // padding rows act as rows that saw no key: lse = −inf → P = 0
     const float lse2_top = lse_log2(r_top < Nq ? lse_bh[r_top] : neg_inf<float>());
     const float lse2_bottom = lse_log2(r_bottom < Nq ? lse_bh[r_bottom] : neg_inf<float>());
@@ -337,8 +347,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     }
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
-    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh, dq_sr, dq_acc, scale, sQ, warp_row0, m0, col0,
-                       Nq, d, lane);
+    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh + q_row0 * dq_sr, dq_sr, dq_acc, scale, sQ,
+                       warp_row0, m0, col0, Nq, d, lane);
 }
 
 // A block of NUM_WARPS · 32 threads per (key block | query block, head-dim chunk), head,
@@ -358,14 +368,15 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          long long do_sb, long long do_sh, long long do_sr,
                          long long dk_sb, long long dk_sh, long long dk_sr,
                          long long dv_sb, long long dv_sh, long long dv_sr,
-                         float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
+                         float scale, int causal, CUFLASH_VARLEN_PARAMS,
+                         CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/true>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
                               dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
-                              CUFLASH_VARIANTS(T), win_left, win_right);
+                              CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
     }
@@ -383,13 +394,15 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        long long v_sb, long long v_sh, long long v_sr,
                        long long do_sb, long long do_sh, long long do_sr,
                        long long dq_sb, long long dq_sh, long long dq_sr,
-                       float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
+                       float scale, int causal, CUFLASH_VARLEN_PARAMS,
+                       CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/false>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
-                            dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right);
+                            dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right,
+                            CUFLASH_VARLEN);
     } else {
         __trap();
     }

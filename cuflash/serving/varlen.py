@@ -5,16 +5,15 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of 
 and attends only within its own pair of segments (causal and window bottom-right aligned
 per sequence).
 
-On the kernel backends the forward is one launch, and so is the backward on the SIMT
-kernels: each block finds its sequence from its block index through cu_seqlens
+On the kernel backends the forward and the backward are one launch (of each kernel):
+each block finds its sequence from its block index through cu_seqlens
 (kernels/seqlens.cuh); nothing is padded or copied and the work is Σ_b Nq_b·Nk_b, not
-B·max². The NumPy backend, and the tensor-core backward, run each sequence as one call
-on views into the packed arrays.
+B·max². The NumPy backend runs each sequence as one call on views into the packed
+arrays.
 """
 import numpy as np
 
 from .. import _checks, _dtypes
-from ..backends import kernel_backward
 from ..backends.kernel_forward import Segments
 from ..variants import Variants
 from . import _args
@@ -136,13 +135,11 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
     lse = lse.astype(_dtypes.lse_dtype(dtype), copy=False)
     xp = be.xp
     if be.name != "numpy" and q.shape[1] and k.shape[1]:
-        var = _variants(xp, dtype, slopes, **opts)
-        packed = tuple(a[None] for a in (do, q, k, v))
-        if kernel_backward.takes_segments(be, *packed):
-            # the SIMT kernels: one launch, each block finding its sequence (seqlens.cuh)
-            grads = be.backward(*packed, o[None], lse[None], causal=causal, scale=scale,
-                                variants=var, segments=_segments(xp, cq, ck))
-            return tuple(g[0] for g in grads)
+        # the kernels: one launch each, every block finding its sequence (seqlens.cuh)
+        grads = be.backward(*(a[None] for a in (do, q, k, v, o, lse)), causal=causal,
+                            scale=scale, variants=_variants(xp, dtype, slopes, **opts),
+                            segments=_segments(xp, cq, ck))
+        return tuple(g[0] for g in grads)
     dq = xp.zeros(q.shape, dtype=dtype)
     dk = xp.zeros(k.shape, dtype=dtype)
     dv = xp.zeros(v.shape, dtype=dtype)
