@@ -82,7 +82,6 @@ __device__ __forceinline__ void flash_fwd_tc(
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
     const int g = lane >> 2, t = lane % 4;
     const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
-    var.bind(b, h, Nq, Nk);  // softcap, ALiBi, bias, bool mask, dropout (variants.cuh)
     // Block skipping: tiles entirely above the diagonal, or outside the window, are never
     // loaded (the first tile starts on a BLOCK_N boundary, as in flash_fwd.cu); then this
     // split's share of them (seqlens.cuh).
@@ -132,6 +131,7 @@ __device__ __forceinline__ void flash_fwd_tc(
         gemm_qk_tc<Tr>(s, qf, sQ, warp_row0, sKj, lane);
         const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
         if (var.scores()) {  // the chain runs on the natural score scale·qk, then log2 units
+            var.bind(b, h, Nq, Nk);  // here, not before the loop: short-lived registers
             variant_scores(s, var, mask, scale, r_top, n0 + 2 * t);
         } else {
             const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
@@ -160,7 +160,10 @@ __device__ __forceinline__ void flash_fwd_tc(
         exp2_rows(s, row_top.shift(), row_bottom.shift(), sum_top, sum_bottom);  // S → P̃
         row_top.l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
         row_bottom.l_i += sum_bottom;
-        if (var.dropout()) dropout_fragments(s, var, r_top, n0 + 2 * t);  // P̃ V only
+        if (var.dropout()) {  // P̃ V only
+            var.bind(b, h, Nq, Nk);
+            dropout_fragments(s, var, r_top, n0 + 2 * t);
+        }
         rescale_acc(acc, alpha_top, alpha_bottom);
 
         // -- acc += P̃ V_j
