@@ -20,8 +20,9 @@ Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of
 the same grids, dynamic shared memory, no chunk argument); the preprocess is shared.
 
 Attention variants run on every kernel (run-time arguments, `kernel_variants`). With
-`return_dbias` (SIMT kernels only) the dQ kernel also writes dbias; where the bias is broadcast over heads or
-batch its blocks loop over them (the grid's y or z shrinks to 1): `dbias_launch`.
+`return_dbias` (SIMT kernels only) the dQ kernel also writes dbias; where the bias is
+broadcast over heads or batch its blocks loop over them (the grid's y or z shrinks to 1):
+`dbias_launch`.
 """
 from __future__ import annotations
 
