@@ -104,8 +104,9 @@ __device__ __forceinline__ void flash_fwd_tc(
         {
             const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
             if (jn < n_tiles) {
-                copy_tile_async<Tr, BN>(sK + (jn % STAGES) * kSlot, k_bh, k_sr, n_begin + jn * BN, Nk, d);
-                copy_tile_async<Tr, BN>(sV + (jn % STAGES) * kSlot, v_bh, v_sr, n_begin + jn * BN, Nk, d);
+                const int nn = n_begin + jn * BN;
+                copy_tile_async<Tr, BN>(sK + (jn % STAGES) * kSlot, k_bh, k_sr, nn, Nk, d);
+                copy_tile_async<Tr, BN>(sV + (jn % STAGES) * kSlot, v_bh, v_sr, nn, Nk, d);
             }
             cp_async_commit();
         }
