@@ -129,7 +129,8 @@ def _plans_per_arch():
                 for plan in bwd:
                     print(f"{'':20s}backward {plan.name_expression:52s} {occupancy(plan)}")
                 print(f"{'':24s}{bwd_why}")
-        print(f"    {_split_kv_example(tiling.forward_path(128, np.float16, cc, **limits)[0], a.limits.sm_count)}")
+        decode_plan = tiling.forward_path(128, np.float16, cc, **limits)[0]
+        print(f"    {_split_kv_example(decode_plan, a.limits.sm_count)}")
     if unknown:
         print("  occupancy ?: registers not in the gate's cache; run "
               "`python -m cuflash check-kernels` once")

@@ -352,8 +352,9 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 }
 
 // A block of NUM_WARPS · 32 threads per (key block | query block, head-dim chunk), head,
-// batch in blockIdx (x, y, z); CHUNK_COLS = HEAD_DIM: one chunk, blockIdx.x the row block. minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers
-// it needs (up to 255) rather than aim at an occupancy that spills.
+// batch in blockIdx (x, y, z); CHUNK_COLS = HEAD_DIM: one chunk, blockIdx.x the row block.
+// minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers it needs (up to
+// 255) rather than aim at an occupancy that spills.
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
           bool OWN_IN_REGS, int CHUNK_COLS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)

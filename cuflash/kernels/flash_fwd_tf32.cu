@@ -67,10 +67,10 @@ __device__ __forceinline__ void flash_fwd_tf32(
     // Copy key tile jt (K_j and V_j, keys jt·BN ..) into ring slot `slot`.
     auto copy_kv = [&](int jt, int slot) {
         const int n0 = jt * BN;
-        copy_tile_async_rolled<Tr, BN>(sK + slot * kSlot, seq.key_tile(k_h, k_sb, k_sr, b, n0), k_sr,
-                                       0, Nk - n0, d);
-        copy_tile_async_rolled<Tr, BN>(sV + slot * kSlot, seq.key_tile(v_h, v_sb, v_sr, b, n0), v_sr,
-                                       0, Nk - n0, d);
+        copy_tile_async_rolled<Tr, BN>(sK + slot * kSlot, seq.key_tile(k_h, k_sb, k_sr, b, n0),
+                                       k_sr, 0, Nk - n0, d);
+        copy_tile_async_rolled<Tr, BN>(sV + slot * kSlot, seq.key_tile(v_h, v_sb, v_sr, b, n0),
+                                       v_sr, 0, Nk - n0, d);
     };
 
     const int lane = threadIdx.x % 32;
