@@ -208,9 +208,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
 
     // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
     // rows of sK, sV
-    store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh + k_row0 * dk_sr, dk_sr, dk_acc, scale, sK,
+    // (the sequence's first key read again here, not held in a register through the loop)
+    const long long k_out0 = seq.start_k(b);
+    store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh + k_out0 * dk_sr, dk_sr, dk_acc, scale, sK,
                        warp_row0, n0, col0, Nk, d, lane);
-    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh + k_row0 * dv_sr, dv_sr, dv_acc, 1.f, sV,
+    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh + k_out0 * dv_sr, dv_sr, dv_acc, 1.f, sV,
                        warp_row0, n0, col0, Nk, d, lane);
 }
 
@@ -347,8 +349,9 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     }
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
-    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh + q_row0 * dq_sr, dq_sr, dq_acc, scale, sQ,
-                       warp_row0, m0, col0, Nq, d, lane);
+    // (the sequence's first row read again here, not held in a register through the loop)
+    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh + seq.start_q(b) * dq_sr, dq_sr, dq_acc, scale,
+                       sQ, warp_row0, m0, col0, Nq, d, lane);
 }
 
 // A block of NUM_WARPS · 32 threads per (key block | query block, head-dim chunk), head,
