@@ -344,7 +344,7 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
             continue
         D, tr, cols = p.head_dim, p.tile_rows, p.chunk_cols
         s_mma = (D // 16) * (tr // 8)          # S (or Sᵀ): k16 steps x n-tiles
-        x_mma = (tr // 16) * (cols // 8)       # P·X: k16 steps x n-tiles of the accumulator (a chunk)
+        x_mma = (tr // 16) * (cols // 8)       # P·X: k16 steps x n-tiles of one chunk
         ldsm_s = (D // 16) * (tr // 16)        # B fragments of S, one ldmatrix.x4 per 2 n-tiles
         ldsm_x = (tr // 16) * (cols // 16)
         if p.kernel == "flash_bwd_dkdv_tc":    # Sᵀ, dPᵀ, dV, dK
