@@ -677,11 +677,6 @@ _TC_BWD_CANDIDATES = {
     (FLASH_BWD_DQ_TC.name, 256): ((128, 16, 8, 2, False, 256), (64, 16, 4, 2, False, 256),
                                   (32, 16, 2, 2, False, 256)),
 }
-# sm_75 (m16n8k8 pairs): the D = 128 dQ kernel with 32-row K/V tiles sits at 255
-# registers and spills a few bytes; 16-row tiles there leave ptxas ~30 to spare.
-_TC_BWD_CANDIDATES_SM75 = {
-    (FLASH_BWD_DQ_TC.name, 128): ((64, 16, 4, 2, True, 128),),
-}
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
 
@@ -753,17 +748,9 @@ class TcBwdPlan(_Plan):
                                  self.chunk_cols)
 
 
-def _tc_bwd_candidates(kernel, dtype, head_dim, cc=None):
-    """The candidate tiles, best first; `cc` (major, minor) below sm_80 takes the sm_75
-    list where there is one; None: every candidate of any arch (the gate's list)."""
-    tiles = _TC_BWD_CANDIDATES[(kernel, head_dim)]
-    sm75 = _TC_BWD_CANDIDATES_SM75.get((kernel, head_dim), ())
-    if cc is None:
-        if np.dtype(dtype).name == "float16":  # sm_75 runs float16 only
-            tiles = tiles + sm75
-    elif tuple(cc) < (8, 0) and sm75:
-        tiles = sm75
-    return [TcBwdPlan(kernel, np.dtype(dtype).name, head_dim, *c) for c in tiles]
+def _tc_bwd_candidates(kernel, dtype, head_dim):
+    return [TcBwdPlan(kernel, np.dtype(dtype).name, head_dim, *c)
+            for c in _TC_BWD_CANDIDATES[(kernel, head_dim)]]
 
 
 @functools.cache
@@ -814,7 +801,7 @@ def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
         return simt(), ("SIMT: q, k, v or dO is not 16-byte aligned (a base pointer, or a "
                         "batch, head or row stride that is not a multiple of 8 elements)")
     D = next(b for b in TC_BWD_HEAD_DIMS if d <= b)
-    fits = [next((p for p in _tc_bwd_candidates(kernel, dt, D, cc) if p.smem_bytes <= max_smem),
+    fits = [next((p for p in _tc_bwd_candidates(kernel, dt, D) if p.smem_bytes <= max_smem),
                  None) for kernel in TC_BWD_KERNELS]
     if None in fits:
         return simt(), (f"SIMT: no tensor-core backward tile for D={D} fits {max_smem} bytes "

@@ -72,12 +72,13 @@ def _check(be, args, scale, *, causal, expect=None):
 
 
 def _plans(dtype, D, arch=None, max_smem=None):
-    """The (dK/dV, dQ) plans for bucket D: each kernel's first candidate for `arch` (best
-    first) within `max_smem`, else within `arch`'s limit."""
-    lim = kernels.emulator_limits(arch)
-    max_smem = max_smem or lim["max_smem"]
-    return tuple(next(p for p in tiling._tc_bwd_candidates(k, dtype, D, lim["cc"])
-                      if p.smem_bytes <= max_smem)
+    """The (dK/dV, dQ) plans for bucket D: each kernel's first candidate (all_tc_bwd_plans
+    lists them best first) within `max_smem`, else within `arch`'s limit."""
+    if max_smem is None:
+        max_smem = kernels.emulator_limits(arch)["max_smem"]
+    return tuple(next(p for p in tiling.all_tc_bwd_plans()
+                      if p.kernel == k and p.dtype == np.dtype(dtype).name and p.head_dim == D
+                      and p.smem_bytes <= max_smem)
                  for k in tiling.TC_BWD_KERNELS)
 
 
@@ -96,11 +97,8 @@ def test_the_matrix_covers_every_specialization_and_arch():
     built = {(p, arch) for dt, D, arch, smem in SPECS for p in _plans(dt, D, arch, smem)}
     for plan in tiling.all_tc_bwd_plans():
         archs = {a for p, a in built if p == plan}
-        sm75_only = plan not in tiling._tc_bwd_candidates(plan.kernel, plan.dtype,
-                                                          plan.head_dim, (8, 0))
-        assert sm75_only or archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
-        sm75 = tiling._tc_bwd_candidates(plan.kernel, plan.dtype, plan.head_dim, (7, 5))
-        if plan.dtype == "float16" and plan.smem_bytes <= SM75_SMEM and plan in sm75:
+        assert archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
+        if plan.dtype == "float16" and plan.smem_bytes <= SM75_SMEM:  # those sm_75 can launch
             assert "sm_75" in archs, f"{plan} never runs with m16n8k8 (sm_75)"
     assert {a for _, a in built} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
 

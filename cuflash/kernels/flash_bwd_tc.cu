@@ -241,12 +241,14 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
     Nk = seq.len_k(b, Nk);
     if (m0 >= Nq) return;  // past this sequence's rows (the grid fits the longest)
-    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    // The sequence's rows as row offsets (one int through the loop), not in the pointers:
+    // k_bh, v_bh stay functions of the parameters and blockIdx, free to recompute.
+    const int q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
     const int h_kv = h / group;
-    const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    const T* do_bh = dO + b * do_sb + h * do_sh + q_row0 * do_sr;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
+    const T* q_bh = q + b * q_sb + h * q_sh + (long long)q_row0 * q_sr;
+    const T* do_bh = dO + b * do_sb + h * do_sh + (long long)q_row0 * do_sr;
+    const T* k_bh = k + b * k_sb + h_kv * k_sh;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -268,8 +270,10 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     auto issue = [&](int j) {
         if (j < n_tiles) {
             const int n0 = n_begin + j * BN;
-            copy_ring_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, n0, Nk, d);
-            copy_ring_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, n0, Nk, d);
+            copy_ring_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, k_row0 + n0,
+                                         k_row0 + Nk, d);
+            copy_ring_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, k_row0 + n0,
+                                         k_row0 + Nk, d);
         }
         cp_async_commit();
     };

@@ -60,7 +60,6 @@ __device__ __forceinline__ void flash_fwd_tc(
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
     const long long q_row0 = seq.start_q(b);
     const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    T* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
     const T* k_h = k + h_kv * k_sh;  // key tiles: seq.key_tile (padded, packed or paged)
     const T* v_h = v + h_kv * v_sh;
 
@@ -193,6 +192,8 @@ __device__ __forceinline__ void flash_fwd_tc(
         }
         return;
     }
+    // (the sequence's first row read again here, not held in a register through the loop)
+    T* o_bh = o + b * o_sb + h * o_sh + seq.start_q(b) * o_sr;
     // O goes through the warp's own 16 rows of sQ (no other warp reads them after the
     // prologue), converted to T, so that each thread then stores whole 16-byte chunks.
     T* sO = sQ;

@@ -55,7 +55,6 @@ __device__ __forceinline__ void flash_fwd_tf32(
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
     const long long q_row0 = seq.start_q(b);
     const float* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    float* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
     const float* k_h = k + h_kv * k_sh;  // key tiles: seq.key_tile (padded, packed or paged)
     const float* v_h = v + h_kv * v_sh;
 
@@ -174,22 +173,11 @@ __device__ __forceinline__ void flash_fwd_tf32(
         if (r_top < Nq) lse[seq.lse_row(split, b, h, r_top)] = row_top.lse();
         if (r_bottom < Nq) lse[seq.lse_row(split, b, h, r_bottom)] = row_bottom.lse();
     }
-    if (o_part) {  // a split's partial O_i, straight from the fragments
-#pragma unroll
-        for (int j = 0; j < Tr::kOTiles; ++j) {
-            const int col = j * 8 + 2 * t;
-            if (col >= d) continue;
-            if (r_top < Nq)
-                *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, r_top) * d + col) =
-                    make_float2(acc[j].c0 * inv_top, acc[j].c1 * inv_top);
-            if (r_bottom < Nq)
-                *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, r_bottom) * d + col) =
-                    make_float2(acc[j].c2 * inv_bottom, acc[j].c3 * inv_bottom);
-        }
-        return;
-    }
+    // (the sequence's first row read again here, not held in a register through the loop)
+    float* o_bh = o + b * o_sb + h * o_sh + seq.start_q(b) * o_sr;
     // O goes through the warp's own 16 rows of sQ (no other warp reads them after the
-    // prologue), so that each thread then stores whole 16-byte chunks.
+    // prologue), so that each thread then stores whole 16-byte chunks: to O, or a split's
+    // partial O_i to o_part (one d-wide row per lse entry, seqlens.cuh).
     float* sO = sQ;
     __syncwarp();  // the warp's reads of Q_i precede these writes
 #pragma unroll
@@ -206,9 +194,10 @@ __device__ __forceinline__ void flash_fwd_tf32(
     for (int i = lane; i < Tr::kWarpRows * CPR; i += 32) {
         const int r = i / CPR, c = i % CPR;
         const int gi = m0 + warp_row0 + r;
-        if (gi < Nq && c * C < d)
-            *reinterpret_cast<float4*>(o_bh + (long long)gi * o_sr + c * C) =
-                *reinterpret_cast<const float4*>(sO + tile_offset<Tr>(warp_row0 + r, c * C));
+        if (gi >= Nq || c * C >= d) continue;
+        float* row = o_part ? o_part + seq.lse_row(split, b, h, gi) * d : o_bh + gi * o_sr;
+        *reinterpret_cast<float4*>(row + c * C) =
+            *reinterpret_cast<const float4*>(sO + tile_offset<Tr>(warp_row0 + r, c * C));
     }
 }
 
