@@ -15,7 +15,11 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   with `allow_tf32=True`.
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
-the same plan serves a plain call and one with variants.
+the same plan serves a plain call and one with variants. The FA2 launches also take the
+layout of kernels/seqlens.cuh (`layout_args`): packed variable-length sequences or a KV
+cache (`Segments`), and split-KV — the keys of each query block cut over `num_splits`
+blocks when the query blocks alone would leave SMs idle (`tiling.split_kv_count`), the
+partial results merged by lse (`merge_states`) in a fixed order.
 
 Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
 plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
@@ -40,7 +44,7 @@ class Segments:
     varlen `cu_q`, `cu_k` ((B+1,) row offsets into q, k and v given as (1, H, total, d)),
     and/or a KV cache's `used_k` ((B,) keys in use of the padded k, v), and a paged cache's
     `block_table` ((B, max_pages): k and v are (num_pages, H, page_size, d), page_size a
-    multiple of the plan's block_n, `forward_plan`). `max_q`: the longest query sequence (the
+    multiple of the block_n of `forward_plan`). `max_q`: the longest query sequence (the
     grid's query blocks); `max_k`: the longest key sequence (split-KV's tile count)."""
 
     batch: int
@@ -133,9 +137,9 @@ SPLITTABLE = (FORWARD_ALGORITHMS["fa2"].name, FLASH_FWD_TC.name, FLASH_FWD_TF32.
 def layout_args(xp, segments, lse, num_splits, o_part, page_size):
     """The CUFLASH_SEQLENS_PARAMS of kernels/seqlens.cuh, in order: cu_seqlens_q,
     cu_seqlens_k, seqused_k, block_table (null where absent), its row stride and the page
-    size, the lse strides (batch, head, split: 0
-    along the batch of a packed varlen lse, whose rows carry the offset), num_splits and
-    o_part (null without split). None is a null pointer, on CuPy and the emulator."""
+    size, the lse strides (batch, head, split; the batch stride is 0 for a packed varlen
+    lse, whose rows carry the offset), num_splits and o_part (null without split). None
+    is a null pointer, on CuPy and the emulator."""
     seg = segments or Segments(batch=lse.shape[0], max_q=lse.shape[2], max_k=0)
     lse_sb = 0 if seg.cu_q is not None else lse.shape[1] * lse.shape[2]
     table = seg.block_table
