@@ -80,9 +80,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
     Nk = seq.len_k(b, Nk);
     if (n0 >= Nk) return;  // past this sequence's keys (the grid fits the longest)
-    const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
-    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
+    // The sequence's first rows as row offsets (an int through the loop), not in pointers
+    // that would have to be kept: q + b·q_sb + h·q_sh is free to recompute.
+    const int q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
+    const T* k_bh = k + b * k_sb + h_kv * k_sh + (long long)k_row0 * k_sr;
+    const T* v_bh = v + b * v_sb + h_kv * v_sh + (long long)k_row0 * v_sr;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
@@ -111,11 +113,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         if (i < n_tiles) {
             const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
             const int slot = i % STAGES;
-            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh + q_row0 * q_sr,
-                                         q_sr, m0, Nq, d);
-            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot,
-                                         dO + b * do_sb + h * do_sh + q_row0 * do_sr, do_sr, m0,
-                                         Nq, d);
+            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr,
+                                         q_row0 + m0, q_row0 + Nq, d);
+            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
+                                         q_row0 + m0, q_row0 + Nq, d);
             const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
             copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
             copy_stats_async<Tr, BM>(sD + slot * BM, Delta + row_bh, m0, Nq);
