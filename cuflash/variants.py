@@ -157,7 +157,9 @@ class Variants:
     mask: object = None
     dropout_p: float = 0.0
     seed: int = 0
-    batch0: int = 0   # dropout's batch index b of batch row 0 (a varlen sequence's index)
+    # dropout's batch index b of batch row 0: a varlen sequence's index in the NumPy
+    # backend's per-sequence calls (the kernels read it from their launch, and take 0)
+    batch0: int = 0
 
     def is_plain(self) -> bool:
         """True when no option is set: plain softmax(scale·q·kᵀ)·v (with causal or not)."""

@@ -198,6 +198,16 @@ def test_checked_bias_and_mask_at_ragged_sizes(dtype, arch, split, schedule):
     _run(dtype, arch, split, q, k, v, opts, checked=True, schedule=schedule)
 
 
+
+def test_kernels_refuse_a_dropout_batch_offset():
+    """Variants.batch0 serves the NumPy backend's per-sequence calls; the kernels take the
+    sequence index from the launch, so a nonzero one is an error, never another mask."""
+    q = k = v = np.zeros((1, 1, 16, 64), F16)
+    var = variants.Variants(dropout_p=0.4, seed=1, batch0=5)
+    with pytest.raises(ValueError, match="batch0 = 5"):
+        kernel_forward.forward(_backend("sm_80"), q, k, v, causal=False, scale=0.125,
+                               algorithm="fa2", variants=var)
+
 # -- the backward (flash_bwd_tc.cu) -------------------------------------------------------
 
 def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="round-robin"):

@@ -23,6 +23,11 @@ def variant_args(xp, variants, acc) -> tuple:
     dropout's threshold and key, 1/(1 − p), window. Absent arrays are a 1-element dummy
     (never read: their flag is off)."""
     var = variants or PLAIN
+    if var.batch0 and var.dropout_p > 0:
+        # The kernels draw the sequence index of a packed batch from the launch itself
+        # (kernels/seqlens.cuh); batch0 serves the NumPy backend's per-sequence calls.
+        raise ValueError(f"Variants.batch0 = {var.batch0}: the kernels take dropout's batch "
+                         f"index from the launch (batch0 must be 0)")
     acc = np.dtype(acc)
     flags = 0
     dummy = xp.zeros(1, dtype=acc)
@@ -47,8 +52,8 @@ def variant_args(xp, variants, acc) -> tuple:
     left, right = var.window if var.window is not None else (-1, -1)
     return (np.int32(flags), acc.type(var.softcap or 1.0), alibi, alibi_sb, bias, *bias_st,
             mask, *mask_st, np.uint32(var.threshold), np.uint32(var.seed & 0xFFFFFFFF),
-            np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(var.batch0),
-            np.int32(left), np.int32(right))
+            np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(left),
+            np.int32(right))
 
 
 def dbias_launch(xp, variants, acc, *, B, Hq, Nq, Nk):

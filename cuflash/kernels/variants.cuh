@@ -39,7 +39,6 @@ template <typename T> struct Variants {
     long long mask_sb, mask_sh, mask_sr, mask_sc;
     unsigned int drop_threshold, seed_lo, seed_hi;
     A keep_scale;         // 1 / (1 − p)
-    int drop_batch0;      // dropout's batch index of batch row 0 (a varlen sequence's index)
     int off;              // Nk − Nq: the bottom-right alignment of ALiBi's distance
     // bound by bind():
     int b, h;
@@ -86,8 +85,8 @@ template <typename T> struct Variants {
     // Dropout's multiplier of P̃_ij: keep/(1 − p) (the Philox map of philox.cuh).
     __device__ __forceinline__ A keep(int i, int j) const {
         const unsigned int w = philox4x32_10((unsigned int)j >> 2, (unsigned int)i,
-                                             (unsigned int)h, (unsigned int)(b + drop_batch0),
-                                             seed_lo, seed_hi, j & 3);
+                                             (unsigned int)h, (unsigned int)b, seed_lo,
+                                             seed_hi, j & 3);
         return w >= drop_threshold ? keep_scale : A(0);
     }
 
@@ -113,10 +112,10 @@ template <typename T> struct Variants {
         long long bias_sr, long long bias_sc, const unsigned char* var_mask,               \
         long long mask_sb, long long mask_sh, long long mask_sr, long long mask_sc,        \
         unsigned int drop_threshold, unsigned int seed_lo, unsigned int seed_hi,           \
-        cuflash::accum_t<T> keep_scale, int drop_batch0, int win_left, int win_right
+        cuflash::accum_t<T> keep_scale, int win_left, int win_right
 #define CUFLASH_VARIANTS(T)                                                                \
     cuflash::Variants<T> {                                                                 \
         var_flags, var_softcap, var_alibi, alibi_sb, var_bias, bias_sb, bias_sh, bias_sr,  \
             bias_sc, var_mask, mask_sb, mask_sh, mask_sr, mask_sc, drop_threshold,         \
-            seed_lo, seed_hi, keep_scale, drop_batch0                                      \
+            seed_lo, seed_hi, keep_scale                                                   \
     }
