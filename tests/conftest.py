@@ -65,24 +65,18 @@ def _heads(q, k):
     return q.shape[-3] // k.shape[-3], -3
 
 
-def plain_attention(q, k, v, *, causal, scale, dtype, window=None, softcap=None,
-                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
-    """Attention as a plain implementation in `dtype` computes it: S, P and O each stored
-    in `dtype` (sums in float64), with the variants applied to S in the documented order
-    (docs/api.md), each step stored in `dtype`: softcap, − ALiBi, + bias, then causal,
-    window and mask hide keys; dropout multiplies P by keep/(1 − p). q is (B, Hq, Nq, d)
-    when a variant is given. Returns (O, P); rows that see no key get P = 0 (P is the
-    pre-dropout one)."""
-    from cuflash import reference, variants
-    r = lambda x: round_to(x, dtype)  # noqa: E731
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    group, axis = _heads(q, k)
-    if group > 1:
-        k, v = np.repeat(k, group, axis=axis), np.repeat(v, group, axis=axis)
+def _plain_scores(q, k, r, *, scale, causal, window, softcap, alibi_slopes, bias, mask):
+    """(S, T) of the plain implementations: S = scale·q·kᵀ with the variants in the
+    documented order (softcap, − ALiBi, + bias; causal, window and mask hide keys with
+    −inf), each step stored by `r`; T = tanh(S/softcap) before the cap (None without).
+    k has one head per query head."""
+    from cuflash import reference
     nq, nk = q.shape[-2], k.shape[-2]
     s = r(scale * (q @ np.swapaxes(k, -1, -2)))
+    t = None
     if softcap is not None:
-        s = r(softcap * np.tanh(s / softcap))
+        t = np.tanh(s / softcap)
+        s = r(softcap * t)
     if alibi_slopes is not None:
         dist = np.abs(np.arange(nq)[:, None] + (nk - nq) - np.arange(nk)[None, :])
         s = r(s - np.asarray(alibi_slopes, np.float64)[..., None, None] * dist)
@@ -91,7 +85,25 @@ def plain_attention(q, k, v, *, causal, scale, dtype, window=None, softcap=None,
     hidden = ~reference.visible_keys(nq, nk, causal=causal, window=window)
     if mask is not None:
         hidden = hidden | ~np.asarray(mask, bool)
-    s = np.where(hidden, -np.inf, s)
+    return np.where(hidden, -np.inf, s), t
+
+
+def plain_attention(q, k, v, *, causal, scale, dtype, window=None, softcap=None,
+                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
+    """Attention as a plain implementation in `dtype` computes it: S, P and O each stored
+    in `dtype` (sums in float64), with the variants applied to S in the documented order
+    (docs/api.md), each step stored in `dtype`: softcap, − ALiBi, + bias, then causal,
+    window and mask hide keys; dropout multiplies P by keep/(1 − p). q is (B, Hq, Nq, d)
+    when a variant is given. Returns (O, P); rows that see no key get P = 0 (P is the
+    pre-dropout one)."""
+    from cuflash import variants
+    r = lambda x: round_to(x, dtype)  # noqa: E731
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    group, axis = _heads(q, k)
+    if group > 1:
+        k, v = np.repeat(k, group, axis=axis), np.repeat(v, group, axis=axis)
+    s, _ = _plain_scores(q, k, r, scale=scale, causal=causal, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
     seen = np.any(s != -np.inf, axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
         p = r(np.where(seen, scipy.special.softmax(s, axis=-1), 0.0))
@@ -110,26 +122,13 @@ def plain_backward(do, q, k, v, o, lse, *, causal, scale, dtype, window=None, so
     (dK, dV summed over each GQA group), with Z the variants' scores (S without them),
     T = tanh(S/softcap) and K = keep/(1 − p) (1 without dropout); q is (B, Hq, Nq, d) when
     a variant is given."""
-    from cuflash import reference, variants
+    from cuflash import variants
     r = lambda x: round_to(x, dtype)  # noqa: E731
     do, q, k, v, o = (r(x) for x in (do, q, k, v, o))
     group, axis = _heads(q, k)
     ke, ve = (np.repeat(x, group, axis=axis) for x in (k, v)) if group > 1 else (k, v)
-    nq, nk = q.shape[-2], k.shape[-2]
-    s = r(scale * (q @ np.swapaxes(ke, -1, -2)))
-    t = None
-    if softcap is not None:
-        t = np.tanh(s / softcap)
-        s = r(softcap * t)
-    if alibi_slopes is not None:
-        dist = np.abs(np.arange(nq)[:, None] + (nk - nq) - np.arange(nk)[None, :])
-        s = r(s - np.asarray(alibi_slopes, np.float64)[..., None, None] * dist)
-    if bias is not None:
-        s = r(s + np.asarray(bias, np.float64))
-    hidden = ~reference.visible_keys(nq, nk, causal=causal, window=window)
-    if mask is not None:
-        hidden = hidden | ~np.asarray(mask, bool)
-    s = np.where(hidden, -np.inf, s)
+    s, t = _plain_scores(q, ke, r, scale=scale, causal=causal, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask)
     lse = np.asarray(lse, np.float64)
     p = r(np.exp(s - np.where(lse == -np.inf, np.inf, lse)[..., None]))
     keep = 1.0
