@@ -168,11 +168,11 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     (dq, dk, dv, dbias): dbias, in bias's shape and dtype, is the gradient with respect
     to the biased score, summed over bias's broadcast axes.
 
-    allow_tf32 is accepted for symmetry with flash_attention and checked, but the backward
-    runs float32 in full fp32 precision whatever its value.
+    allow_tf32: as in flash_attention, for the backward's products: float32 on tensor
+    cores (sm_80+) takes one tf32 mma per product instead of split tf32's three.
     """
     causal = _checks.check_flag("causal", causal)
-    _checks.check_flag("allow_tf32", allow_tf32)
+    allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
     return_dbias = _checks.check_return_dbias(return_dbias, bias)
     options = _option_arrays(alibi_slopes, bias, mask)
     arrays = {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, **options}
@@ -202,6 +202,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     extra = {} if var.is_plain() else {"variants": var}
     if return_dbias:
         extra["return_dbias"] = True
+    if allow_tf32:
+        extra["allow_tf32"] = True
     out = be.backward(_as_4d(do, batch, hq), _as_4d(q, batch, hq),
                       _as_4d(k, batch, hkv), _as_4d(v, batch, hkv), _as_4d(o, batch, hq),
                       lse.reshape((math.prod(batch), hq, nq)),

@@ -31,12 +31,15 @@ FLASH_BWD_DKDV = KernelFamily("flash_bwd_dkdv", "flash_bwd.cu")
 FLASH_BWD_DQ = KernelFamily("flash_bwd_dq", "flash_bwd.cu")
 FLASH_BWD_DKDV_TC = KernelFamily("flash_bwd_dkdv_tc", "flash_bwd_tc.cu")  # dK, dV on mma.sync
 FLASH_BWD_DQ_TC = KernelFamily("flash_bwd_dq_tc", "flash_bwd_tc.cu")      # dQ on mma.sync
+FLASH_BWD_DKDV_TF32 = KernelFamily("flash_bwd_dkdv_tf32", "flash_bwd_tc.cu")  # float32 dK, dV on tf32 mma
+FLASH_BWD_DQ_TF32 = KernelFamily("flash_bwd_dq_tf32", "flash_bwd_tc.cu")      # float32 dQ on tf32 mma
 SOFTMAX_ROWS = KernelFamily("softmax_rows", "online_softmax.cu")         # one block per line
 SOFTMAX_COLS = KernelFamily("softmax_cols", "online_softmax.cu")         # one thread per line
 
 FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_FWD_TF32,
                                 FLASH_BWD_PREPROCESS,
                                 FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC,
+                                FLASH_BWD_DKDV_TF32, FLASH_BWD_DQ_TF32,
                                 SOFTMAX_ROWS, SOFTMAX_COLS)}
 
 # The public API's `algorithm=` values and the forward family each one runs. "fa2" runs

@@ -21,7 +21,8 @@ import math
 import numpy as np
 
 from . import _dtypes
-from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC
+from .families import (FLASH_BWD_DKDV_TC, FLASH_BWD_DKDV_TF32, FLASH_BWD_DQ_TC,
+                       FLASH_BWD_DQ_TF32)
 from .families import (FAMILIES, FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROCESS,
                        FLASH_FWD_TC, FLASH_FWD_TF32, FORWARD_ALGORITHMS, SOFTMAX_COLS,
                        SOFTMAX_ROWS)
@@ -690,7 +691,8 @@ def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: i
     row stats   2 · stages · tile_rows        lse_i, D_i in float32 (dK/dV only)
     """
     tiles = (2 * block_rows * head_dim + 2 * stages * tile_rows * head_dim) * elem_bytes
-    stats = 2 * stages * tile_rows * 4 if kernel == FLASH_BWD_DKDV_TC.name else 0
+    stats = (2 * stages * tile_rows * 4
+             if kernel in (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DKDV_TF32.name) else 0)
     return tiles + stats
 
 
@@ -702,8 +704,8 @@ class TcBwdPlan(_Plan):
 
     dynamic_smem = True
 
-    kernel: str            # one of TC_BWD_KERNELS
-    dtype: str             # "float16" or "bfloat16"
+    kernel: str            # one of TC_BWD_KERNELS (TF32_BWD_KERNELS: Tf32BwdPlan)
+    dtype: str             # "float16" or "bfloat16" ("float32": Tf32BwdPlan)
     head_dim: int          # HEAD_DIM: runs any d <= head_dim that is a multiple of 8
     block_rows: int        # rows the block owns (Bc keys | Br queries) = 16 · num_warps
     tile_rows: int         # rows of each streamed tile (Q_i | K_j)
@@ -760,15 +762,106 @@ def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
                  for p in _tc_bwd_candidates(kernel, dt, D))
 
 
+# ── float32 backward on tensor cores (flash_bwd_tc.cu, flash_bwd_*_tf32_kernel) ─────────
+#
+# The tensor-core backward's kernels with float32 tiles and m16n8k8 .tf32 products (sm_80+),
+# split tf32 by default, one-pass with allow_tf32=True, as the float32 forward. Twice the
+# bytes per tile and, split, hi/lo temporaries beside every mma: the tiles are smaller than
+# the 16-bit kernel's. Candidates (block_rows, tile_rows, num_warps, stages, own_in_regs,
+# chunk_cols) per (kernel, HEAD_DIM, split), best first; each list ends with a tile within
+# 99 KB (sm_86/sm_89). ptxas registers on sm_80 (CUDA 12.9), in order: split dK/dV 215, 243,
+# 247; dQ 187, 220, 214 / 199; one-pass dK/dV 198, 207, 221 x 3; dQ 188, 204, 184 / 174.
+# Tried and rejected (sm_80): split dK/dV D=128 with 16-row Q tiles (spills 156 bytes),
+# D=256 with 4 warps (253 registers, no margin); one-pass dQ D=64 with Q_i, dO_i in
+# registers (spills 76 bytes).
+_TF32_BWD_CANDIDATES = {
+    (FLASH_BWD_DKDV_TF32.name, 64, True): ((64, 16, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TF32.name, 128, True): ((64, 8, 4, 2, False, 128),),
+    (FLASH_BWD_DKDV_TF32.name, 256, True): ((32, 8, 2, 2, False, 128),),
+    (FLASH_BWD_DQ_TF32.name, 64, True): ((64, 16, 4, 2, False, 64),),
+    (FLASH_BWD_DQ_TF32.name, 128, True): ((64, 8, 4, 2, False, 128),),
+    (FLASH_BWD_DQ_TF32.name, 256, True): ((64, 8, 4, 2, False, 128), (32, 8, 2, 2, False, 128)),
+    (FLASH_BWD_DKDV_TF32.name, 64, False): ((64, 32, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TF32.name, 128, False): ((64, 8, 4, 2, False, 128),),
+    (FLASH_BWD_DKDV_TF32.name, 256, False): ((64, 16, 4, 2, False, 128),
+                                             (32, 16, 2, 2, False, 128),
+                                             (16, 16, 1, 2, False, 128)),
+    (FLASH_BWD_DQ_TF32.name, 64, False): ((64, 32, 4, 2, False, 64),),
+    (FLASH_BWD_DQ_TF32.name, 128, False): ((64, 16, 4, 2, False, 128),),
+    (FLASH_BWD_DQ_TF32.name, 256, False): ((64, 16, 4, 2, False, 128),
+                                           (32, 8, 2, 2, False, 128)),
+}
+TF32_BWD_KERNELS = (FLASH_BWD_DKDV_TF32.name, FLASH_BWD_DQ_TF32.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tf32BwdPlan(TcBwdPlan):
+    """A float32 tensor-core backward specialization: `TcBwdPlan`'s template parameters,
+    then SPLIT (flash_bwd_*_tf32_kernel in flash_bwd_tc.cu)."""
+
+    split: bool            # True: split tf32 (3 mma per product); False: one-pass tf32
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} {'split' if self.split else 'one-pass'}"
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate(self.head_dim, self.block_rows, self.tile_rows, self.num_warps,
+                                 self.stages, "true" if self.own_in_regs else "false",
+                                 self.chunk_cols, "true" if self.split else "false")
+
+
+def _tf32_bwd_candidates(kernel, head_dim, *, split):
+    return [Tf32BwdPlan(kernel, TF32_DTYPE, head_dim, *c, split)
+            for c in _TF32_BWD_CANDIDATES[(kernel, head_dim, split)]]
+
+
+@functools.cache
+def all_tf32_bwd_plans() -> tuple[Tf32BwdPlan, ...]:
+    """Every float32 tensor-core backward specialization (for the gate)."""
+    return tuple(p for split in (True, False) for D in TF32_HEAD_DIMS
+                 for kernel in TF32_BWD_KERNELS
+                 for p in _tf32_bwd_candidates(kernel, D, split=split))
+
+
+def _tf32_bwd_path(d, cc, aligned, *, max_smem, allow_tf32, simt):
+    """backward_path for float32 on a device of known compute capability `cc`."""
+    if cc < TF32_MIN_CC:
+        return simt(), (f"SIMT: float32 tensor cores (tf32) need sm_{TF32_MIN_CC[0]}"
+                        f"{TF32_MIN_CC[1]}; the device is sm_{cc[0]}{cc[1]}")
+    if d % TF32_D_MULTIPLE:
+        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TF32_D_MULTIPLE} "
+                        f"(float32 tensor-core rows are whole 16-byte chunks)")
+    if d > TF32_HEAD_DIMS[-1]:
+        return simt(), (f"SIMT: head dim d={d} > {TF32_HEAD_DIMS[-1]}, the largest float32 "
+                        f"tensor-core backward tile")
+    if not aligned:
+        return simt(), ("SIMT: q, k, v or dO is not 16-byte aligned (a base pointer, or a "
+                        "batch, head or row stride that is not a multiple of 4 elements)")
+    D = next(b for b in TF32_HEAD_DIMS if d <= b)
+    fits = [next((p for p in _tf32_bwd_candidates(kernel, D, split=not allow_tf32)
+                  if p.smem_bytes <= max_smem), None) for kernel in TF32_BWD_KERNELS]
+    if None in fits:
+        return simt(), (f"SIMT: no float32 tensor-core backward tile for D={D} fits "
+                        f"{max_smem} bytes of shared memory per block")
+    mode = ("one-pass tf32 (allow_tf32=True)" if allow_tf32
+            else "split tf32, 3 mma per product (allow_tf32=True: one)")
+    chunks = "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"
+                     for p in fits if p.num_d_chunks(d) > 1)
+    return tuple(fits), f"tensor cores: mma.m16n8k8.tf32 on sm_{cc[0]}{cc[1]}, {mode}{chunks}"
+
+
 def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                  sm_count=None, dbias: bool = False):
+                  sm_count=None, dbias: bool = False, allow_tf32: bool = False):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
     Tensor cores (two `TcBwdPlan`s) where dbias is not asked for (`dbias`: the SIMT dQ
     kernel writes it), the dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple
     of 8 up to 256, q, k, v and dO allow 16-byte loads (`aligned`) and a tile of each
     kernel fits `max_smem` (the first candidate that does: for 128 < d ≤ 256 the dK/dV
-    plan splits dK, dV into 128-column chunks, `TcBwdPlan.num_d_chunks`); otherwise the
+    plan splits dK, dV into 128-column chunks, `TcBwdPlan.num_d_chunks`); float32 on
+    sm_80+ with d a multiple of 4 up to 256 takes two `Tf32BwdPlan`s (split tf32, or
+    one-pass with `allow_tf32`: `_tf32_bwd_path`); otherwise the
     SIMT kernels of `plan_backward`. Attention variants (window, softcap, ALiBi, bias,
     mask, dropout) take the same path as a plain call. The reason names the instruction
     and, for chunked plans, the chunks.
@@ -781,12 +874,15 @@ def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     if dbias:
         return simt(), ("SIMT: return_dbias: the SIMT dQ kernel writes dbias; the "
                         "tensor-core backward does not")
-    if dt.name not in TC_DTYPES:
-        return simt(), (f"SIMT: {dt.name} has no tensor-core backward (float16 and bfloat16 "
-                        f"do)")
+    if dt.name not in (*TC_DTYPES, TF32_DTYPE):
+        return simt(), (f"SIMT: {dt.name} has no tensor-core backward (float16, bfloat16 "
+                        f"and float32 do)")
     if cc is None:
         return simt(), "SIMT: the device's compute capability is unknown"
     cc = tuple(cc)
+    if dt.name == TF32_DTYPE:
+        return _tf32_bwd_path(d, cc, aligned, max_smem=max_smem, allow_tf32=allow_tf32,
+                              simt=simt)
     need = TC_MIN_CC[dt.name]
     if cc < need:
         return simt(), (f"SIMT: {dt.name} tensor cores need sm_{need[0]}{need[1]}; "
@@ -854,7 +950,7 @@ def every_plan() -> dict:
     """{name expression: plan} of every kernel specialization the library can launch:
     finite (every plan of every family, dtype and head-dim bucket)."""
     plans = (*all_plans(), *all_tc_plans(), *all_tf32_plans(), *all_bwd_plans(),
-             *all_tc_bwd_plans(), *all_softmax_plans())
+             *all_tc_bwd_plans(), *all_tf32_bwd_plans(), *all_softmax_plans())
     return {p.name_expression: p for p in plans}
 
 

@@ -52,8 +52,18 @@ DTYPES = [pytest.param(d, id=str(d)) for d in _dtypes.SUPPORTED]
 
 
 def round_to(x, dtype):
-    """x rounded to dtype and back to float64: one low-precision store."""
+    """x rounded to dtype and back to float64: one low-precision store. `dtype` may be a
+    rounding function instead, for a format NumPy lacks (round_tf32)."""
+    if callable(dtype) and not isinstance(dtype, type):
+        return dtype(x)
     return np.asarray(x).astype(dtype).astype(np.float64)
+
+
+def round_tf32(x):
+    """x rounded to tf32 as cvt.rna.tf32.f32 does (10 fraction bits, ties away from zero),
+    as float64; x is first stored in float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
 
 
 # -- the plain low-precision implementation FlashAttention's rule compares with ----------

@@ -228,7 +228,7 @@ def test_backward_path_and_its_reasons():
         assert [p.num_warps for p in plans] == warps and "tensor cores" in why, why
     assert "m16n8k8" in path(cc=(7, 5))[1] and "m16n8k16" in path(cc=(8, 0))[1]
     fallbacks = [
-        (path(dtype=F32), "float32"),
+        (path(dtype=F32, cc=(7, 5)), "tf32"),
         (path(dtype=np.float64), "float64"),
         (path(cc=(7, 0)), "sm_70"),
         (path(dtype=BF16, cc=(7, 5)), "sm_80"),
@@ -286,15 +286,15 @@ def _have_toolchain():
 SMEM_PROBE = r"""
 #include "tc_bwd_tile.cuh"
 // The kernels' shared memory is dynamic, so ptxas cannot see it: this probe declares a
-// quarter of TcBwdTraits::kSmemBytes statically (the whole may exceed 48 KB).
+// eighth of TcBwdTraits::kSmemBytes statically (the whole may exceed 48 KB; float32 tiles 192).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT>
 __global__ void smem_probe(unsigned char* out) {
     constexpr int kBytes = cuflash::TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS,
                                                 STAGES, OWN_IN_REGS, CHUNK_COLS,
-                                                ROW_STATS>::kSmemBytes;
-    static_assert(kBytes % 4 == 0, "a quarter of the bytes");
-    __shared__ unsigned char s[kBytes / 4];
+                                                ROW_STATS, SPLIT>::kSmemBytes;
+    static_assert(kBytes % 8 == 0, "an eighth of the bytes");
+    __shared__ unsigned char s[kBytes / 8];
     s[threadIdx.x] = (unsigned char)threadIdx.x;
     __syncthreads();
     out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
@@ -305,19 +305,22 @@ __global__ void smem_probe(unsigned char* out) {
 @pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
 def test_smem_formula_matches_ptxas():
     """tiling.tc_bwd_smem_bytes is what TcBwdTraits::kSmemBytes declares, for both kernels
-    (the dK/dV kernel's row statistics included)."""
+    (the dK/dV kernel's row statistics included), 16-bit and float32."""
     from cuflash import compile_gate
     probes = {}
-    for p in tiling.all_tc_bwd_plans():
-        stats = "true" if p.kernel == "flash_bwd_dkdv_tc" else "false"
-        name = p.name_expression.replace(f"{p.kernel}_kernel", "smem_probe", 1)
-        probes[name[:-1] + f", {stats}>"] = p
+    for p in (*tiling.all_tc_bwd_plans(), *tiling.all_tf32_bwd_plans()):
+        stats = p.kernel in ("flash_bwd_dkdv_tc", "flash_bwd_dkdv_tf32")
+        split = getattr(p, "split", False)
+        args = (_dtypes.c_type(np.dtype(p.dtype)), p.head_dim, p.block_rows, p.tile_rows,
+                p.num_warps, p.stages, p.own_in_regs, p.chunk_cols, stats, split)
+        probes["smem_probe<" + ", ".join(str(a).lower() if isinstance(a, bool) else str(a)
+                                         for a in args) + ">"] = p
     rows = compile_gate.run_gate({"tc_bwd_smem_probe.cu": list(probes)}, archs=["sm_80"],
                                  sources={"tc_bwd_smem_probe.cu": SMEM_PROBE})
     assert len(rows) == len(probes)
     for r in rows:
         assert r.ok, r.error
-        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
+        assert 8 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
 
 
 # -- the machine code: tensor-core instructions present, local memory absent ----------------
@@ -325,20 +328,27 @@ def test_smem_formula_matches_ptxas():
 @pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
 def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75),
-    ldmatrix (LDSM), cp.async (LDGSTS, sm_80+) and no local memory; bfloat16 on sm_75 is a
-    trap."""
+    ldmatrix (LDSM), cp.async (LDGSTS, sm_80+) and no local memory; bfloat16 and float32 on
+    sm_75 are a trap. float32 (tf32): at least the unrolled P·X products' mma (S's k loop is
+    rolled when the own operands stay in shared memory), no ldmatrix."""
     from cuflash import compile_gate
     if compile_gate.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    plans = {p.name_expression: p for p in tiling.all_tc_bwd_plans()}
+    plans = {p.name_expression: p for p in (*tiling.all_tc_bwd_plans(),
+                                             *tiling.all_tf32_bwd_plans())}
     archs = [a for a in compiler.GATE_ARCHS if a != "sm_70"]   # CUDA 13's nvdisasm has no sm_70
     rows = compile_gate.run_gate({"flash_bwd_tc.cu": list(plans)}, archs=archs, sass=True)
     assert len(rows) == len(plans) * len(archs)
     for r in rows:
         assert r.ok and r.sass is not None, (r.kernel, r.arch, r.error)
         p, n = plans[r.kernel], r.sass
-        if p.dtype == "bfloat16" and r.arch == "sm_75":
+        if p.dtype in ("bfloat16", "float32") and r.arch == "sm_75":
             assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
+            continue
+        if p.dtype == "float32":  # tf32: 32-bit shared loads, 3 mma per product when split
+            x_mma = (p.tile_rows // 8) * (p.chunk_cols // 8) * (3 if p.split else 1)
+            assert n["HMMA"] >= x_mma and n["LDSM"] == 0 and n["LDGSTS"] > 0, (r.kernel, r.arch, n)
+            assert n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
             continue
         D, tr, cols = p.head_dim, p.tile_rows, p.chunk_cols
         s_mma = (D // 16) * (tr // 8)          # S (or Sᵀ): k16 steps x n-tiles

@@ -13,7 +13,7 @@ import cuflash
 from cuflash import compiler, emulator, reference, tiling
 from cuflash.backends import kernel_forward, kernels
 
-from conftest import HAS_GXX
+from conftest import HAS_GXX, round_tf32 as tf32
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -43,12 +43,6 @@ def _inputs(B, Hq, Hkv, Nq, Nk, d, seed=0):
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((B, h, n, d)).astype(F32)
                  for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
-
-
-def tf32(x):
-    """x rounded to tf32 as cvt.rna.tf32.f32 does (10 fraction bits, ties away from zero)."""
-    bits = np.asarray(x, F32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(F32).astype(np.float64)
 
 
 def plain_tf32_attention(q, k, v, *, causal, scale):

@@ -5,7 +5,7 @@ Every backend is an object with
     name: str                      # "numpy", "cuda", "emulator"
     xp: module                     # the array module its arrays live in (numpy or cupy)
     forward(q, k, v, *, causal, scale, algorithm, allow_tf32=False) -> (o, lse)
-    backward(do, q, k, v, o, lse, *, causal, scale) -> (dq, dk, dv)
+    backward(do, q, k, v, o, lse, *, causal, scale, allow_tf32=False) -> (dq, dk, dv)
     softmax(x) -> p
 
 and receives inputs already checked and normalised by `cuflash.api`:

@@ -15,8 +15,9 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
-256, 16-byte aligned q, k, v, dO, no dbias asked for), launches 2 and 3 are the
-`flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`:
+256; float32 on sm_80+, d a multiple of 4 up to 256; 16-byte aligned q, k, v, dO, no
+dbias asked for), launches 2 and 3 are the `flash_bwd_tc.cu` kernels instead
+(`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`; for float32 the `_tf32_kernel`s:
 dynamic shared memory, no chunk argument; a chunked plan, d > 128 for dK/dV, has
 `plan.num_d_chunks(d)` blocks per row block, a count the kernel derives from d); the
 preprocess is shared.
@@ -32,24 +33,24 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes, tiling
-from ..families import FLASH_BWD_DKDV_TC
 from .kernel_forward import loads_16b_aligned
 from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
-def backward_plans(backend, do, q, k, v, *, return_dbias=False):
+def backward_plans(backend, do, q, k, v, *, return_dbias=False, allow_tf32=False):
     """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays."""
     return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                dbias=return_dbias, **backend.limits())
+                                dbias=return_dbias, allow_tf32=allow_tf32, **backend.limits())
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
-             return_dbias=False, segments=None):
+             return_dbias=False, allow_tf32=False, segments=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants): the options; with `return_dbias` (SIMT) a fourth
     result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype.
+    `allow_tf32`: float32 may run one-pass tf32 (else split) on tensor cores.
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q)."""
     xp = backend.xp
@@ -60,8 +61,9 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, return_dbias=return_dbias)
-    tc = p_dkdv.kernel == FLASH_BWD_DKDV_TC.name  # tensor cores: d <= 256
+    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, return_dbias=return_dbias,
+                                          allow_tf32=allow_tf32)
+    tc = isinstance(p_dkdv, tiling.TcBwdPlan)  # tensor cores (f16, bf16, tf32): d <= 256
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
     # tensor cores: each plan's own chunks (the kernels count them from d)

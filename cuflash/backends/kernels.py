@@ -86,11 +86,12 @@ class KernelBackend:
                                           num_splits=num_splits)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
-                 return_dbias=False, segments=None):
+                 return_dbias=False, allow_tf32=False, segments=None):
         with self._device_of(q):
             return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal,
                                             scale=scale, variants=variants,
-                                            return_dbias=return_dbias, segments=segments)
+                                            return_dbias=return_dbias, allow_tf32=allow_tf32,
+                                            segments=segments)
 
     def softmax(self, x):
         with self._device_of(x):

@@ -1,4 +1,7 @@
-// flash_bwd_tc.cu — FlashAttention-2 backward on tensor cores (f16 on sm_75+, bf16 on sm_80+).
+// flash_bwd_tc.cu — FlashAttention-2 backward on tensor cores: f16 on sm_75+, bf16 on sm_80+
+// (flash_bwd_*_tc_kernel), float32 on tf32 mma on sm_80+ (flash_bwd_*_tf32_kernel: split
+// tf32 by default, one-pass with allow_tf32=True, as flash_fwd_tf32.cu). One algorithm for
+// all three: only the products differ (gemm_own_rows, gemm_c_tile in tc_bwd_tile.cuh).
 //
 // The algorithm of flash_bwd.cu (FA2, Algorithm 2, P recomputed from lse), with every
 // product on mma.sync and P, dS on the mma accumulators:
@@ -125,16 +128,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     };
 
     // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
-    copy_tile_async<Tr, BN>(sK, k_bh, k_sr, n0, Nk, d);
-    copy_tile_async<Tr, BN>(sV, v_bh, v_sr, n0, Nk, d);
+    copy_ring_tile_async<Tr, BN>(sK, k_bh, k_sr, n0, Nk, d);
+    copy_ring_tile_async<Tr, BN>(sV, v_bh, v_sr, n0, Nk, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);
     cp_async_wait<STAGES - 1>();  // K_j, V_j have landed (this thread's part)
     __syncthreads();
-    FragA kf[Tr::kQFrags], vf[Tr::kQFrags];
-    load_q_fragments<Tr>(kf, sK, warp_row0, lane);
-    load_q_fragments<Tr>(vf, sV, warp_row0, lane);
+    typename Tr::OwnFrag kf[Tr::kQFrags], vf[Tr::kQFrags];
+    load_own_fragments<Tr>(kf, sK, warp_row0, lane);
+    load_own_fragments<Tr>(vf, sV, warp_row0, lane);
 
     FragC dk_acc[Tr::kOTiles], dv_acc[Tr::kOTiles];
 #pragma unroll
@@ -162,8 +165,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             s[j] = FragC{0.f, 0.f, 0.f, 0.f};
             dp[j] = FragC{0.f, 0.f, 0.f, 0.f};
         }
-        gemm_qk_tc<Tr>(s, kf, sK, warp_row0, sQi, lane);
-        gemm_qk_tc<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
+        gemm_own_rows<Tr>(s, kf, sK, warp_row0, sQi, lane);
+        gemm_own_rows<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
 
         // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
         // D_i are per column (query), from the tile's row statistics
@@ -201,10 +204,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             }
         }
 
-        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ packed to A fragments in
-        // registers; the block's chunk of the columns of dO_i, Q_i)
-        gemm_pv_tc<Tr>(dv_acc, s, sdOi, lane, col0);
-        gemm_pv_tc<Tr>(dk_acc, dp, sQi, lane, col0);
+        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ as A fragments in registers; the
+        // block's chunk of the columns of dO_i, Q_i)
+        gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
+        gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
     }
 
     // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
@@ -280,8 +283,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     };
 
     // -- prologue: Q_i, dO_i (group 0), tiles 0 .. STAGES − 2; lse_i, D_i of rows g, g + 8
-    copy_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
-    copy_tile_async<Tr, BM>(sdO, do_bh, do_sr, m0, Nq, d);
+    copy_ring_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
+    copy_ring_tile_async<Tr, BM>(sdO, do_bh, do_sr, m0, Nq, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);
@@ -295,9 +298,9 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const float d_bottom = r_bottom < Nq ? delta_bh[r_bottom] : 0.f;
     cp_async_wait<STAGES - 1>();  // Q_i, dO_i have landed (this thread's part)
     __syncthreads();
-    FragA qf[Tr::kQFrags], dof[Tr::kQFrags];
-    load_q_fragments<Tr>(qf, sQ, warp_row0, lane);
-    load_q_fragments<Tr>(dof, sdO, warp_row0, lane);
+    typename Tr::OwnFrag qf[Tr::kQFrags], dof[Tr::kQFrags];
+    load_own_fragments<Tr>(qf, sQ, warp_row0, lane);
+    load_own_fragments<Tr>(dof, sdO, warp_row0, lane);
 
     FragC dq_acc[Tr::kOTiles];
 #pragma unroll
@@ -319,8 +322,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
             s[i] = FragC{0.f, 0.f, 0.f, 0.f};
             dp[i] = FragC{0.f, 0.f, 0.f, 0.f};
         }
-        gemm_qk_tc<Tr>(s, qf, sQ, warp_row0, sKj, lane);
-        gemm_qk_tc<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
+        gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
+        gemm_own_rows<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
 
         // -- P = exp2(S·scale·log2 e − lse_i·log2 e), dS = P ∘ (dP − D_i)
         if (!plain) {  // element e: query row r_top + 8·(e % 4 / 2), key column c
@@ -349,8 +352,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
             }
         }
 
-        // -- dQ_i += dS K_j  (dS packed to A fragments, ldmatrix.trans of the chunk of K_j)
-        gemm_pv_tc<Tr>(dq_acc, dp, sKj, lane, col0);
+        // -- dQ_i += dS K_j  (dS as A fragments; the chunk of K_j's columns)
+        gemm_c_tile<Tr>(dq_acc, dp, sKj, lane, col0);
     }
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
@@ -408,6 +411,65 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/false>;
     if constexpr (TensorCores<T>::value) {
+        flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
+                            k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
+                            dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right,
+                            CUFLASH_VARLEN);
+    } else {
+        __trap();
+    }
+}
+
+// float32 on tf32 tensor cores (sm_80+): the same kernels with float tiles and m16n8k8 .tf32
+// products; SPLIT: 3xTF32 (about fp32 accuracy), else one-pass tf32 (allow_tf32=True).
+// T is float (the name expression's first argument, as for every family).
+template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
+          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dkdv_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                           const T* __restrict__ v, const T* __restrict__ dO,
+                           const float* __restrict__ lse, const float* __restrict__ Delta,
+                           T* __restrict__ dk, T* __restrict__ dv,
+                           int Hq, int group, int Nq, int Nk, int d,
+                           long long q_sb, long long q_sh, long long q_sr,
+                           long long k_sb, long long k_sh, long long k_sr,
+                           long long v_sb, long long v_sh, long long v_sr,
+                           long long do_sb, long long do_sh, long long do_sr,
+                           long long dk_sb, long long dk_sh, long long dk_sr,
+                           long long dv_sb, long long dv_sh, long long dv_sr,
+                           float scale, int causal, CUFLASH_VARLEN_PARAMS,
+                           CUFLASH_VARIANT_PARAMS(T)) {
+    static_assert(sizeof(T) == 4, "flash_bwd_dkdv_tf32 runs float32 inputs");
+    using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
+                           CHUNK_COLS, /*ROW_STATS=*/true, SPLIT>;
+    if constexpr (TensorCoresTf32<T>::value) {
+        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
+                              q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
+                              dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
+                              CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
+    } else {
+        __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
+          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dq_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                         const T* __restrict__ v, const T* __restrict__ dO,
+                         const float* __restrict__ lse, const float* __restrict__ Delta,
+                         T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
+                         long long q_sb, long long q_sh, long long q_sr,
+                         long long k_sb, long long k_sh, long long k_sr,
+                         long long v_sb, long long v_sh, long long v_sr,
+                         long long do_sb, long long do_sh, long long do_sr,
+                         long long dq_sb, long long dq_sh, long long dq_sr,
+                         float scale, int causal, CUFLASH_VARLEN_PARAMS,
+                         CUFLASH_VARIANT_PARAMS(T)) {
+    static_assert(sizeof(T) == 4, "flash_bwd_dq_tf32 runs float32 inputs");
+    using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
+                           CHUNK_COLS, /*ROW_STATS=*/false, SPLIT>;
+    if constexpr (TensorCoresTf32<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
                             dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right,

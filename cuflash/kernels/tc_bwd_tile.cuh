@@ -1,33 +1,39 @@
-// tc_bwd_tile.cuh — the tensor-core backward's traits and the pieces its two kernels share
-// (flash_bwd_tc.cu): P and dS on mma fragments, the row statistics' copies.
+// tc_bwd_tile.cuh — the tensor-core backward's traits and the pieces its kernels share
+// (flash_bwd_tc.cu): P and dS on mma fragments, the row statistics' copies, and the two
+// products on either instruction set.
 //
 // Both kernels give each warp 16 rows of the block ("own" rows: keys in the dK/dV kernel,
 // queries in the dQ kernel) and stream the other operand pair in tiles of TILE_ROWS rows.
 // Every product then has the warp's own rows as its M dimension:
 //
 //   dK/dV kernel (own: K_j, V_j; streamed: Q_i, dO_i)
-//     Sᵀ  = K_j Q_iᵀ        A: K_j (own)       B: Q_i rows (ldmatrix)
-//     dPᵀ = V_j dO_iᵀ       A: V_j (own)       B: dO_i rows (ldmatrix)
-//     dV_j += Pᵀ dO_i       A: Pᵀ (C → A)      B: dO_i (ldmatrix.trans)
-//     dK_j += dSᵀ Q_i       A: dSᵀ (C → A)     B: Q_i (ldmatrix.trans)
+//     Sᵀ  = K_j Q_iᵀ        A: K_j (own)       B: Q_i rows
+//     dPᵀ = V_j dO_iᵀ       A: V_j (own)       B: dO_i rows
+//     dV_j += Pᵀ dO_i       A: Pᵀ (C → A)      B: dO_i (transposed)
+//     dK_j += dSᵀ Q_i       A: dSᵀ (C → A)     B: Q_i (transposed)
 //   dQ kernel (own: Q_i, dO_i; streamed: K_j, V_j)
-//     S   = Q_i K_jᵀ        A: Q_i (own)       B: K_j rows (ldmatrix)
-//     dP  = dO_i V_jᵀ       A: dO_i (own)      B: V_j rows (ldmatrix)
-//     dQ_i += dS K_j        A: dS (C → A)      B: K_j (ldmatrix.trans)
+//     S   = Q_i K_jᵀ        A: Q_i (own)       B: K_j rows
+//     dP  = dO_i V_jᵀ       A: dO_i (own)      B: V_j rows
+//     dQ_i += dS K_j        A: dS (C → A)      B: K_j (transposed)
 //
 // So the dK/dV kernel computes the *transposed* scores Sᵀ (keys as rows): Pᵀ and dSᵀ land
 // in C fragments whose rows are the warp's keys, which are exactly the A fragments that
-// dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i need (tc_tile.cuh's p_fragment) — no transpose
-// through shared memory, no second copy of P. The price is that lse_i and D_i belong to
-// the fragment's *columns*: they come with each Q_i tile into shared memory (cp.async, 4
-// bytes each) and every thread reads those of its columns 8j + 2t, 8j + 2t + 1.
+// dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i need — no transpose through shared memory, no second
+// copy of P. The price is that lse_i and D_i belong to the fragment's *columns*: they come
+// with each Q_i tile into shared memory (cp.async, 4 bytes each) and every thread reads
+// those of its columns 8j + 2t, 8j + 2t + 1.
 //
-// The four products are tc_tile.cuh's gemm_qk_tc (own A × streamed rows) and gemm_pv_tc
-// (C fragments as A × streamed tile), which read these traits by the forward's names:
-// kQInRegs / kQFrags are the own operands' A fragments (held in registers, or re-read from
-// shared memory at every k16 step), kSTiles the n-tiles of S (TILE_ROWS / 8), kPVSteps the
-// k16 steps over the streamed rows, kOTiles the n-tiles of an accumulator (CHUNK_COLS / 8:
-// a block accumulates CHUNK_COLS of the output's columns, HEAD_DIM unless chunked).
+// Every product is one of two shapes: gemm_own_rows (own A fragments × the rows of a
+// streamed tile: the forward's Q Kᵀ) and gemm_c_tile (C fragments as A × a streamed tile:
+// the forward's P̃ V). For f16/bf16 they are tc_tile.cuh's gemm_qk_tc / gemm_pv_tc
+// (ldmatrix, ldmatrix.trans, m16n8k16 or 2 x m16n8k8); for float32 tf32_tile.cuh's
+// gemm_qk_tf32 / gemm_pv_tf32 (32-bit shared loads, m16n8k8 .tf32, split or one-pass; a C
+// fragment becomes an A fragment with its k index permuted, as in the forward). They read
+// these traits by the forward's names: kQInRegs / kQFrags are the own operands' A
+// fragments (held in registers, or re-read from shared memory at every k step), kSTiles
+// the n-tiles of S (TILE_ROWS / 8), kPVSteps the k steps over the streamed rows, kOTiles
+// the n-tiles of an accumulator (CHUNK_COLS / 8: a block accumulates CHUNK_COLS of the
+// output's columns, HEAD_DIM unless chunked).
 //
 // Shared memory (dynamic, tiles in T, swizzled as in tc_tile.cuh):
 //   own pair     2 x [BLOCK_ROWS][D]            K_j, V_j  |  Q_i, dO_i   (then: the
@@ -40,12 +46,19 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tc_tile.cuh"
+#include "tf32_tile.cuh"
 #include "bwd_tile.cuh"
 
 namespace cuflash {
 
+// The own operands' A fragments before the mma: 16-bit pairs as ldmatrix gives them, or
+// float32 values, rounded (split) to tf32 at each mma.
+template <typename T> struct OwnFragment { using type = FragA; };
+template <> struct OwnFragment<float> { using type = Tf32A; };
+
+// T: __half or __nv_bfloat16 (k16 steps), or float (k8 steps of tf32; SPLIT: 3xTF32).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT = false>
 struct TcBwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockRows = BLOCK_ROWS;       // own rows: Bc keys | Br queries
@@ -55,30 +68,38 @@ struct TcBwdTraits {
     static constexpr int kWarpRows = 16;                // one mma row tile per warp
     static constexpr int kChunkElems = 16 / (int)sizeof(T);
     static constexpr int kChunksPerRow = HEAD_DIM / kChunkElems;
-    static constexpr int kKSteps = HEAD_DIM / 16;       // k16 steps of S (over the head dim)
+    static constexpr bool kTf32 = sizeof(T) == 4;       // float32 on tf32 mma
+    static constexpr bool kSplit = SPLIT;
+    static constexpr int kK = kTf32 ? 8 : 16;           // the mma's k per step
+    static constexpr int kKSteps = HEAD_DIM / kK;       // k steps of S (over the head dim)
     static constexpr int kSTiles = TILE_ROWS / 8;       // n-tiles of S, dP (streamed rows)
-    static constexpr int kPVSteps = TILE_ROWS / 16;     // k16 steps of P·X (streamed rows)
+    static constexpr int kPVSteps = TILE_ROWS / kK;     // k steps of P·X (streamed rows)
     static constexpr int kChunkCols = CHUNK_COLS;       // output columns per block
     static constexpr bool kChunked = CHUNK_COLS < HEAD_DIM;
     static constexpr int kOTiles = CHUNK_COLS / 8;      // n-tiles of dK, dV, dQ (one chunk)
     static constexpr bool kQInRegs = OWN_IN_REGS;       // own A fragments in registers
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
+    using OwnFrag = typename OwnFragment<T>::type;
     static constexpr int kSmemOwn = BLOCK_ROWS * HEAD_DIM;           // elements, each of 2
     static constexpr int kSmemRing = STAGES * TILE_ROWS * HEAD_DIM;  // elements, each of 2
     static constexpr int kSmemStats = ROW_STATS ? STAGES * TILE_ROWS : 0;  // floats, each of 2
     static constexpr int kSmemBytes =
         (2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) + 2 * kSmemStats * (int)sizeof(float);
 
-    static_assert(sizeof(T) == 2, "tensor-core tiles hold f16 or bf16");
+    static_assert(sizeof(T) == 2 || kTf32, "tensor-core tiles hold f16, bf16 or float32");
+    static_assert(!SPLIT || kTf32, "split tf32 is a float32 mode");
     static_assert(BLOCK_ROWS == kWarpRows * NUM_WARPS,
                   "each warp owns one 16-row mma tile: BLOCK_ROWS = 16 * NUM_WARPS");
-    static_assert(TILE_ROWS % 16 == 0,
-                  "TILE_ROWS must be a multiple of 16 (k16 steps of P·X, ldmatrix.x4 pairs)");
-    static_assert(HEAD_DIM % 64 == 0,
-                  "HEAD_DIM must be a multiple of 64: the swizzle permutes 8 chunks of 16 bytes");
+    static_assert(TILE_ROWS % kK == 0,
+                  "TILE_ROWS must be a multiple of 16 (k16 steps of P·X, ldmatrix.x4 pairs), "
+                  "or of 8 for float32 (k8 steps)");
+    static_assert(HEAD_DIM * (int)sizeof(T) % 128 == 0,
+                  "a row must be a multiple of 128 bytes: the swizzle permutes 8 chunks of 16 bytes");
     static_assert(STAGES >= 2, "the cp.async pipeline needs at least two stages");
     static_assert(CHUNK_COLS % 16 == 0 && HEAD_DIM % CHUNK_COLS == 0,
                   "CHUNK_COLS must divide HEAD_DIM in multiples of 16 (ldmatrix.x4.trans pairs)");
+    static_assert(CHUNK_COLS * (int)sizeof(T) % 128 == 0,
+                  "a head-dim chunk must start on a swizzle period (8 chunks of 16 bytes)");
     static_assert((2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) % 16 == 0,
                   "the row statistics start 16-byte aligned");
     static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
@@ -116,6 +137,36 @@ __device__ __forceinline__ void copy_stats_async(float* __restrict__ s, const fl
         const bool valid = row0 + i < n_rows;
         cp_async_4(s + i, valid ? g + row0 + i : g, valid);
     }
+}
+
+// The own operands' A fragments into registers, once per block (when kQInRegs).
+template <class Tr, typename T>
+__device__ __forceinline__ void load_own_fragments(typename Tr::OwnFrag (&f)[Tr::kQFrags],
+                                                   const T* sOwn, int warp_row0, int lane) {
+    if constexpr (Tr::kTf32) load_q_fragments_tf32<Tr>(f, sOwn, warp_row0, lane >> 2, lane % 4);
+    else load_q_fragments<Tr>(f, sOwn, warp_row0, lane);
+}
+
+// c += own · rowsᵀ: the warp's 16 own rows (A: f, or sOwn) times the streamed tile's rows.
+template <class Tr, typename T>
+__device__ __forceinline__ void gemm_own_rows(FragC (&c)[Tr::kSTiles],
+                                              const typename Tr::OwnFrag (&f)[Tr::kQFrags],
+                                              const T* sOwn, int warp_row0, const T* sRows,
+                                              int lane) {
+    if constexpr (Tr::kTf32)
+        gemm_qk_tf32<Tr, Tr::kSplit>(c, f, sOwn, warp_row0, sRows, lane >> 2, lane % 4);
+    else gemm_qk_tc<Tr>(c, f, sOwn, warp_row0, sRows, lane);
+}
+
+// acc += c · tile[:, col0 : col0 + CHUNK_COLS]: C fragments (P, dS or their transposes) as
+// A fragments times the streamed tile. A chunk starts on a whole swizzle period (8 chunks of
+// 16 bytes), so its columns are the tile's at sTile + col0: one pointer, rather than
+// col0 in every fragment's address (which ptxas hoisted out of the loop, one register each).
+template <class Tr, typename T>
+__device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const FragC (&c)[Tr::kSTiles],
+                                            const T* sTile, int lane, int col0) {
+    if constexpr (Tr::kTf32) gemm_pv_tf32<Tr, Tr::kSplit>(acc, c, sTile + col0, lane >> 2, lane % 4);
+    else gemm_pv_tc<Tr>(acc, c, sTile + col0, lane);
 }
 
 // One element of Algorithm 2, lines 11-14, on a C-fragment register pair (s, dp):
@@ -157,7 +208,7 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
 }
 
 // The epilogue of both kernels: acc · factor (the warp's 16 own rows x the CHUNK_COLS
-// columns from col0 on) packed to T into the same rows and columns of the swizzled tile s
+// columns from col0 on) converted to T into the same rows and columns of the swizzled tile s
 // (no other warp touches those rows), then whole 16-byte chunks of rows < n and columns
 // < d to out (row stride sr).
 template <class Tr, typename T>
@@ -170,10 +221,15 @@ __device__ __forceinline__ void store_rows_16b(T* __restrict__ out, long long sr
 #pragma unroll
     for (int j = 0; j < Tr::kOTiles; ++j) {
         const int col = col0 + j * 8 + 2 * t;
-        *reinterpret_cast<unsigned*>(s + tile_offset<Tr>(warp_row0 + g, col)) =
-            pack2<T>(acc[j].c0 * factor, acc[j].c1 * factor);
-        *reinterpret_cast<unsigned*>(s + tile_offset<Tr>(warp_row0 + g + 8, col)) =
-            pack2<T>(acc[j].c2 * factor, acc[j].c3 * factor);
+        T* top = s + tile_offset<Tr>(warp_row0 + g, col);
+        T* bottom = s + tile_offset<Tr>(warp_row0 + g + 8, col);
+        if constexpr (Tr::kTf32) {
+            *reinterpret_cast<float2*>(top) = make_float2(acc[j].c0 * factor, acc[j].c1 * factor);
+            *reinterpret_cast<float2*>(bottom) = make_float2(acc[j].c2 * factor, acc[j].c3 * factor);
+        } else {
+            *reinterpret_cast<unsigned*>(top) = pack2<T>(acc[j].c0 * factor, acc[j].c1 * factor);
+            *reinterpret_cast<unsigned*>(bottom) = pack2<T>(acc[j].c2 * factor, acc[j].c3 * factor);
+        }
     }
     __syncwarp();
     constexpr int CPR = Tr::kChunkCols / Tr::kChunkElems, C = Tr::kChunkElems;

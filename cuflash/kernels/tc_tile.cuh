@@ -145,11 +145,10 @@ __device__ __forceinline__ FragA p_fragment(const FragC& left, const FragC& righ
 }
 
 // acc += P̃ V_j: per k16 step (16 keys) and pair of O n-tiles (16 head-dim columns), one
-// ldmatrix.x4.trans of the row-major V tile gives b0, b1 of both n-tiles. acc holds the
-// kOTiles · 8 columns from col0 on (the backward's head-dim chunks; the forward: all, 0).
+// ldmatrix.x4.trans of the row-major V tile gives b0, b1 of both n-tiles.
 template <class Tr, typename T>
 __device__ __forceinline__ void gemm_pv_tc(FragC (&acc)[Tr::kOTiles], const FragC (&p)[Tr::kSTiles],
-                                           const T* sV, int lane, int col0 = 0) {
+                                           const T* sV, int lane) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
         const FragA pa = p_fragment<T>(p[2 * kk], p[2 * kk + 1]);
@@ -158,7 +157,7 @@ __device__ __forceinline__ void gemm_pv_tc(FragC (&acc)[Tr::kOTiles], const Frag
             FragB b_lo, b_hi;
             ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
                               sV + tile_offset<Tr>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                   col0 + np * 16 + (lane / 16) * 8));
+                                                   np * 16 + (lane / 16) * 8));
             mma_k16<T>(acc[2 * np], pa, b_lo);
             mma_k16<T>(acc[2 * np + 1], pa, b_hi);
         }

@@ -67,7 +67,8 @@ class NumpyBackend:
         return _FORWARDS[algorithm](q, k, v, causal, scale, self.config)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
-                 return_dbias=False):
+                 return_dbias=False, allow_tf32=False):
+        # allow_tf32 is ignored, as in forward.
         if (variants is not None and not variants.is_plain()) or return_dbias:
             return variant_loops.backward(do, q, k, v, o, lse, causal, scale, self.config,
                                           variants, return_dbias)
