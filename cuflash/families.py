@@ -25,7 +25,7 @@ class KernelFamily:
 FLASH_FWD = KernelFamily("flash_fwd", "flash_fwd.cu")                    # FA2 forward
 FLASH_FWD_FA1 = KernelFamily("flash_fwd_fa1", "flash_fwd_fa1.cu")        # FA1 forward
 FLASH_FWD_TC = KernelFamily("flash_fwd_tc", "flash_fwd_tc.cu")           # FA2 forward, mma.sync
-FLASH_FWD_TF32 = KernelFamily("flash_fwd_tf32", "flash_fwd_tf32.cu")     # FA2 forward, float32 on tf32 mma
+FLASH_FWD_TF32 = KernelFamily("flash_fwd_tf32", "flash_fwd_tc.cu")      # FA2 forward, float32 on tf32 mma
 FLASH_BWD_PREPROCESS = KernelFamily("flash_bwd_preprocess", "flash_bwd.cu")  # D = rowsum(dO∘O)
 FLASH_BWD_DKDV = KernelFamily("flash_bwd_dkdv", "flash_bwd.cu")
 FLASH_BWD_DQ = KernelFamily("flash_bwd_dq", "flash_bwd.cu")

@@ -326,7 +326,7 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
                     f"memory per block")
 
 
-# ── float32 forward on tensor cores (flash_fwd_tf32.cu) ───────────────────────────────
+# ── float32 forward on tensor cores (flash_fwd_tc.cu, flash_fwd_tf32_kernel) ───────────────────────────────
 #
 # The tensor-core forward's tiles with float32 in shared memory and m16n8k8 .tf32 mma
 # (sm_80+). Split tf32 (the default): each operand split into two tf32 parts, 3 mma per
@@ -371,7 +371,7 @@ def tf32_smem_bytes(head_dim: int, block_m: int, block_n: int, stages: int) -> i
 class Tf32Plan(_Plan):
     """One launchable specialization of the float32 tensor-core forward; the fields after
     `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_M, BLOCK_N,
-    NUM_WARPS, STAGES, SPLIT in flash_fwd_tf32.cu)."""
+    NUM_WARPS, STAGES, SPLIT of flash_fwd_tf32_kernel in flash_fwd_tc.cu)."""
 
     dynamic_smem = True
 

@@ -1,5 +1,5 @@
 """Attention variants on the tensor-core kernels in the emulator: the forwards
-(flash_fwd_tc.cu: float16 and bfloat16; flash_fwd_tf32.cu: float32, split and one-pass
+(flash_fwd_tc.cu: float16 and bfloat16, and float32 (flash_fwd_tf32_kernel), split and one-pass
 tf32) and the 16-bit backward (flash_bwd_tc.cu). Every option alone and all of them at
 once, against the float64 reference with the tolerance rule of conftest
 (`plain_attention` / `plain_backward` with the variants, for 16-bit inputs); dropout's

@@ -10,7 +10,7 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 * FA2 on tensor cores (`flash_fwd_tc_kernel`, `flash_fwd_tc.cu`): the default for FA2
   where `tiling.forward_path` allows it (float16/bfloat16, sm_75/sm_80+, d a multiple of
   8 up to 256, 16-byte aligned rows); one block per (query block, head, batch).
-* float32 FA2 on tensor cores (`flash_fwd_tf32_kernel`, `flash_fwd_tf32.cu`): the same
+* float32 FA2 on tensor cores (`flash_fwd_tf32_kernel`, `flash_fwd_tc.cu`): the same
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 

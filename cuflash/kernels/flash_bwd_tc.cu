@@ -1,7 +1,7 @@
 // flash_bwd_tc.cu — FlashAttention-2 backward on tensor cores: f16 on sm_75+, bf16 on sm_80+
 // (flash_bwd_*_tc_kernel), float32 on tf32 mma on sm_80+ (flash_bwd_*_tf32_kernel: split
-// tf32 by default, one-pass with allow_tf32=True, as flash_fwd_tf32.cu). One algorithm for
-// all three: only the products differ (gemm_own_rows, gemm_c_tile in tc_bwd_tile.cuh).
+// tf32 by default, one-pass with allow_tf32=True, as the float32 forward). One algorithm for
+// all three: only the products differ (gemm_own_rows, gemm_c_tile in tc_gemm.cuh).
 //
 // The algorithm of flash_bwd.cu (FA2, Algorithm 2, P recomputed from lse), with every
 // product on mma.sync and P, dS on the mma accumulators:
@@ -116,9 +116,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         if (i < n_tiles) {
             const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
             const int slot = i % STAGES;
-            copy_ring_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr,
+            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr,
                                          q_row0 + m0, q_row0 + Nq, d);
-            copy_ring_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
+            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
                                          q_row0 + m0, q_row0 + Nq, d);
             const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
             copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
@@ -128,8 +128,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     };
 
     // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
-    copy_ring_tile_async<Tr, BN>(sK, k_bh, k_sr, n0, Nk, d);
-    copy_ring_tile_async<Tr, BN>(sV, v_bh, v_sr, n0, Nk, d);
+    copy_tile_async<Tr, BN>(sK, k_bh, k_sr, n0, Nk, d);
+    copy_tile_async<Tr, BN>(sV, v_bh, v_sr, n0, Nk, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);
@@ -274,17 +274,17 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     auto issue = [&](int j) {
         if (j < n_tiles) {
             const int n0 = n_begin + j * BN;
-            copy_ring_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, k_row0 + n0,
+            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, k_row0 + n0,
                                          k_row0 + Nk, d);
-            copy_ring_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, k_row0 + n0,
+            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, k_row0 + n0,
                                          k_row0 + Nk, d);
         }
         cp_async_commit();
     };
 
     // -- prologue: Q_i, dO_i (group 0), tiles 0 .. STAGES − 2; lse_i, D_i of rows g, g + 8
-    copy_ring_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
-    copy_ring_tile_async<Tr, BM>(sdO, do_bh, do_sr, m0, Nq, d);
+    copy_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
+    copy_tile_async<Tr, BM>(sdO, do_bh, do_sr, m0, Nq, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);

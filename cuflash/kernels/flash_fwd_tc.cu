@@ -1,17 +1,22 @@
-// flash_fwd_tc.cu — FlashAttention-2 forward on tensor cores (f16 on sm_75+, bf16 on sm_80+).
+// flash_fwd_tc.cu — FlashAttention-2 forward on tensor cores: f16 on sm_75+, bf16 on sm_80+
+// (flash_fwd_tc_kernel), float32 on tf32 mma on sm_80+ (flash_fwd_tf32_kernel: split tf32,
+// 3 mma per product, about fp32 accuracy, by default; one-pass tf32 with allow_tf32=True,
+// 10-bit mantissas like fp16's). One algorithm for all three: only the products differ
+// (tc_gemm.cuh), and the traits (tc_tile.cuh, tf32_tile.cuh).
 //
 // The algorithm of flash_fwd.cu (FA2, Algorithm 1), with the tile math on mma.sync:
 //
 //   prologue   Q_i → shared (cp.async) → A fragments in registers, once      (line 4)
-//              (D = 256: Q_i stays in shared memory, see tc_tile.cuh)
+//              (not kQInRegs — D = 256; float32 but one-pass D ≤ 64 — Q_i stays in
+//              shared memory, re-read per k step)
 //              start copying the first STAGES − 1 K_j, V_j tiles
 //   main loop  for each K_j, V_j tile below the causal diagonal               (lines 6-10)
 //                wait for tile j; barrier; start copying tile j + STAGES − 1
-//                S = Q_i K_jᵀ · scale·log2 e      (C fragments, ldmatrix of K)
+//                S = Q_i K_jᵀ · scale·log2 e      (C fragments; K rows as B)
 //                m_new = max(m_i, rowmax S)       (quad shuffles)
 //                P̃ = exp2(S − m_new);  ℓ_i = exp2(m_i − m_new) ℓ_i + rowsum P̃
-//                acc = exp2(m_i − m_new) acc + P̃ V_j   (P̃ packed to A fragments in
-//                                                      registers, ldmatrix.trans of V)
+//                acc = exp2(m_i − m_new) acc + P̃ V_j   (P̃ from S's registers as A
+//                                                      fragments; V transposed as B)
 //   epilogue   O_i = acc / ℓ_i → T in shared → 16-byte stores; lse_i      (lines 12-13)
 //
 // Attention variants as in flash_fwd.cu (variants.cuh's chain, run-time arguments): the key
@@ -30,7 +35,7 @@
 #include "mma.cuh"
 #include "seqlens.cuh"
 #include "variants.cuh"
-#include "tc_tile.cuh"
+#include "tc_gemm.cuh"
 
 using namespace cuflash;
 
@@ -100,8 +105,8 @@ __device__ __forceinline__ void flash_fwd_tc(
     }
     cp_async_wait<STAGES - 1>();  // Q_i has landed (this thread's part)
     __syncthreads();
-    FragA qf[Tr::kQFrags];
-    load_q_fragments<Tr>(qf, sQ, warp_row0, lane);
+    typename Tr::OwnFrag qf[Tr::kQFrags];
+    load_own_fragments<Tr>(qf, sQ, warp_row0, lane);
 
     OnlineSoftmax<float> row_top, row_bottom;  // rows g and g + 8 of the warp's tile
     row_top.init();  // ℓ here is this thread's partial row sum (the quad sums it at the end)
@@ -127,7 +132,7 @@ __device__ __forceinline__ void flash_fwd_tc(
         FragC s[Tr::kSTiles];
 #pragma unroll
         for (int i = 0; i < Tr::kSTiles; ++i) s[i] = FragC{0.f, 0.f, 0.f, 0.f};
-        gemm_qk_tc<Tr>(s, qf, sQ, warp_row0, sKj, lane);
+        gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
         const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
         if (var.scores()) {  // the chain runs on the natural score scale·qk, then log2 units
             var.bind(b, h, Nq, Nk);  // here, not before the loop: short-lived registers
@@ -166,7 +171,7 @@ __device__ __forceinline__ void flash_fwd_tc(
         rescale_acc(acc, alpha_top, alpha_bottom);
 
         // -- acc += P̃ V_j
-        gemm_pv_tc<Tr>(acc, s, sVj, lane);
+        gemm_c_tile<Tr>(acc, s, sVj, lane);
     }
 
     // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
@@ -197,14 +202,14 @@ __device__ __forceinline__ void flash_fwd_tc(
     // O goes through the warp's own 16 rows of sQ (no other warp reads them after the
     // prologue), converted to T, so that each thread then stores whole 16-byte chunks.
     T* sO = sQ;
-    __syncwarp();  // the warp's ldmatrix reads of Q_i precede these writes
+    __syncwarp();  // the warp's reads of Q_i precede these writes
 #pragma unroll
     for (int j = 0; j < Tr::kOTiles; ++j) {
         const int col = j * 8 + 2 * t;
-        *reinterpret_cast<unsigned*>(sO + tile_offset<Tr>(warp_row0 + g, col)) =
-            pack2<T>(acc[j].c0 * inv_top, acc[j].c1 * inv_top);
-        *reinterpret_cast<unsigned*>(sO + tile_offset<Tr>(warp_row0 + g + 8, col)) =
-            pack2<T>(acc[j].c2 * inv_bottom, acc[j].c3 * inv_bottom);
+        store_pair(sO + tile_offset<Tr>(warp_row0 + g, col), acc[j].c0 * inv_top,
+                   acc[j].c1 * inv_top);
+        store_pair(sO + tile_offset<Tr>(warp_row0 + g + 8, col), acc[j].c2 * inv_bottom,
+                   acc[j].c3 * inv_bottom);
     }
     __syncwarp();
     constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
@@ -239,5 +244,30 @@ flash_fwd_tc_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                          CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T), win_left, win_right);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
+    }
+}
+
+// float32 on tf32 tensor cores (sm_80+): the same kernel with float tiles and m16n8k8 .tf32
+// products; SPLIT: 3xTF32, else one-pass tf32. T is float (the name expression's first
+// argument, as for every family).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_fwd_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      T* __restrict__ o, float* __restrict__ lse,
+                      int Hq, int group, int Nq, int Nk, int d,
+                      long long q_sb, long long q_sh, long long q_sr,
+                      long long k_sb, long long k_sh, long long k_sr,
+                      long long v_sb, long long v_sh, long long v_sr,
+                      long long o_sb, long long o_sh, long long o_sr,
+                      float scale, int causal, int num_m_blocks,
+                      CUFLASH_SEQLENS_PARAMS(float), CUFLASH_VARIANT_PARAMS(T)) {
+    static_assert(sizeof(T) == 4, "flash_fwd_tf32 runs float32 inputs");
+    using Tr = Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>;
+    if constexpr (TensorCoresTf32<T>::value) {
+        flash_fwd_tc<Tr>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr,
+                         v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal, num_m_blocks,
+                         CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T), win_left, win_right);
+    } else {
+        __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
     }
 }

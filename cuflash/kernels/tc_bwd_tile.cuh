@@ -1,6 +1,5 @@
 // tc_bwd_tile.cuh — the tensor-core backward's traits and the pieces its kernels share
-// (flash_bwd_tc.cu): P and dS on mma fragments, the row statistics' copies, and the two
-// products on either instruction set.
+// (flash_bwd_tc.cu): P and dS on mma fragments, the row statistics' copies, the epilogue.
 //
 // Both kernels give each warp 16 rows of the block ("own" rows: keys in the dK/dV kernel,
 // queries in the dQ kernel) and stream the other operand pair in tiles of TILE_ROWS rows.
@@ -23,17 +22,14 @@
 // with each Q_i tile into shared memory (cp.async, 4 bytes each) and every thread reads
 // those of its columns 8j + 2t, 8j + 2t + 1.
 //
-// Every product is one of two shapes: gemm_own_rows (own A fragments × the rows of a
-// streamed tile: the forward's Q Kᵀ) and gemm_c_tile (C fragments as A × a streamed tile:
-// the forward's P̃ V). For f16/bf16 they are tc_tile.cuh's gemm_qk_tc / gemm_pv_tc
-// (ldmatrix, ldmatrix.trans, m16n8k16 or 2 x m16n8k8); for float32 tf32_tile.cuh's
-// gemm_qk_tf32 / gemm_pv_tf32 (32-bit shared loads, m16n8k8 .tf32, split or one-pass; a C
-// fragment becomes an A fragment with its k index permuted, as in the forward). They read
-// these traits by the forward's names: kQInRegs / kQFrags are the own operands' A
-// fragments (held in registers, or re-read from shared memory at every k step), kSTiles
-// the n-tiles of S (TILE_ROWS / 8), kPVSteps the k steps over the streamed rows, kOTiles
-// the n-tiles of an accumulator (CHUNK_COLS / 8: a block accumulates CHUNK_COLS of the
-// output's columns, HEAD_DIM unless chunked).
+// Every product is one of tc_gemm.cuh's two shapes: gemm_own_rows (own A fragments × the
+// rows of a streamed tile: the forward's Q Kᵀ) and gemm_c_tile (C fragments as A × a
+// streamed tile: the forward's P̃ V), on f16/bf16 or tf32 mma. They read these traits by
+// the forward's names: kQInRegs / kQFrags are the own operands' A fragments (held in
+// registers, or re-read from shared memory at every k step), kSTiles the n-tiles of S
+// (TILE_ROWS / 8), kPVSteps the k steps over the streamed rows, kOTiles the n-tiles of an
+// accumulator (CHUNK_COLS / 8: a block accumulates CHUNK_COLS of the output's columns,
+// HEAD_DIM unless chunked).
 //
 // Shared memory (dynamic, tiles in T, swizzled as in tc_tile.cuh):
 //   own pair     2 x [BLOCK_ROWS][D]            K_j, V_j  |  Q_i, dO_i   (then: the
@@ -45,16 +41,10 @@
 
 #include "common.cuh"
 #include "mma.cuh"
-#include "tc_tile.cuh"
-#include "tf32_tile.cuh"
+#include "tc_gemm.cuh"
 #include "bwd_tile.cuh"
 
 namespace cuflash {
-
-// The own operands' A fragments before the mma: 16-bit pairs as ldmatrix gives them, or
-// float32 values, rounded (split) to tf32 at each mma.
-template <typename T> struct OwnFragment { using type = FragA; };
-template <> struct OwnFragment<float> { using type = Tf32A; };
 
 // T: __half or __nv_bfloat16 (k16 steps), or float (k8 steps of tf32; SPLIT: 3xTF32).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
@@ -105,29 +95,6 @@ struct TcBwdTraits {
     static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
 };
 
-// A streamed tile into its ring slot: tc_tile.cuh's copy_tile_async, unrolled where each
-// thread copies at most 4 chunks (every tile of 4 warps), else as a rolled loop. Unrolled
-// in the main loop, ptxas hoists every chunk's addresses out of it (they are loop-invariant
-// but for the tile's row offset) and keeps them in registers: with 1 or 2 warps, 8-16
-// chunks per thread of a 256-wide tile, that spilled (as tf32_tile.cuh's float tiles).
-template <class Tr, int ROWS, typename T>
-__device__ __forceinline__ void copy_ring_tile_async(T* __restrict__ s, const T* __restrict__ g,
-                                                     long long ld, int row0, int n_rows, int d) {
-    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
-    constexpr int kChunks = ROWS * CPR, NT = Tr::kThreads;
-    if constexpr (kChunks <= 4 * NT) {
-        copy_tile_async<Tr, ROWS>(s, g, ld, row0, n_rows, d);
-    } else {
-#pragma unroll 1
-        for (int i = threadIdx.x; i < kChunks; i += NT) {
-            const int r = i / CPR, c = i % CPR;
-            const bool valid = row0 + r < n_rows && c * C < d;
-            const T* src = valid ? g + (long long)(row0 + r) * ld + c * C : g;
-            cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
-        }
-    }
-}
-
 // Rows [row0, row0 + ROWS) of a contiguous float vector (lse or D of one head) into s by
 // 4-byte cp.async (the rows are not 16-byte aligned); rows >= n_rows are zero-filled.
 template <class Tr, int ROWS>
@@ -137,36 +104,6 @@ __device__ __forceinline__ void copy_stats_async(float* __restrict__ s, const fl
         const bool valid = row0 + i < n_rows;
         cp_async_4(s + i, valid ? g + row0 + i : g, valid);
     }
-}
-
-// The own operands' A fragments into registers, once per block (when kQInRegs).
-template <class Tr, typename T>
-__device__ __forceinline__ void load_own_fragments(typename Tr::OwnFrag (&f)[Tr::kQFrags],
-                                                   const T* sOwn, int warp_row0, int lane) {
-    if constexpr (Tr::kTf32) load_q_fragments_tf32<Tr>(f, sOwn, warp_row0, lane >> 2, lane % 4);
-    else load_q_fragments<Tr>(f, sOwn, warp_row0, lane);
-}
-
-// c += own · rowsᵀ: the warp's 16 own rows (A: f, or sOwn) times the streamed tile's rows.
-template <class Tr, typename T>
-__device__ __forceinline__ void gemm_own_rows(FragC (&c)[Tr::kSTiles],
-                                              const typename Tr::OwnFrag (&f)[Tr::kQFrags],
-                                              const T* sOwn, int warp_row0, const T* sRows,
-                                              int lane) {
-    if constexpr (Tr::kTf32)
-        gemm_qk_tf32<Tr, Tr::kSplit>(c, f, sOwn, warp_row0, sRows, lane >> 2, lane % 4);
-    else gemm_qk_tc<Tr>(c, f, sOwn, warp_row0, sRows, lane);
-}
-
-// acc += c · tile[:, col0 : col0 + CHUNK_COLS]: C fragments (P, dS or their transposes) as
-// A fragments times the streamed tile. A chunk starts on a whole swizzle period (8 chunks of
-// 16 bytes), so its columns are the tile's at sTile + col0: one pointer, rather than
-// col0 in every fragment's address (which ptxas hoisted out of the loop, one register each).
-template <class Tr, typename T>
-__device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const FragC (&c)[Tr::kSTiles],
-                                            const T* sTile, int lane, int col0) {
-    if constexpr (Tr::kTf32) gemm_pv_tf32<Tr, Tr::kSplit>(acc, c, sTile + col0, lane >> 2, lane % 4);
-    else gemm_pv_tc<Tr>(acc, c, sTile + col0, lane);
 }
 
 // One element of Algorithm 2, lines 11-14, on a C-fragment register pair (s, dp):
@@ -221,15 +158,9 @@ __device__ __forceinline__ void store_rows_16b(T* __restrict__ out, long long sr
 #pragma unroll
     for (int j = 0; j < Tr::kOTiles; ++j) {
         const int col = col0 + j * 8 + 2 * t;
-        T* top = s + tile_offset<Tr>(warp_row0 + g, col);
-        T* bottom = s + tile_offset<Tr>(warp_row0 + g + 8, col);
-        if constexpr (Tr::kTf32) {
-            *reinterpret_cast<float2*>(top) = make_float2(acc[j].c0 * factor, acc[j].c1 * factor);
-            *reinterpret_cast<float2*>(bottom) = make_float2(acc[j].c2 * factor, acc[j].c3 * factor);
-        } else {
-            *reinterpret_cast<unsigned*>(top) = pack2<T>(acc[j].c0 * factor, acc[j].c1 * factor);
-            *reinterpret_cast<unsigned*>(bottom) = pack2<T>(acc[j].c2 * factor, acc[j].c3 * factor);
-        }
+        store_pair(s + tile_offset<Tr>(warp_row0 + g, col), acc[j].c0 * factor, acc[j].c1 * factor);
+        store_pair(s + tile_offset<Tr>(warp_row0 + g + 8, col), acc[j].c2 * factor,
+                   acc[j].c3 * factor);
     }
     __syncwarp();
     constexpr int CPR = Tr::kChunkCols / Tr::kChunkElems, C = Tr::kChunkElems;

@@ -43,6 +43,9 @@ struct TcTileTraits {
     static constexpr int kOTiles = HEAD_DIM / 8;       // n-tiles of O
     static constexpr bool kQInRegs = HEAD_DIM <= 128;  // Q_i's A fragments held in registers
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
+    static constexpr bool kTf32 = false;               // 16-bit operands (tf32_tile.cuh: float)
+    static constexpr bool kSplit = false;
+    using OwnFrag = FragA;                             // Q_i's fragments: ldmatrix'd pairs
     static constexpr int kSmemQ = BLOCK_M * HEAD_DIM;            // elements
     static constexpr int kSmemK = STAGES * BLOCK_N * HEAD_DIM;
     static constexpr int kSmemV = STAGES * BLOCK_N * HEAD_DIM;
@@ -73,23 +76,33 @@ template <class Tr> __device__ __forceinline__ int tile_offset(int row, int col)
 // Rows [row0, row0 + ROWS) x columns [0, D) of a (rows x d) matrix with row stride `ld`
 // (16-byte aligned rows) into the swizzled tile s, by cp.async in 16-byte chunks:
 // consecutive threads take consecutive chunks of a row (coalesced). Rows >= n_rows and
-// chunks at columns >= d (d a multiple of 8) are zero-filled (src-size 0), so padded
-// head-dim columns add nothing to Q Kᵀ and padded keys give P̃ V finite zeros.
+// chunks at columns >= d (d a multiple of the chunk) are zero-filled (src-size 0), so
+// padded head-dim columns add nothing to Q Kᵀ and padded keys give P̃ V finite zeros.
+// Unrolled where each thread copies at most 4 chunks, else a rolled loop: unrolled, ptxas
+// hoists every chunk's addresses out of the main loop (they are loop-invariant but for the
+// tile's row offset) and keeps them in registers, which spilled with 8–32 chunks per
+// thread (1–2 warps, 256-wide or float tiles).
 template <class Tr, int ROWS, typename T>
 __device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __restrict__ g,
                                                 long long ld, int row0, int n_rows, int d) {
     constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
     constexpr int kChunks = ROWS * CPR, NT = Tr::kThreads;
+    auto copy_chunk = [&](int i) {
+        const int r = i / CPR, c = i % CPR;
+        const bool valid = row0 + r < n_rows && c * C < d;
+        // a zero-filled chunk still names a valid address (the matrix's first element)
+        const T* src = valid ? g + (long long)(row0 + r) * ld + c * C : g;
+        cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
+    };
+    if constexpr (kChunks <= 4 * NT) {
 #pragma unroll
-    for (int it = 0; it < (kChunks + NT - 1) / NT; ++it) {
-        const int i = threadIdx.x + it * NT;
-        if (kChunks % NT == 0 || i < kChunks) {
-            const int r = i / CPR, c = i % CPR;
-            const bool valid = row0 + r < n_rows && c * C < d;
-            // a zero-filled chunk still names a valid address (the matrix's first element)
-            const T* src = valid ? g + (long long)(row0 + r) * ld + c * C : g;
-            cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
+        for (int it = 0; it < (kChunks + NT - 1) / NT; ++it) {
+            const int i = threadIdx.x + it * NT;
+            if (kChunks % NT == 0 || i < kChunks) copy_chunk(i);
         }
+    } else {
+#pragma unroll 1
+        for (int i = threadIdx.x; i < kChunks; i += NT) copy_chunk(i);
     }
 }
 

@@ -1,5 +1,6 @@
-// tf32_tile.cuh — the float32 tensor-core forward's traits, fragment loads and products
-// (flash_fwd_tf32.cu): split tf32 (3xTF32, about fp32 accuracy) or one-pass tf32.
+// tf32_tile.cuh — float32 on tensor cores: the forward's traits (flash_fwd_tf32_kernel in
+// flash_fwd_tc.cu), and the fragment loads and products of every float32 kernel (through
+// tc_gemm.cuh): split tf32 (3xTF32, about fp32 accuracy) or one-pass tf32.
 //
 // The layout of tc_tile.cuh with 4-byte elements: warp w owns query rows 16w..16w+15,
 // S and O live in m16n8 C fragments, the online softmax runs on them unchanged
@@ -35,6 +36,10 @@
 
 namespace cuflash {
 
+// An fp32 operand fragment before rounding, in the m16n8k8 .tf32 layout (mma.cuh).
+struct Tf32A { float x0, x1, x2, x3; };   // A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]
+struct Tf32B { float x0, x1; };           // B[k0][g], B[k1][g] (k0, k1: see the loaders)
+
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
 struct Tf32TileTraits {
     static constexpr int kHeadDim = HEAD_DIM;
@@ -55,6 +60,8 @@ struct Tf32TileTraits {
     // memory, one k8 step at a time (a rolled loop).
     static constexpr bool kQInRegs = HEAD_DIM <= 64 && !SPLIT;
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
+    static constexpr bool kTf32 = true;
+    using OwnFrag = Tf32A;                             // Q_i's fp32 values, rounded per mma
     static constexpr int kSmemQ = BLOCK_M * HEAD_DIM;            // floats
     static constexpr int kSmemK = STAGES * BLOCK_N * HEAD_DIM;
     static constexpr int kSmemV = STAGES * BLOCK_N * HEAD_DIM;
@@ -66,30 +73,6 @@ struct Tf32TileTraits {
     static_assert(STAGES >= 2, "the cp.async pipeline needs at least two stages to overlap copy and math");
     static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
 };
-
-// Rows [row0, row0 + ROWS) x columns [0, D) into the swizzled float tile s: tc_tile.cuh's
-// copy_tile_async (16-byte cp.async, zero-fill past n_rows and d; d a multiple of 4), but
-// as a rolled loop: unrolled, ptxas hoists every chunk's addresses out of the main loop
-// (they are loop-invariant but for the tile's row offset) and keeps them in registers,
-// which with float tiles (twice the chunks per row) spilled.
-template <class Tr, int ROWS>
-__device__ __forceinline__ void copy_tile_async_rolled(float* __restrict__ s, const float* __restrict__ gm,
-                                                       long long ld, int row0, int n_rows, int d) {
-    constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
-    constexpr int kChunks = ROWS * CPR, NT = Tr::kThreads;
-#pragma unroll 1
-    for (int i = threadIdx.x; i < kChunks; i += NT) {
-        const int r = i / CPR, c = i % CPR;
-        const bool valid = row0 + r < n_rows && c * C < d;
-        // a zero-filled chunk still names a valid address (the matrix's first element)
-        const float* src = valid ? gm + (long long)(row0 + r) * ld + c * C : gm;
-        cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
-    }
-}
-
-// An fp32 operand fragment before rounding, in the m16n8k8 .tf32 layout (mma.cuh).
-struct Tf32A { float x0, x1, x2, x3; };   // A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]
-struct Tf32B { float x0, x1; };           // B[k0][g], B[k1][g] (k0, k1: see the loaders)
 
 // A fragment rounded to tf32: hi, and with SPLIT the remainder lo = tf32(x − hi).
 struct SplitA { FragA hi, lo; };
