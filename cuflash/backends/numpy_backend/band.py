@@ -53,10 +53,12 @@ def batches(runs, G, budget):
     return out
 
 
-def windows(x, n, shift, size):
-    """Read-only view (n, size, …) of x: window i = x[i·shift : i·shift + size]."""
+def windows(x, n, shift, size, axis=0):
+    """Read-only view of x with n windows along `axis`, window i = x[…, i·shift :
+    i·shift + size, …], the window index first: (n, …, size, …)."""
     s = x.strides
-    return as_strided(x, (n, size) + x.shape[1:], (shift * s[0],) + s, writeable=False)
+    return as_strided(x, (n,) + x.shape[:axis] + (size,) + x.shape[axis + 1:],
+                      (shift * s[axis],) + s, writeable=False)
 
 
 def diagonal_windows(x, n, shift, rows, cols):

@@ -27,7 +27,7 @@ import numpy as np
 
 from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
-from .arrays import as_dtype
+from .arrays import Scratch, as_dtype
 from .band import batches, diagonal_windows, runs, windows
 from .pool import run_tasks
 from .schedule import NEG_INF
@@ -35,16 +35,13 @@ from .schedule import NEG_INF
 # Rows (per query head) and keys of a score tile. Smaller than the default forward's: the
 # chain adds several passes per tile, and a window's band is visited in these steps.
 _ROWS, _KEYS, _WINDOW_BLOCK = 128, 256, 128
-# Rows (per query head) of a forward tile under a band: its span of keys is these rows
-# plus the band's width, so fewer rows compute fewer hidden scores, until the matmuls'
+# Rows (per query head) of a Q tile, keys of a K/V tile under a band: its span across is
+# these plus the band's width, so fewer compute fewer hidden scores, until the matmuls'
 # few rows cost more per score than they save (see _tile_sizes).
-_BAND_ROWS = 32
+_BAND_BLOCK = 32
 # Scores of one run of band tiles, and of one task's batch of runs (all heads). 1 MB of
 # float32 measured 5% less CPU time than 512 KB: fewer tasks, each a few GIL hand-overs.
 _RUN_SCORES = 1 << 18
-# The widest band a K/V tile takes whole across (its rows): a 128 × 1024 float32 tile is
-# 512 KB, in L2 with its exp.
-_BAND_SPAN = 1024
 
 
 def _bounds(Nq, Nk, causal, window):
@@ -176,25 +173,25 @@ class ScoreChain:
 def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
     """(Br rows per query head, Bc keys) of a score tile.
 
-    Under a band (a window bounded on both sides, or on the left with causal) a Q tile
-    is _BAND_ROWS rows and, across, the whole span they reach (Br + L + R keys), one
-    step, while a tile's G heads fit a run (_RUN_SCORES): the scores computed are the
-    band's and a parallelogram's corners, (Br + L + R)/(L + R + 1) of the band, and the
-    tiles between the sequence's ends run in batches (band.runs), which pay the fixed
-    cost of a step once for many tiles. At N = 8192, window 256, d = 64 (2 shared cores,
-    CPU time, medians of interleaved runs) 32 rows took 0.94× the time of 16 and of 64.
-    A K/V tile (the backward) is _WINDOW_BLOCK keys and its band's whole span of rows,
-    while that is at most _BAND_SPAN. Wider bands take _WINDOW_BLOCK steps across, so
-    that few hidden scores are computed."""
+    Under a band (a window bounded on both sides, or on the left with causal) a tile is
+    _BAND_BLOCK on the loop's own axis (rows of a Q tile, keys of a K/V tile) and, across,
+    the whole span they reach (Br + L + R keys, Bc + L + R rows), one step, while a
+    tile's G heads fit a run (_RUN_SCORES): the scores computed are the band's and a
+    parallelogram's corners, (_BAND_BLOCK + L + R)/(L + R + 1) of the band, and the tiles
+    between the sequence's ends run in batches (band.runs), which pay the fixed cost of
+    a step once for many tiles. At N = 8192, window 256, d = 64 (2 shared cores, CPU
+    time, medians of interleaved runs) the forward took 0.85× the time with 32 rows as
+    with 16 and 0.97× as with 64 (64 was 4% faster at windows of 1024 and 2048). Wider
+    bands take _WINDOW_BLOCK steps across, so that few hidden scores are computed."""
     rows = max(1, min(Nq, _ROWS // G if G <= _ROWS else 1))
     keys = min(Nk, _KEYS)
     if window is not None and window[0] >= 0 and (window[1] >= 0 or causal):
         L, R = _bounds(Nq, Nk, causal, window)
-        if outer == "q" and G * _BAND_ROWS * (_BAND_ROWS + L + R) <= _RUN_SCORES:
-            return min(Nq, _BAND_ROWS), min(Nk, _BAND_ROWS + L + R)
+        if G * _BAND_BLOCK * (_BAND_BLOCK + L + R) <= _RUN_SCORES:
+            span = _BAND_BLOCK + L + R
+            return ((min(Nq, _BAND_BLOCK), min(Nk, span)) if outer == "q"
+                    else (min(Nq, span), min(Nk, _BAND_BLOCK)))
         rows, keys = min(rows, _WINDOW_BLOCK), min(keys, _WINDOW_BLOCK)
-        if outer == "k" and G * (keys + L + R) <= _BAND_SPAN:  # G heads' rows
-            rows = min(Nq, keys + L + R)
     return rows, keys
 
 
@@ -294,9 +291,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     if return_dbias:
         dbias = np.zeros(var.bias.shape, acc_t)
         bias_lock = threading.Lock()
-    sched = list(variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=var.window,
-                                  outer="k"))
-    tasks = [(bh, c0, c1, steps) for bh in range(BH) for (c0, c1, steps) in sched]
+    sched = runs(variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=var.window,
+                                  outer="k"), G, _RUN_SCORES)
+    tasks = [(bh, batch) for bh in range(BH) for batch in batches(sched, G, _RUN_SCORES)]
     local = threading.local()
     dq_parts, parts_lock = [], threading.Lock()
 
@@ -317,41 +314,53 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
             target += red
 
     def run(task):
-        bh, c0, c1, steps = task
+        bh, batch = task
+        for c0, bc, n, steps in batch:
+            run_blocks(bh, c0, bc, n, steps)
+
+    def run_blocks(bh, c0, bc, n, steps):
+        """n K/V blocks of bc keys from key c0, block i shifted by i·bc rows."""
         if not steps:
             return
         if not hasattr(local, "dq"):
             local.dq = np.zeros((B, Hq, Nq, d), acc_t)
+            local.dQ = Scratch(acc_t)          # a step's dQ, before its blocks are added
             with parts_lock:
                 dq_parts.append(local.dq)
         b, hs = chain.heads(bh)
         hkv = bh % Hkv
-        K_j = as_dtype(k[b, hkv, c0:c1], acc_t)
-        V_j = as_dtype(v[b, hkv, c0:c1], acc_t)
-        dK_j = np.zeros((c1 - c0, d), acc_t)
-        dV_j = np.zeros((c1 - c0, d), acc_t)
+        c1 = c0 + n * bc
+        K_j = as_dtype(k[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
+        V_j = as_dtype(v[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
+        dK_j = np.zeros((n, bc, d), acc_t)
+        dV_j = np.zeros((n, bc, d), acc_t)
         for r0, r1, pred in steps:
-            Q_i = np.multiply(q[b, hs, r0:r1], sc, dtype=acc_t)      # (G, br, d), scaled
-            dO_i = as_dtype(do[b, hs, r0:r1], acc_t)
-            S, T = chain.apply((Q_i @ K_j.T)[None], bh, r0, c0, pred, 0)
-            S, T = S[0], None if T is None else T[0]
-            P = np.exp(S - Ls[b, hs, r0:r1, None])                   # P = exp(S − lse)
-            Z = chain.keep(bh, r0, c0, 1, 0, r1 - r0, c1 - c0)
-            Z = None if Z is None else Z[0]
+            h, rows = r1 - r0, slice(r0, r0 + (n - 1) * bc + r1 - r0)   # the n blocks' rows
+            Q_i = windows(np.multiply(q[b, hs, rows], sc, dtype=acc_t), n, bc, h, axis=1)
+            dO_i = windows(as_dtype(do[b, hs, rows], acc_t), n, bc, h, axis=1)  # (n, G, h, d)
+            S, T = chain.apply(Q_i @ K_j.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc)
+            Ls_i = windows(Ls[b, hs, rows], n, bc, h, axis=1)
+            P = np.exp(np.subtract(S, Ls_i[..., None], out=S), out=S)  # P = exp(S − lse), in place
+            Z = chain.keep(bh, r0, c0, n, bc, h, bc)
             Pd = P if Z is None else P * Z
-            dV_j += np.einsum("gik,gid->kd", Pd, dO_i)               # dV_j += (P ∘ Z)ᵀ dO_i
-            dP = dO_i @ V_j.T                                        # dP = dO_i V_jᵀ (∘ Z)
+            dV_j += (Pd.transpose(0, 1, 3, 2) @ dO_i).sum(axis=1)   # dV_j += (P ∘ Z)ᵀ dO_i
+            dS = dO_i @ V_j.transpose(0, 1, 3, 2)                    # dP = dO_i V_jᵀ (∘ Z)
             if Z is not None:
-                dP *= Z
-            dS = P * (dP - D[b, hs, r0:r1, None])                    # dS = P ∘ (dP − D)
+                dS *= Z
+            dS -= windows(D[b, hs, rows], n, bc, h, axis=1)[..., None]
+            dS *= P                                                  # dS = P ∘ (dP − D)
             if dbias is not None:
-                add_dbias(dS, b, hs, r0, r1, c0, c1)
+                for i in range(n):
+                    add_dbias(dS[i], b, hs, r0 + i * bc, r1 + i * bc, c0 + i * bc,
+                              c0 + (i + 1) * bc)
             if T is not None:
                 dS *= 1 - T * T                                      # through the softcap
-            dK_j += np.einsum("gik,gid->kd", dS, Q_i)                # dK_j += dSᵀ (scale·Q_i)
-            local.dq[b, hs, r0:r1] += dS @ K_j                       # dQ_i += dS K_j
-        dk[b, hkv, c0:c1] = dK_j
-        dv[b, hkv, c0:c1] = dV_j
+            dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (scale·Q_i)
+            dQ = np.matmul(dS, K_j, out=local.dQ.get(Q_i.shape))     # dQ_i += dS K_j
+            for i in range(n):                                       # (the blocks' rows overlap)
+                local.dq[b, hs, r0 + i * bc:r1 + i * bc] += dQ[i]
+        dk[b, hkv, c0:c1] = dK_j.reshape(n * bc, d)
+        dv[b, hkv, c0:c1] = dV_j.reshape(n * bc, d)
 
     run_tasks(run, tasks, config.workers)
     dq = np.zeros((B, Hq, Nq, d), acc_t)
