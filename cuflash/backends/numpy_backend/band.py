@@ -1,12 +1,13 @@
 """A band's tiles in runs: consecutive tiles of one shape on one diagonal, computed at once.
 
 Under a window every Q tile of Br rows away from the sequence's ends is one step over the
-same span of keys, shifted by Br keys from the tile before. A run stacks n such tiles
-into one array (n, G·Br, span): its keys are n overlapping windows of K, strided views of
-K's own memory, so one batched matmul (and one NumPy call per softmax pass) serves n
-tiles. A tile's NumPy calls, not its scores, are what small tiles cost; in runs a band
-can take tiles of a few rows, whose span Br + w is near the band's own w. Pool tasks
-take batches of runs, so the tiles the sequence's ends clip share one task.
+same span of keys, shifted by Br keys from the tile before (and every K/V tile of Bc keys
+one step over the same span of rows, shifted by Bc rows). A run stacks n such tiles into
+one array, (n, G·Br, span) in the forward: its keys are n overlapping windows of K,
+strided views of K's own memory, so one batched matmul (and one NumPy call per softmax
+pass) serves n tiles. A tile's NumPy calls, not its scores, are what small tiles cost; in
+runs a band can take tiles of a few rows, whose span Br + w is near the band's own w.
+Pool tasks take batches of runs, so the tiles the sequence's ends clip share one task.
 """
 from numpy.lib.stride_tricks import as_strided
 

@@ -8,12 +8,14 @@ with the score chain of `cuflash.variants` applied to every score tile:
 
 The default forward's frozen max needs |S| bounded by the norms of Q and K (Cauchy–
 Schwarz), which a bias or ALiBi breaks, so the variants run the running max throughout.
-Each pool task is one Q tile (forward) or one K/V tile (backward) of one K/V head and its
-G query heads; the block schedule (`variant_schedule`) visits only the blocks the causal
-and window bands reach, a band's whole span in one step per tile (`_tile_sizes`): at
-N = 8192 with a causal window of 256 keys (3.1% of the square), 4.6% of the scores, in
-5.5% of the full square's time (the rest: the band's mask pass and each tile's fixed
-cost; CPU time, medians of interleaved runs on 2 shared cores, bench_variants.py).
+The block schedule (`variant_schedule`) visits only the blocks the causal and window
+bands reach, a band's whole span in one step per tile (`_tile_sizes`); a band's tiles
+between the sequence's ends run many at once (`band.runs`: one NumPy call per pass for
+all of them), and each pool task takes a batch of tiles of one K/V head and its G query
+heads (Q tiles forward, K/V tiles backward). At N = 8192 with a causal window of 256 keys
+(3.1% of the square) the forward's 32-row tiles compute 3.5% of the scores, in 3.4–3.5%
+of the full square's CPU time (the same loops; medians of interleaved runs on 2 shared
+cores, bench_variants.py); the rest of the gap to the band is the tiles' corners.
 
 bias and mask are read tile by tile from their compact 4-D form (a size-1 axis
 broadcast as a stride-0 view): nothing of size Nq × Nk is made. dbias is summed in one
@@ -40,7 +42,7 @@ _ROWS, _KEYS, _WINDOW_BLOCK = 128, 256, 128
 # few rows cost more per score than they save (see _tile_sizes).
 _BAND_BLOCK = 32
 # Scores of one run of band tiles, and of one task's batch of runs (all heads). 1 MB of
-# float32 measured 5% less CPU time than 512 KB: fewer tasks, each a few GIL hand-overs.
+# float32 measured 3–10% less CPU time than 512 KB: fewer tasks, each a few GIL hand-overs.
 _RUN_SCORES = 1 << 18
 
 
@@ -180,9 +182,11 @@ def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
     parallelogram's corners, (_BAND_BLOCK + L + R)/(L + R + 1) of the band, and the tiles
     between the sequence's ends run in batches (band.runs), which pay the fixed cost of
     a step once for many tiles. At N = 8192, window 256, d = 64 (2 shared cores, CPU
-    time, medians of interleaved runs) the forward took 0.85× the time with 32 rows as
-    with 16 and 0.97× as with 64 (64 was 4% faster at windows of 1024 and 2048). Wider
-    bands take _WINDOW_BLOCK steps across, so that few hidden scores are computed."""
+    time, medians of interleaved runs) the forward took 0.88× the time with 32 rows as
+    with 16 (whose matmuls are slower per score), 0.97× as with 64, and 24 about the
+    same; 64 was 3–7% faster at windows of 1024 and 2048. The backward's K/V tiles: 32
+    keys took 0.72–0.87× the time of 16, 64 the same. Wider bands take _WINDOW_BLOCK
+    steps across, so that few hidden scores are computed."""
     rows = max(1, min(Nq, _ROWS // G if G <= _ROWS else 1))
     keys = min(Nk, _KEYS)
     if window is not None and window[0] >= 0 and (window[1] >= 0 or causal):
@@ -195,6 +199,16 @@ def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
     return rows, keys
 
 
+# A pure function of its arguments, and calls of one shape repeat (layers, steps): made
+# once per shape instead of a Python pass over every tile per call (~0.9 ms at N = 8192,
+# window 256, 32-row tiles: 4% of the forward's CPU time).
+@functools.lru_cache(maxsize=64)
+def _task_batches(Nq, Nk, Br, Bc, G, causal, window, outer, budget):
+    """The pool tasks of one K/V head: batches of runs of the variant schedule's tiles."""
+    sched = variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=window, outer=outer)
+    return batches(runs(sched, G, budget), G, budget)
+
+
 def forward(q, k, v, causal, scale, config, var):
     """o, lse for q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) with the variants `var`."""
     B, Hq, Nq, d = q.shape
@@ -205,9 +219,9 @@ def forward(q, k, v, causal, scale, config, var):
     Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window)
     o = np.empty((B, Hq, Nq, d), q.dtype)
     lse = np.empty((B, Hq, Nq), lse_dtype(q.dtype))
-    sched = runs(variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=var.window), G,
-                 _RUN_SCORES)
-    tasks = [(bh, batch) for bh in range(BH) for batch in batches(sched, G, _RUN_SCORES)]
+    tasks = [(bh, batch) for bh in range(BH)
+             for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "q",
+                                        _RUN_SCORES)]
     sc = acc_t.type(scale)
 
     def run(task):
@@ -291,9 +305,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     if return_dbias:
         dbias = np.zeros(var.bias.shape, acc_t)
         bias_lock = threading.Lock()
-    sched = runs(variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=var.window,
-                                  outer="k"), G, _RUN_SCORES)
-    tasks = [(bh, batch) for bh in range(BH) for batch in batches(sched, G, _RUN_SCORES)]
+    tasks = [(bh, batch) for bh in range(BH)
+             for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "k",
+                                        _RUN_SCORES)]
     local = threading.local()
     dq_parts, parts_lock = [], threading.Lock()
 
