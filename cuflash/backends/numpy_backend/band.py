@@ -57,6 +57,8 @@ def batches(runs, G, budget):
 def windows(x, n, shift, size, axis=0):
     """Read-only view of x with n windows along `axis`, window i = x[…, i·shift :
     i·shift + size, …], the window index first: (n, …, size, …)."""
+    if n == 1:  # a slice: as_strided takes ~7 µs, a tenth of a small step's time
+        return x[(slice(None),) * axis + (slice(0, size),)][None]
     s = x.strides
     return as_strided(x, (n,) + x.shape[:axis] + (size,) + x.shape[axis + 1:],
                       (shift * s[axis],) + s, writeable=False)
@@ -65,6 +67,8 @@ def windows(x, n, shift, size, axis=0):
 def diagonal_windows(x, n, shift, rows, cols):
     """Read-only view (n, …, rows, cols) of x (…, rows', cols'): block i = x[…, i·shift
     : i·shift + rows, i·shift : i·shift + cols] (a bias or mask under a run's blocks)."""
+    if n == 1:
+        return x[..., :rows, :cols][None]
     s = x.strides
     return as_strided(x, (n,) + x.shape[:-2] + (rows, cols),
                       (shift * (s[-2] + s[-1]),) + s, writeable=False)
