@@ -242,38 +242,39 @@ def forward(q, k, v, causal, scale, config, var):
         Q = np.empty((n, G, br, d), acc_t)
         np.multiply(q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3), sc, out=Q)
         Q = Q.reshape(n, G * br, d)
+        kh, vh = k[b, hkv], v[b, hkv]
         m_i = l_i = acc = None
         for c0, c1, pred in steps:
-            keys = slice(c0, c0 + (n - 1) * br + c1 - c0)    # the n blocks' keys
-            K_j = windows(as_dtype(k[b, hkv, keys], acc_t), n, br, c1 - c0)
-            V_j = windows(as_dtype(v[b, hkv, keys], acc_t), n, br, c1 - c0)
+            span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
+            K_j = windows(as_dtype(kh[keys], acc_t), n, br, span)
+            V_j = windows(as_dtype(vh[keys], acc_t), n, br, span)
             # -- compute qk, then the chain: S = softcap(scale·Q Kᵀ) + ALiBi + bias, masked
-            S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, c1 - c0)
-            S, _ = chain.apply(S, bh, r0, c0, pred, br)
+            S, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh, r0,
+                               c0, pred, br)
+            S = S.reshape(n, G * br, span)
             # -- update m_i and l_i (the guard: −inf − (−inf) would be NaN)
             m_new = S.max(axis=-1) if m_i is None else np.maximum(m_i, S.max(axis=-1))
             m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
             P = np.exp(np.subtract(S, m_safe[..., None], out=S), out=S)  # P̃ = exp(S − m_i), in place
             l_step = P.sum(axis=-1)                                  # ℓ on the undropped P̃
-            Z = chain.keep(bh, r0, c0, n, br, br, c1 - c0)
+            Z = chain.keep(bh, r0, c0, n, br, br, span)
             if Z is not None:
-                P *= Z                                               # dropout: P̃ ∘ keep/(1 − p)
-            PV = (P.reshape(n, G * br, c1 - c0) @ V_j).reshape(n, G, br, d)
+                P *= Z.reshape(P.shape)                              # dropout: P̃ ∘ keep/(1 − p)
             if m_i is None:                                          # first step: nothing to rescale
-                l_i, acc = l_step, PV
+                l_i, acc = l_step, P @ V_j
             else:
                 alpha = np.exp(m_i - m_safe)
                 l_i = alpha * l_i + l_step
-                acc = alpha[..., None] * acc + PV                    # acc = α acc + P̃ V_j
+                acc = alpha[..., None] * acc + P @ V_j               # acc = α acc + P̃ V_j
             m_i = m_new
         # -- finalize: O = acc / ℓ, lse = m + log ℓ (a row that saw no key: 0 and −inf)
         seen = l_i > 0
         l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
         acc /= l_div[..., None]
-        o[b, hs, r0:r1] = acc.transpose(1, 0, 2, 3).reshape(G, n * br, d)
+        o[b, hs, r0:r1] = acc.reshape(n, G, br, d).transpose(1, 0, 2, 3).reshape(G, n * br, d)
         L = np.where(seen, m_i + np.log(l_div), NEG_INF)
         L[np.isnan(l_i)] = np.nan
-        lse[b, hs, r0:r1] = L.transpose(1, 0, 2).reshape(G, n * br)
+        lse[b, hs, r0:r1] = L.reshape(n, G, br).transpose(1, 0, 2).reshape(G, n * br)
 
     run_tasks(run, tasks, config.workers)
     return o, lse
