@@ -13,7 +13,7 @@ bands reach, a band's whole span in one step per tile (`_tile_sizes`); a band's 
 between the sequence's ends run many at once (`band.runs`: one NumPy call per pass for
 all of them), and each pool task takes a batch of tiles of one K/V head and its G query
 heads (Q tiles forward, K/V tiles backward). At N = 8192 with a causal window of 256 keys
-(3.1% of the square) the forward's 32-row tiles compute 3.5% of the scores, in 3.4–3.5%
+(3.1% of the square) the forward's 32-row tiles compute 3.5% of the scores, in 3.4–3.9%
 of the full square's CPU time (the same loops; medians of interleaved runs on 2 shared
 cores, bench_variants.py); the rest of the gap to the band is the tiles' corners.
 
