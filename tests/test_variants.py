@@ -475,14 +475,21 @@ def test_window_edges_on_tile_boundaries(backend):
                                            err_msg=f"{window} {causal} {algorithm}")
 
 
-@pytest.mark.parametrize("span", [0, 1024], ids=["band-in-steps", "band-whole"])
+@pytest.mark.parametrize("whole", [False, True], ids=["band-in-steps", "band-whole"])
 @pytest.mark.parametrize("window, causal", [((40, -1), True), ((9, 30), False), ((33, 0), False)])
-def test_numpy_band_tiles(monkeypatch, span, window, causal):
+def test_numpy_band_tiles(monkeypatch, whole, window, causal):
     """The NumPy variant loops take a band's whole span in one tile across (Q tiles: keys,
-    K/V tiles: rows) or in 128-wide steps when it is wider than _BAND_SPAN: both give the
-    reference's output and gradients, GQA, Nq ≠ Nk, over several tiles."""
+    K/V tiles: rows) or in _WINDOW_BLOCK steps when it is wider than a run (_RUN_SCORES):
+    both give the reference's output and gradients, GQA, Nq ≠ Nk, over several tiles (in
+    steps: of 32, several per tile)."""
     from cuflash.backends.numpy_backend import variants as loops
-    monkeypatch.setattr(loops, "_BAND_SPAN", span)
+    if not whole:
+        monkeypatch.setattr(loops, "_RUN_SCORES", 0)
+        monkeypatch.setattr(loops, "_WINDOW_BLOCK", 32)
+        for outer in ("q", "k"):
+            Br, Bc = loops._tile_sizes(290, 310, 2, causal, window, outer=outer)
+            assert max(len(steps) for _, _, steps in loops.variant_schedule(
+                290, 310, Br, Bc, causal=causal, window=window, outer=outer)) > 1
     rng = np.random.default_rng(16)
     q, do = rand(rng, (1, 2, 290, 8)), rand(rng, (1, 2, 290, 8))
     k, v = rand(rng, (1, 1, 310, 8)), rand(rng, (1, 1, 310, 8))
@@ -499,9 +506,9 @@ def test_numpy_band_tiles(monkeypatch, span, window, causal):
 
 @pytest.mark.parametrize("outer", ["q", "k"])
 def test_numpy_band_is_one_step_per_tile(outer):
-    """N = 8192, causal window of 256 keys: each 128-block of the loop's axis is one step
-    across the band's whole span (384), so the scores computed are the band's
-    parallelogram, 4.7% of the square (the band itself: 3.1%)."""
+    """N = 8192, causal window of 256 keys: each block of 32 on the loop's axis (Q rows,
+    K/V keys) is one step across the band's whole span, so the scores computed are the
+    band's parallelogram: (32 + 256)/N = 3.5% of the square (the band itself: 3.1%)."""
     from cuflash.backends.numpy_backend import variants as loops
     n, window = 8192, (256, 0)
     Br, Bc = loops._tile_sizes(n, n, 1, True, window, outer=outer)
@@ -509,7 +516,44 @@ def test_numpy_band_is_one_step_per_tile(outer):
                                         outer=outer))
     assert all(len(steps) == 1 for _, _, steps in sched)
     computed = sum((a1 - a0) * (c1 - c0) for a0, a1, steps in sched for c0, c1, _ in steps)
-    assert computed / n**2 < (128 + 256) / n
+    assert computed / n**2 <= (32 + 256) / n
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 100, 130), (4, 1, 130), (100, 1)],
+                         ids=["per-head", "query-broadcast", "key-broadcast"])
+@pytest.mark.parametrize("window, causal", [((20, 5), False), ((24, -1), True)])
+def test_numpy_band_runs(monkeypatch, window, causal, bias_shape):
+    """Band tiles computed in runs (one batched step for several tiles, each shifted along
+    the diagonal, band.runs) and batched into tasks with the clipped tiles at the ends,
+    forward (Q tiles) and backward (K/V tiles, whose rows overlap in dQ): every variant
+    of the chain (bias and mask read as strided blocks, ALiBi, softcap, dropout drawn
+    per block) against the reference, dbias summed over broadcast axes, GQA, Nq ≠ Nk."""
+    from cuflash.backends.numpy_backend import band, variants as loops
+    monkeypatch.setattr(loops, "_BAND_BLOCK", 8)
+    monkeypatch.setattr(loops, "_RUN_SCORES", 2 * 8 * 33 * 5)   # 5 blocks of 2 heads
+    rng = np.random.default_rng(17)
+    q, k, v = rand(rng, (1, 4, 100, 8)), rand(rng, (1, 2, 130, 8)), rand(rng, (1, 2, 130, 8))
+    do = rand(rng, q.shape)
+    opts = make_options(rng, ["softcap", "alibi", "dropout"], (1, 4, 100, 8), 130)
+    opts.update(window=window, causal=causal, bias=rand(rng, bias_shape),
+                mask=rng.random((1, 4, 100, 130)) > 0.2)
+    for outer in ("q", "k"):
+        Br, Bc = loops._tile_sizes(100, 130, 2, causal, window, outer=outer)
+        runs = band.runs(loops.variant_schedule(100, 130, Br, Bc, causal=causal,
+                                                window=window, outer=outer),
+                         2, loops._RUN_SCORES)
+        assert (Br if outer == "q" else Bc) == 8
+        assert max(n for _, _, n, _ in runs) == 5          # several runs of several tiles
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    ref_o, ref_lse = reference.naive_attention(q, k, v, return_lse=True, **opts)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-10, atol=1e-12)
+    assert_lse_close(lse, ref_lse, 1e-10)
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="numpy",
+                                             return_dbias=True, **opts)
+    refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, return_dbias=True,
+                                        **opts)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, refs):
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
 
 
 # -- the kernel backward with variants: dbias's layouts, chunks, checked mode ------------

@@ -8,12 +8,14 @@ with the score chain of `cuflash.variants` applied to every score tile:
 
 The default forward's frozen max needs |S| bounded by the norms of Q and K (Cauchy–
 Schwarz), which a bias or ALiBi breaks, so the variants run the running max throughout.
-Each pool task is one Q tile (forward) or one K/V tile (backward) of one K/V head and its
-G query heads; the block schedule (`variant_schedule`) visits only the blocks the causal
-and window bands reach, a band's whole span in one step per tile (`_tile_sizes`): at
-N = 8192 with a causal window of 256 keys (3.1% of the square), 4.6% of the scores, in
-5.5% of the full square's time (the rest: the band's mask pass and each tile's fixed
-cost; CPU time, medians of interleaved runs on 2 shared cores, bench_variants.py).
+The block schedule (`variant_schedule`) visits only the blocks the causal and window
+bands reach, a band's whole span in one step per tile (`_tile_sizes`); a band's tiles
+between the sequence's ends run many at once (`band.runs`: one NumPy call per pass for
+all of them), and each pool task takes a batch of tiles of one K/V head and its G query
+heads (Q tiles forward, K/V tiles backward). At N = 8192 with a causal window of 256 keys
+(3.1% of the square) the forward's 32-row tiles compute 3.5% of the scores, in 3.4–3.9%
+of the full square's CPU time (the same loops; medians of interleaved runs on 2 shared
+cores, bench_variants.py); the rest of the gap to the band is the tiles' corners.
 
 bias and mask are read tile by tile from their compact 4-D form (a size-1 axis
 broadcast as a stride-0 view): nothing of size Nq × Nk is made. dbias is summed in one
@@ -27,16 +29,21 @@ import numpy as np
 
 from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
-from .arrays import as_dtype
+from .arrays import Scratch, as_dtype
+from .band import batches, diagonal_windows, runs, windows
 from .pool import run_tasks
 from .schedule import NEG_INF
 
 # Rows (per query head) and keys of a score tile. Smaller than the default forward's: the
 # chain adds several passes per tile, and a window's band is visited in these steps.
 _ROWS, _KEYS, _WINDOW_BLOCK = 128, 256, 128
-# The widest band a tile takes whole across (keys of a Q tile, rows of a K/V tile): a
-# 128 × 1024 float32 tile is 512 KB, in L2 with its exp.
-_BAND_SPAN = 1024
+# Rows (per query head) of a Q tile, keys of a K/V tile under a band: its span across is
+# these plus the band's width, so fewer compute fewer hidden scores, until the matmuls'
+# few rows cost more per score than they save (see _tile_sizes).
+_BAND_BLOCK = 32
+# Scores of one run of band tiles, and of one task's batch of runs (all heads). 1 MB of
+# float32 measured 3–10% less CPU time than 512 KB: fewer tasks, each a few GIL hand-overs.
+_RUN_SCORES = 1 << 18
 
 
 def _bounds(Nq, Nk, causal, window):
@@ -82,6 +89,24 @@ def _outside_band(rows, cols, t, L, R):
     return out
 
 
+def hide_outside_band(S, t, L, R):
+    """S (…, rows, cols) = −inf where key y is outside row x's band (see _outside_band),
+    testing only the columns that can hold such keys: those left of the band's left edge
+    at the last row, and right of its right edge at the first row (a band's tile is
+    mostly inside it)."""
+    rows, cols = S.shape[-2:]
+    left = min(cols, max(0, t - L + rows - 1))  # y < left: outside for some row, on the left
+    right = min(cols, max(0, t + R + 1))        # y ≥ right: outside for some row, on the right
+    if left >= right:
+        np.copyto(S, NEG_INF, where=_outside_band(rows, cols, t, L, R))
+        return
+    if left:
+        np.copyto(S[..., :left], NEG_INF, where=_outside_band(rows, left, t, L, R))
+    if right < cols:
+        np.copyto(S[..., right:], NEG_INF,
+                  where=_outside_band(rows, cols - right, t - right, L, R))
+
+
 @functools.lru_cache(maxsize=512)
 def _distance(rows, cols, t, dtype):
     """|i + Nk − Nq − j| over the block: |t + x − y|."""
@@ -109,11 +134,13 @@ class ScoreChain:
         b, hkv = divmod(bh, self.Hkv)
         return b, slice(hkv * self.G, (hkv + 1) * self.G)
 
-    def apply(self, S, bh, a0, a1, c0, c1, pred):
-        """S (G, a1 − a0, c1 − c0) = scale·Q Kᵀ → (the masked, biased score, and
-        tanh(S/softcap), the backward's softcap factor, or None). S is overwritten."""
+    def apply(self, S, bh, a0, c0, pred, shift):
+        """S (n, G, rows, cols) = scale·Q Kᵀ of n blocks, block i at rows a0 + i·shift and
+        keys c0 + i·shift → (the masked, biased score, and tanh(S/softcap), the
+        backward's softcap factor, or None). S is overwritten."""
         var = self.var
         b, hs = self.heads(bh)
+        n, _, rows, cols = S.shape
         T = None
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(np.multiply(S, 1.0 / var.softcap, out=S), out=S)
@@ -121,50 +148,65 @@ class ScoreChain:
         t = a0 + self.Nk - self.Nq - c0  # key c0 + y sits t + x − y from row a0 + x's diagonal
         if self.alibi is not None:                           # − slope·|i + Nk − Nq − j|
             slopes = self.alibi[b, hs].astype(self.acc_t)[:, None, None]
-            S -= slopes * _distance(a1 - a0, c1 - c0, t, self.acc_t)
+            S -= slopes * _distance(rows, cols, t, self.acc_t)
         if self.bias is not None:                            # + bias
-            S += self.bias[b, hs, a0:a1, c0:c1]
-        hidden = None
+            S += diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
         if pred:                                             # causal / window
-            hidden = _outside_band(a1 - a0, c1 - c0, t, self.L, self.R)
+            hide_outside_band(S, t, self.L, self.R)
         if self.mask is not None:                            # / mask (True = may attend)
-            m = ~self.mask[b, hs, a0:a1, c0:c1]
-            hidden = m if hidden is None else hidden | m
-        if hidden is not None:
-            np.copyto(S, NEG_INF, where=hidden)
+            np.copyto(S, NEG_INF, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
+                                                          shift, rows, cols))
         return S, T
 
-    def keep(self, bh, a0, a1, c0, c1):
-        """keep/(1 − p) for the tile, or None without dropout."""
+    def keep(self, bh, a0, c0, n, shift, rows, cols):
+        """keep/(1 − p) for the n blocks of `apply`, (n, G, rows, cols), or None without
+        dropout."""
         if not self.var.dropout_p:
             return None
         b, hs = self.heads(bh)
-        keep = _var.keep_tile(self.var.seed, self.threshold, b + self.var.batch0,
-                              np.arange(hs.start, hs.stop), a0, a1, c0, c1)
+        heads = np.arange(hs.start, hs.stop)
+        keep = np.stack([_var.keep_tile(self.var.seed, self.threshold, b + self.var.batch0,
+                                        heads, a0 + i * shift, a0 + i * shift + rows,
+                                        c0 + i * shift, c0 + i * shift + cols)
+                         for i in range(n)])
         return keep * self.acc_t.type(self.var.keep_scale)
 
 
 def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
     """(Br rows per query head, Bc keys) of a score tile.
 
-    A band (a window bounded on both sides, or on the left with causal) takes blocks of
-    _WINDOW_BLOCK on the loop's own axis and, across, the whole span that block reaches
-    (Br + L + R keys of a Q tile, Bc + L + R rows of a K/V tile) while it is at most
-    _BAND_SPAN: one step per tile, so a tile computes only the scores of its band's
-    parallelogram (at N = 8192, window 256: 384 of 8192 keys per Q tile of 128 rows) and
-    pays one step's fixed cost — the NumPy calls of the online softmax — instead of three
-    (128-wide steps took 1.6× the CPU time, 2 shared cores). Wider bands take
-    _WINDOW_BLOCK steps across too, so that few hidden scores are computed."""
+    Under a band (a window bounded on both sides, or on the left with causal) a tile is
+    _BAND_BLOCK on the loop's own axis (rows of a Q tile, keys of a K/V tile) and, across,
+    the whole span they reach (Br + L + R keys, Bc + L + R rows), one step, while a
+    tile's G heads fit a run (_RUN_SCORES): the scores computed are the band's and a
+    parallelogram's corners, (_BAND_BLOCK + L + R)/(L + R + 1) of the band, and the tiles
+    between the sequence's ends run in batches (band.runs), which pay the fixed cost of
+    a step once for many tiles. At N = 8192, window 256, d = 64 (2 shared cores, CPU
+    time, medians of interleaved runs) the forward took 0.88× the time with 32 rows as
+    with 16 (whose matmuls are slower per score), 0.97× as with 64, and 24 about the
+    same; 64 was 3–7% faster at windows of 1024 and 2048. The backward's K/V tiles: 32
+    keys took 0.72–0.87× the time of 16, 64 the same. Wider bands take _WINDOW_BLOCK
+    steps across, so that few hidden scores are computed."""
     rows = max(1, min(Nq, _ROWS // G if G <= _ROWS else 1))
     keys = min(Nk, _KEYS)
     if window is not None and window[0] >= 0 and (window[1] >= 0 or causal):
         L, R = _bounds(Nq, Nk, causal, window)
+        if G * _BAND_BLOCK * (_BAND_BLOCK + L + R) <= _RUN_SCORES:
+            span = _BAND_BLOCK + L + R
+            return ((min(Nq, _BAND_BLOCK), min(Nk, span)) if outer == "q"
+                    else (min(Nq, span), min(Nk, _BAND_BLOCK)))
         rows, keys = min(rows, _WINDOW_BLOCK), min(keys, _WINDOW_BLOCK)
-        if outer == "q" and rows + L + R <= _BAND_SPAN:
-            keys = min(Nk, rows + L + R)
-        elif outer == "k" and G * (keys + L + R) <= _BAND_SPAN:  # G heads' rows
-            rows = min(Nq, keys + L + R)
     return rows, keys
+
+
+# A pure function of its arguments, and calls of one shape repeat (layers, steps): made
+# once per shape instead of a Python pass over every tile per call (~0.9 ms at N = 8192,
+# window 256, 32-row tiles: 4% of the forward's CPU time).
+@functools.lru_cache(maxsize=64)
+def _task_batches(Nq, Nk, Br, Bc, G, causal, window, outer, budget):
+    """The pool tasks of one K/V head: batches of runs of the variant schedule's tiles."""
+    sched = variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=window, outer=outer)
+    return batches(runs(sched, G, budget), G, budget)
 
 
 def forward(q, k, v, causal, scale, config, var):
@@ -177,42 +219,62 @@ def forward(q, k, v, causal, scale, config, var):
     Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window)
     o = np.empty((B, Hq, Nq, d), q.dtype)
     lse = np.empty((B, Hq, Nq), lse_dtype(q.dtype))
-    sched = list(variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=var.window))
-    tasks = [(bh, r0, r1, steps) for bh in range(BH) for (r0, r1, steps) in sched]
+    tasks = [(bh, batch) for bh in range(BH)
+             for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "q",
+                                        _RUN_SCORES)]
     sc = acc_t.type(scale)
 
     def run(task):
-        bh, r0, r1, steps = task
+        bh, batch = task
+        for r0, br, n, steps in batch:
+            run_blocks(bh, r0, br, n, steps)
+
+    def run_blocks(bh, r0, br, n, steps):
+        """n blocks of br rows from row r0, block i shifted by i·br keys."""
         b, hs = chain.heads(bh)
         hkv = bh % Hkv
-        Q = np.multiply(q[b, hs, r0:r1], sc, dtype=acc_t)            # (G, br, d)
-        # -- init --
-        m_i = np.full((G, r1 - r0), NEG_INF, acc_t)
-        l_i = np.zeros((G, r1 - r0), acc_t)
-        acc = np.zeros((G, r1 - r0, d), acc_t)
+        r1 = r0 + n * br
+        if not steps:                          # rows that see no key: o = 0, lse = −inf
+            o[b, hs, r0:r1] = 0
+            lse[b, hs, r0:r1] = NEG_INF
+            return
+        # Q (n, G·br, d): each block's G heads stacked, one matmul's rows.
+        Q = np.empty((n, G, br, d), acc_t)
+        np.multiply(q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3), sc, out=Q)
+        Q = Q.reshape(n, G * br, d)
+        kh, vh = k[b, hkv], v[b, hkv]
+        m_i = l_i = acc = None
         for c0, c1, pred in steps:
-            K_j = as_dtype(k[b, hkv, c0:c1], acc_t)
-            V_j = as_dtype(v[b, hkv, c0:c1], acc_t)
+            span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
+            K_j = windows(as_dtype(kh[keys], acc_t), n, br, span)
+            V_j = windows(as_dtype(vh[keys], acc_t), n, br, span)
             # -- compute qk, then the chain: S = softcap(scale·Q Kᵀ) + ALiBi + bias, masked
-            S, _ = chain.apply(Q @ K_j.T, bh, r0, r1, c0, c1, pred)
+            S, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh, r0,
+                               c0, pred, br)
+            S = S.reshape(n, G * br, span)
             # -- update m_i and l_i (the guard: −inf − (−inf) would be NaN)
-            m_new = np.maximum(m_i, S.max(axis=-1))
+            m_new = S.max(axis=-1) if m_i is None else np.maximum(m_i, S.max(axis=-1))
             m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
             P = np.exp(np.subtract(S, m_safe[..., None], out=S), out=S)  # P̃ = exp(S − m_i), in place
-            alpha = np.exp(m_i - m_safe)
-            l_i = alpha * l_i + P.sum(axis=-1)                       # ℓ on the undropped P̃
-            Z = chain.keep(bh, r0, r1, c0, c1)
+            l_step = P.sum(axis=-1)                                  # ℓ on the undropped P̃
+            Z = chain.keep(bh, r0, c0, n, br, br, span)
             if Z is not None:
-                P *= Z                                               # dropout: P̃ ∘ keep/(1 − p)
-            acc = alpha[..., None] * acc + P @ V_j                   # acc = α acc + P̃ V_j
+                P *= Z.reshape(P.shape)                              # dropout: P̃ ∘ keep/(1 − p)
+            if m_i is None:                                          # first step: nothing to rescale
+                l_i, acc = l_step, P @ V_j
+            else:
+                alpha = np.exp(m_i - m_safe)
+                l_i = alpha * l_i + l_step
+                acc = alpha[..., None] * acc + P @ V_j               # acc = α acc + P̃ V_j
             m_i = m_new
         # -- finalize: O = acc / ℓ, lse = m + log ℓ (a row that saw no key: 0 and −inf)
         seen = l_i > 0
         l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
-        o[b, hs, r0:r1] = acc / l_div[..., None]
+        acc /= l_div[..., None]
+        o[b, hs, r0:r1] = acc.reshape(n, G, br, d).transpose(1, 0, 2, 3).reshape(G, n * br, d)
         L = np.where(seen, m_i + np.log(l_div), NEG_INF)
         L[np.isnan(l_i)] = np.nan
-        lse[b, hs, r0:r1] = L
+        lse[b, hs, r0:r1] = L.reshape(n, G, br).transpose(1, 0, 2).reshape(G, n * br)
 
     run_tasks(run, tasks, config.workers)
     return o, lse
@@ -244,9 +306,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     if return_dbias:
         dbias = np.zeros(var.bias.shape, acc_t)
         bias_lock = threading.Lock()
-    sched = list(variant_schedule(Nq, Nk, Br, Bc, causal=causal, window=var.window,
-                                  outer="k"))
-    tasks = [(bh, c0, c1, steps) for bh in range(BH) for (c0, c1, steps) in sched]
+    tasks = [(bh, batch) for bh in range(BH)
+             for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "k",
+                                        _RUN_SCORES)]
     local = threading.local()
     dq_parts, parts_lock = [], threading.Lock()
 
@@ -267,39 +329,53 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
             target += red
 
     def run(task):
-        bh, c0, c1, steps = task
+        bh, batch = task
+        for c0, bc, n, steps in batch:
+            run_blocks(bh, c0, bc, n, steps)
+
+    def run_blocks(bh, c0, bc, n, steps):
+        """n K/V blocks of bc keys from key c0, block i shifted by i·bc rows."""
         if not steps:
             return
         if not hasattr(local, "dq"):
             local.dq = np.zeros((B, Hq, Nq, d), acc_t)
+            local.dQ = Scratch(acc_t)          # a step's dQ, before its blocks are added
             with parts_lock:
                 dq_parts.append(local.dq)
         b, hs = chain.heads(bh)
         hkv = bh % Hkv
-        K_j = as_dtype(k[b, hkv, c0:c1], acc_t)
-        V_j = as_dtype(v[b, hkv, c0:c1], acc_t)
-        dK_j = np.zeros((c1 - c0, d), acc_t)
-        dV_j = np.zeros((c1 - c0, d), acc_t)
+        c1 = c0 + n * bc
+        K_j = as_dtype(k[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
+        V_j = as_dtype(v[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
+        dK_j = np.zeros((n, bc, d), acc_t)
+        dV_j = np.zeros((n, bc, d), acc_t)
         for r0, r1, pred in steps:
-            Q_i = np.multiply(q[b, hs, r0:r1], sc, dtype=acc_t)      # (G, br, d), scaled
-            dO_i = as_dtype(do[b, hs, r0:r1], acc_t)
-            S, T = chain.apply(Q_i @ K_j.T, bh, r0, r1, c0, c1, pred)
-            P = np.exp(S - Ls[b, hs, r0:r1, None])                   # P = exp(S − lse)
-            Z = chain.keep(bh, r0, r1, c0, c1)
+            h, rows = r1 - r0, slice(r0, r0 + (n - 1) * bc + r1 - r0)   # the n blocks' rows
+            Q_i = windows(np.multiply(q[b, hs, rows], sc, dtype=acc_t), n, bc, h, axis=1)
+            dO_i = windows(as_dtype(do[b, hs, rows], acc_t), n, bc, h, axis=1)  # (n, G, h, d)
+            S, T = chain.apply(Q_i @ K_j.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc)
+            Ls_i = windows(Ls[b, hs, rows], n, bc, h, axis=1)
+            P = np.exp(np.subtract(S, Ls_i[..., None], out=S), out=S)  # P = exp(S − lse), in place
+            Z = chain.keep(bh, r0, c0, n, bc, h, bc)
             Pd = P if Z is None else P * Z
-            dV_j += np.einsum("gik,gid->kd", Pd, dO_i)               # dV_j += (P ∘ Z)ᵀ dO_i
-            dP = dO_i @ V_j.T                                        # dP = dO_i V_jᵀ (∘ Z)
+            dV_j += (Pd.transpose(0, 1, 3, 2) @ dO_i).sum(axis=1)   # dV_j += (P ∘ Z)ᵀ dO_i
+            dS = dO_i @ V_j.transpose(0, 1, 3, 2)                    # dP = dO_i V_jᵀ (∘ Z)
             if Z is not None:
-                dP *= Z
-            dS = P * (dP - D[b, hs, r0:r1, None])                    # dS = P ∘ (dP − D)
+                dS *= Z
+            dS -= windows(D[b, hs, rows], n, bc, h, axis=1)[..., None]
+            dS *= P                                                  # dS = P ∘ (dP − D)
             if dbias is not None:
-                add_dbias(dS, b, hs, r0, r1, c0, c1)
+                for i in range(n):
+                    add_dbias(dS[i], b, hs, r0 + i * bc, r1 + i * bc, c0 + i * bc,
+                              c0 + (i + 1) * bc)
             if T is not None:
                 dS *= 1 - T * T                                      # through the softcap
-            dK_j += np.einsum("gik,gid->kd", dS, Q_i)                # dK_j += dSᵀ (scale·Q_i)
-            local.dq[b, hs, r0:r1] += dS @ K_j                       # dQ_i += dS K_j
-        dk[b, hkv, c0:c1] = dK_j
-        dv[b, hkv, c0:c1] = dV_j
+            dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (scale·Q_i)
+            dQ = np.matmul(dS, K_j, out=local.dQ.get(Q_i.shape))     # dQ_i += dS K_j
+            for i in range(n):                                       # (the blocks' rows overlap)
+                local.dq[b, hs, r0 + i * bc:r1 + i * bc] += dQ[i]
+        dk[b, hkv, c0:c1] = dK_j.reshape(n * bc, d)
+        dv[b, hkv, c0:c1] = dV_j.reshape(n * bc, d)
 
     run_tasks(run, tasks, config.workers)
     dq = np.zeros((B, Hq, Nq, d), acc_t)
