@@ -761,26 +761,23 @@ def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
 
 
 def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                  sm_count=None, dbias: bool = False):
+                  sm_count=None):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
-    Tensor cores (two `TcBwdPlan`s) where dbias is not asked for (`dbias`: the SIMT dQ
-    kernel writes it), the dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple
-    of 8 up to 256, q, k, v and dO allow 16-byte loads (`aligned`) and a tile of each
-    kernel fits `max_smem` (the first candidate that does: for 128 < d ≤ 256 the dK/dV
-    plan splits dK, dV into 128-column chunks, `TcBwdPlan.num_d_chunks`); otherwise the
-    SIMT kernels of `plan_backward`. Attention variants (window, softcap, ALiBi, bias,
-    mask, dropout) take the same path as a plain call. The reason names the instruction
-    and, for chunked plans, the chunks.
+    Tensor cores (two `TcBwdPlan`s) where the dtype is float16 (sm_75+) or bfloat16
+    (sm_80+), d is a multiple of 8 up to 256, q, k, v and dO allow 16-byte loads
+    (`aligned`) and a tile of each kernel fits `max_smem` (the first candidate that does:
+    for 128 < d ≤ 256 the dK/dV plan splits dK, dV into 128-column chunks,
+    `TcBwdPlan.num_d_chunks`); otherwise the SIMT kernels of `plan_backward`. Attention
+    variants (window, softcap, ALiBi, bias, mask, dropout) and dbias (both kernel families
+    write it) take the same path as a plain call. The reason names the instruction and,
+    for chunked plans, the chunks.
     `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
 
     def simt():
         return plan_backward(d, dt, max_smem=max_smem, sm_count=sm_count, cc=cc)
 
-    if dbias:
-        return simt(), ("SIMT: return_dbias: the SIMT dQ kernel writes dbias; the "
-                        "tensor-core backward does not")
     if dt.name not in TC_DTYPES:
         return simt(), (f"SIMT: {dt.name} has no tensor-core backward (float16 and bfloat16 "
                         f"do)")
