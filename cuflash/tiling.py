@@ -852,28 +852,24 @@ def _tf32_bwd_path(d, cc, aligned, *, max_smem, allow_tf32, simt):
 
 
 def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
-                  sm_count=None, dbias: bool = False, allow_tf32: bool = False):
+                  sm_count=None, allow_tf32: bool = False):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
-    Tensor cores (two `TcBwdPlan`s) where dbias is not asked for (`dbias`: the SIMT dQ
-    kernel writes it), the dtype is float16 (sm_75+) or bfloat16 (sm_80+), d is a multiple
-    of 8 up to 256, q, k, v and dO allow 16-byte loads (`aligned`) and a tile of each
-    kernel fits `max_smem` (the first candidate that does: for 128 < d ≤ 256 the dK/dV
-    plan splits dK, dV into 128-column chunks, `TcBwdPlan.num_d_chunks`); float32 on
-    sm_80+ with d a multiple of 4 up to 256 takes two `Tf32BwdPlan`s (split tf32, or
-    one-pass with `allow_tf32`: `_tf32_bwd_path`); otherwise the
-    SIMT kernels of `plan_backward`. Attention variants (window, softcap, ALiBi, bias,
-    mask, dropout) take the same path as a plain call. The reason names the instruction
-    and, for chunked plans, the chunks.
+    Tensor cores (two `TcBwdPlan`s) where the dtype is float16 (sm_75+) or bfloat16
+    (sm_80+), d is a multiple of 8 up to 256, q, k, v and dO allow 16-byte loads
+    (`aligned`) and a tile of each kernel fits `max_smem` (the first candidate that does:
+    for 128 < d ≤ 256 the dK/dV plan splits dK, dV into 128-column chunks,
+    `TcBwdPlan.num_d_chunks`); float32 on sm_80+ with d a multiple of 4 up to 256 takes two
+    `Tf32BwdPlan`s (split tf32, or one-pass with `allow_tf32`: `_tf32_bwd_path`); otherwise
+    the SIMT kernels of `plan_backward`. Attention variants (window, softcap, ALiBi, bias,
+    mask, dropout) and dbias (every kernel family writes it) take the same path as a plain
+    call. The reason names the instruction and, for chunked plans, the chunks.
     `cc` is (major, minor), or None when unknown (SIMT)."""
     dt = np.dtype(dtype)
 
     def simt():
         return plan_backward(d, dt, max_smem=max_smem, sm_count=sm_count, cc=cc)
 
-    if dbias:
-        return simt(), ("SIMT: return_dbias: the SIMT dQ kernel writes dbias; the "
-                        "tensor-core backward does not")
     if dt.name not in (*TC_DTYPES, TF32_DTYPE):
         return simt(), (f"SIMT: {dt.name} has no tensor-core backward (float16, bfloat16 "
                         f"and float32 do)")

@@ -211,8 +211,8 @@ def test_checked(arch, dt, D, schedule, smem):
 def test_backward_path_and_its_reasons():
     big = 227 * 1024
 
-    def path(d=64, dtype=F16, cc=(8, 0), aligned=True, max_smem=big, dbias=False):
-        return tiling.backward_path(d, dtype, cc, aligned, max_smem=max_smem, dbias=dbias)
+    def path(d=64, dtype=F16, cc=(8, 0), aligned=True, max_smem=big):
+        return tiling.backward_path(d, dtype, cc, aligned, max_smem=max_smem)
 
     for dt, cc in ((F16, (7, 5)), (F16, (9, 0)), (BF16, (8, 6))):
         for d in (8, 64, 72, 128, 136, 200, 256):
@@ -237,7 +237,6 @@ def test_backward_path_and_its_reasons():
         (path(d=200, max_smem=60 * 1024), "fits"),
         (path(aligned=False), "16-byte aligned"),
         (path(cc=None), "unknown"),
-        (path(dbias=True), "dbias"),
         (path(d=128, max_smem=60 * 1024), "fits"),
     ]
     for (plans, why), word in fallbacks:

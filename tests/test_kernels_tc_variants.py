@@ -269,3 +269,113 @@ def test_backward_variants_with_head_dim_chunks():
     opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
                     F16, shape, seed=9)
     _run_backward(F16, "sm_80", do, q, k, v, opts)
+
+
+# -- dbias on tensor cores ------------------------------------------------------------------
+
+class _Recorder:
+    """A backend that records the kernels it launches."""
+
+    def __init__(self, be):
+        self.be, self.kernels = be, []
+
+    def __getattr__(self, name):
+        return getattr(self.be, name)
+
+    def get_function(self, plan):
+        self.kernels.append(plan.kernel)
+        return self.be.get_function(plan)
+
+
+# bias shapes from (B, Hq, Nq, Nk): the full bias, broadcast over heads and batch, over
+# batch, over query rows (the dK/dV kernel's column sums), over query rows and heads, over
+# keys (the dQ kernel's quad sums)
+DBIAS_LAYOUTS = {
+    "full": lambda B, H, Nq, Nk: (B, H, Nq, Nk),
+    "head+batch-broadcast": lambda B, H, Nq, Nk: (1, 1, Nq, Nk),
+    "batch-broadcast": lambda B, H, Nq, Nk: (1, H, Nq, Nk),
+    "query-broadcast": lambda B, H, Nq, Nk: (B, H, 1, Nk),
+    "query+head-broadcast": lambda B, H, Nq, Nk: (B, 1, 1, Nk),
+    "key-broadcast": lambda B, H, Nq, Nk: (B, H, Nq, 1),
+}
+
+
+def _run_backward_dbias(dtype, arch, layout, names, shape=SHAPE, *, checked=False,
+                        schedule="round-robin", seed=0):
+    """The tensor-core backward with a bias of `layout` and return_dbias: both launched
+    kernels are the tensor-core ones, dq, dk, dv as `_run_backward` checks them, dbias (an
+    fp32 sum of the fp32 dS) within the float32 rule of the float64 reference. Returns the
+    four gradients."""
+    B, Hq, _, Nq, Nk, d = shape
+    q, k, v = _inputs(dtype, shape, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    do = rng.standard_normal(q.shape).astype(dtype)
+    opts = _options(names, dtype, shape, seed=seed + 2)
+    opts["bias"] = rng.uniform(-1, 1, DBIAS_LAYOUTS[layout](B, Hq, Nq, Nk)).astype(np.float32)
+    causal = opts.pop("causal", False)
+    scale = 1.0 / math.sqrt(d)
+    be = _Recorder(_backend(arch, checked=checked, schedule=schedule))
+    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                       **opts)
+    o, lse = o.astype(dtype), lse.astype(np.float32)
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
+                                     variants=_variants(opts), return_dbias=True)
+    tc = tiling.TF32_BWD_KERNELS if np.dtype(dtype) == F32 else tiling.TC_BWD_KERNELS
+    assert set(be.kernels) - {"flash_bwd_preprocess"} == set(tc), be.kernels
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
+                                       return_dbias=True, **opts)
+    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
+    for name, out, r, pl in zip(("dq", "dk", "dv"), grads, ref, plain):
+        assert_close_to_reference(out, r, pl, dtype, factor=3.0, what=f"{name} ({layout})")
+    assert grads[3].shape == ref[3].shape
+    assert_close_to_reference(grads[3], ref[3], None, F32, what=f"dbias ({layout})")
+    return grads
+
+
+DBIAS_CONFIGS = [
+    pytest.param(F16, "sm_75", id="float16-sm_75"),
+    pytest.param(BF16, "sm_80", id="bfloat16-sm_80"),
+    pytest.param(BF16, "sm_90", id="bfloat16-sm_90"),
+    pytest.param(F32, "sm_89", id="float32-sm_89"),   # split tf32
+]
+
+
+@pytest.mark.parametrize("layout", list(DBIAS_LAYOUTS))
+@pytest.mark.parametrize("dtype,arch", DBIAS_CONFIGS)
+def test_backward_dbias_matches_reference(dtype, arch, layout):
+    """dbias from the tensor-core kernels for every layout: causal, softcap (dbias takes dS
+    before softcap's factor, dK and dQ after it), GQA, Nq = 50 ≠ Nk = 170 (ragged tiles)."""
+    _run_backward_dbias(dtype, arch, layout, ["causal", "softcap"])
+
+
+@pytest.mark.parametrize("layout", ["full", "query-broadcast"])
+def test_backward_dbias_with_every_option(layout):
+    """dbias with the window, ALiBi, the bool mask (a row that sees no key) and dropout too."""
+    _run_backward_dbias(F16, "sm_86", layout,
+                        ["causal", "window", "softcap", "alibi", "mask", "dropout"])
+
+
+@pytest.mark.parametrize("layout", ["head+batch-broadcast", "query-broadcast"])
+def test_backward_dbias_with_head_dim_chunks(layout):
+    """d = 200: two dK/dV blocks (chunks of 128 columns) see every key's dS; only the first
+    chunk's block adds the column sums."""
+    _run_backward_dbias(F16, "sm_80", layout, ["causal", "softcap"], (2, 2, 1, 37, 75, 200))
+
+
+@pytest.mark.parametrize("layout", ["head+batch-broadcast", "query-broadcast", "key-broadcast"])
+def test_backward_dbias_checked(layout):
+    """Checked mode at ragged sizes: no race (one writer per dbias element, within a launch
+    and across blocks) and no access outside dbias or the column sums."""
+    _run_backward_dbias(F16, "sm_80", layout, ["causal", "softcap", "dropout"],
+                        (2, 2, 1, 37, 75, 40), checked=True, schedule="random")
+
+
+@pytest.mark.parametrize("layout", ["head+batch-broadcast", "query-broadcast", "key-broadcast"])
+def test_backward_dbias_is_bitwise_reproducible(layout):
+    """One writer per element in a fixed order: the same bits under every thread schedule."""
+    runs = [_run_backward_dbias(BF16, "sm_80", layout, ["softcap"], (2, 2, 1, 37, 75, 40),
+                                checked=True, schedule=s)
+            for s in ("round-robin", "reversed", "random")]
+    for other in runs[1:]:
+        for name, x, y in zip(("dq", "dk", "dv", "dbias"), runs[0], other):
+            assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)), name

@@ -187,9 +187,9 @@ def test_api_backward_split_by_default_one_pass_with_allow_tf32():
 def test_backward_path_for_float32():
     big = 227 * 1024
 
-    def path(d=64, cc=(8, 0), aligned=True, max_smem=big, allow_tf32=False, dbias=False):
+    def path(d=64, cc=(8, 0), aligned=True, max_smem=big, allow_tf32=False):
         return tiling.backward_path(d, F32, cc, aligned, max_smem=max_smem,
-                                    allow_tf32=allow_tf32, dbias=dbias)
+                                    allow_tf32=allow_tf32)
 
     for cc in ((8, 0), (8, 6), (9, 0)):
         for d in (4, 64, 100, 128, 132, 200, 256):
@@ -205,7 +205,6 @@ def test_backward_path_for_float32():
         (path(d=260), "> 256"),
         (path(aligned=False), "16-byte aligned"),
         (path(d=256, max_smem=64 * 1024), "fits"),
-        (path(dbias=True), "dbias"),
     ]
     for (plans, why), word in fallbacks:
         assert not {p.kernel for p in plans} & TF32_BWD and why.startswith("SIMT") and word in why, why

@@ -15,18 +15,20 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
-256; float32 on sm_80+, d a multiple of 4 up to 256; 16-byte aligned q, k, v, dO, no
-dbias asked for), launches 2 and 3 are the `flash_bwd_tc.cu` kernels instead
-(`flash_bwd_dkdv_tc_kernel`, `flash_bwd_dq_tc_kernel`; for float32 the `_tf32_kernel`s:
+256; float32 on sm_80+, d a multiple of 4 up to 256; 16-byte aligned q, k, v, dO),
+launches 2 and 3 are the `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`,
+`flash_bwd_dq_tc_kernel`; for float32 the `_tf32_kernel`s:
 dynamic shared memory, no chunk argument; a chunked plan, d > 128 for dK/dV, has
 `plan.num_d_chunks(d)` blocks per row block, a count the kernel derives from d); the
 preprocess is shared.
 
 Attention variants run on every kernel (run-time arguments, `kernel_variants`). With
-`return_dbias` (the SIMT kernels only) the dQ kernel also writes dbias; where the bias is
-broadcast over heads or batch its blocks loop over them (the grid's y or z shrinks to 1).
-A bias broadcast over query rows takes the dK/dV kernel's column sums of dS instead,
-summed over the other broadcast axes here: `dbias_launch`, `dbias_from_cols`.
+`return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
+batch the grid's y or z shrinks to 1 and the SIMT blocks loop over them, while the
+tensor-core dQ kernel takes one launch per head or batch row (stream order keeps one
+writer per element). A bias broadcast over query rows takes the dK/dV kernel's column
+sums of dS instead, summed over the other broadcast axes here: `dbias_launch`,
+`dbias_from_cols`.
 """
 from __future__ import annotations
 
@@ -38,17 +40,17 @@ from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .marshal import check_grid_yz, elem_strides, i32, prepare
 
 
-def backward_plans(backend, do, q, k, v, *, return_dbias=False, allow_tf32=False):
+def backward_plans(backend, do, q, k, v, *, allow_tf32=False):
     """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays."""
     return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                dbias=return_dbias, allow_tf32=allow_tf32, **backend.limits())
+                                allow_tf32=allow_tf32, **backend.limits())
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False, allow_tf32=False, segments=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
-    (cuflash.variants.Variants): the options; with `return_dbias` (SIMT) a fourth
+    (cuflash.variants.Variants): the options; with `return_dbias` a fourth
     result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype.
     `allow_tf32`: float32 may run one-pass tf32 (else split) on tensor cores.
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
@@ -61,8 +63,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, return_dbias=return_dbias,
-                                          allow_tf32=allow_tf32)
+    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32)
     tc = isinstance(p_dkdv, tiling.TcBwdPlan)  # tensor cores (f16, bf16, tf32): d <= 256
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
@@ -95,19 +96,22 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
 
     # Variants: the score chain's run-time arguments (every kernel), and dbias's launch
-    # (SIMT only: the dQ blocks loop over the heads and batches sharing a bias row; a bias
-    # without its query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu).
-    heads_per_block = batch_per_block = 1
+    # (the dQ blocks loop over the heads and batches sharing a bias row; a bias without its
+    # query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu, flash_bwd_tc.cu).
     vflags = variant_args(xp, variants, acc)
-    dq_extra = dkdv_extra = varlen  # tensor cores: the packed rows only
-    by_cols = False
-    if not tc:
-        dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
-            xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
-        by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
-        dkdv_extra = (cols, np.int32(by_cols), *varlen)
-        dq_extra = (dbias, *dbias_st, np.int32(return_dbias and not by_cols),
-                    np.int32(heads_per_block), np.int32(batch_per_block), *varlen)
+    dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
+        xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
+    by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
+    dkdv_extra = (cols, np.int32(by_cols), *varlen)
+    dq_dbias = (dbias, *dbias_st, np.int32(return_dbias and not by_cols))
+    # SIMT: one dQ launch whose blocks loop over them; tensor cores: one launch per (head,
+    # batch) pair, in stream order (a loop in the block spilled), its offsets head0, batch0
+    if tc:
+        dq_launches = [(*dq_dbias, np.int32(h0), np.int32(b0), *varlen)
+                       for b0 in range(batch_per_block) for h0 in range(heads_per_block)]
+    else:
+        dq_launches = [(*dq_dbias, np.int32(heads_per_block), np.int32(batch_per_block),
+                        *varlen)]
 
     # 1. D = rowsum(dO ∘ O)
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
@@ -121,11 +125,12 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                                   *s3(dk), *s3(dv), *kflags, *dkdv_extra, *vflags),
                                  shared_mem=p_dkdv.smem_bytes if tc else 0)
     # 3. dQ
-    backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
-                               (p_dq.num_threads,),
-                               (q, k, v, do, lse, Dvec, dq, *sizes, *strides_in, *s3(dq),
-                                *kflags, *dq_extra, *vflags),
-                               shared_mem=p_dq.smem_bytes if tc else 0)
+    for dq_extra in dq_launches:
+        backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
+                                   (p_dq.num_threads,),
+                                   (q, k, v, do, lse, Dvec, dq, *sizes, *strides_in, *s3(dq),
+                                    *kflags, *dq_extra, *vflags),
+                                   shared_mem=p_dq.smem_bytes if tc else 0)
     if return_dbias:
         if by_cols:
             dbias = dbias_from_cols(cols, variants.bias.shape)

@@ -42,10 +42,14 @@
 // are masked (P = 0), and a row with lse = −inf (it saw no key) gets P = 0: zero
 // gradients, no NaN.
 //
-// Attention variants (window, softcap, ALiBi, bias, mask, dropout; not dbias, which the
-// SIMT dQ kernel writes): flash_bwd.cu's chain (recompute_p_ds_variants) on the fragments
-// in one rolled loop per tile (p_ds_variants, tc_bwd_tile.cuh); the window skips query
-// tiles (dK/dV: row_end) and key tiles (dQ: key_begin) outside it. A plain call runs p_ds.
+// Attention variants (window, softcap, ALiBi, bias, mask, dropout): flash_bwd.cu's chain
+// (recompute_p_ds_variants) on the fragments in one rolled loop per tile (p_ds_variants,
+// tc_bwd_tile.cuh); the window skips query tiles (dK/dV: row_end) and key tiles (dQ:
+// key_begin) outside it. A plain call runs p_ds. dbias = dS (before softcap's factor)
+// summed over the bias's broadcast axes, as flash_bwd.cu, with one writer per element:
+// the dQ kernel adds each thread's own elements (a bias broadcast over heads or batch:
+// one launch per head or batch row sharing it, in stream order); for a bias broadcast
+// over query rows the dK/dV kernel adds each tile's column sums Σ_i dS_ij of its keys.
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -67,8 +71,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
     long long do_sr, long long dk_sb, long long dk_sh, long long dk_sr, long long dv_sb,
-    long long dv_sh, long long dv_sr, float scale, int causal, Variants<T> var, int win_left,
-    int win_right, const Seqlens& seq) {
+    long long dv_sh, long long dv_sr, float scale, int causal, float* __restrict__ dbias_cols,
+    int want_dbias_cols, Variants<T> var, int win_left, int win_right, const Seqlens& seq) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (key block, head-dim chunk, K/V head, batch). Key blocks first-first: under
@@ -172,7 +176,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         // D_i are per column (query), from the tile's row statistics
         const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
         if (!plain) {  // element e: key row key_top + 8·(e % 4 / 2), query column c
-            var.bind((int)b, h_kv * group + i / m_tiles, Nq, Nk);  // short-lived registers
+            const int h = h_kv * group + i / m_tiles;
+            var.bind((int)b, h, Nq, Nk);  // short-lived registers
+            float sum_top = 0.f, sum_bottom = 0.f;  // the thread's Σ_i dS_ij of its two keys
             p_ds_variants(s, dp, scale, var, [&](int e, int& qi, int& kj, float& lse2, float& Di,
                                                   bool& hidden) {
                 const int c = (e >> 2) * 8 + 2 * t + (e & 1);
@@ -181,7 +187,20 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 lse2 = lse_log2(sLi[c]);
                 Di = sDi[c];
                 hidden = qi >= Nq || mask.masked(qi, kj);
+            }, [&](int e, int, int, float ds_biased) {
+                (e & 2 ? sum_bottom : sum_top) += ds_biased;
             });
+            // dbias of a bias broadcast over query rows: cols[b, h, j] += Σ_i dS_ij over the
+            // tile's queries (Sᵀ's columns: the thread's, then its quad's), tiles in order,
+            // by lane t = 0 of the quad that owns key j. One writer per key, no atomics; only
+            // the first chunk's block writes (every chunk sees the same dS).
+            if (want_dbias_cols && col0 == 0) {
+                sum_top = row_sum_quad(sum_top);
+                sum_bottom = row_sum_quad(sum_bottom);
+                float* cols = dbias_cols + (b * Hq + h) * Nk;
+                if (t == 0 && key_top < Nk) cols[key_top] += sum_top;
+                if (t == 0 && key_bottom < Nk) cols[key_bottom] += sum_bottom;
+            }
         } else {
             const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
 #pragma unroll
@@ -231,17 +250,18 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
     long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
     long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal,
-    Variants<T> var, int win_left, int win_right, const Seqlens& seq) {
+    float* __restrict__ dbias, long long dbias_sb, long long dbias_sh, long long dbias_sr,
+    long long dbias_sc, int want_dbias, int h, long long b, Variants<T> var, int win_left,
+    int win_right, const Seqlens& seq) {
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
-    // Block → (query block, head-dim chunk, query head, batch); query blocks last-first (the
-    // causal tail, as flash_fwd_tc.cu). GQA/MQA: query head h reads K/V head h / group.
+    // Block → (query block, head-dim chunk, query head h, batch row b: blockIdx.y, z plus
+    // the launch's offsets); query blocks last-first (the causal tail, as flash_fwd_tc.cu). GQA/MQA: query head h
+    // reads K/V head h / group.
     // Chunked: the block owns columns [col0, col0 + CHUNK_COLS) of dQ_i.
     const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
     const int m0 = (gridDim.x / n_chunks - 1 - blockIdx.x / n_chunks) * BM;
     const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
-    const int h = blockIdx.y;
-    const long long b = blockIdx.z;
     Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
     Nk = seq.len_k(b, Nk);
     if (m0 >= Nq) return;  // past this sequence's rows (the grid fits the longest)
@@ -335,6 +355,16 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
                 lse2 = (e & 2) ? lse2_bottom : lse2_top;
                 Di = (e & 2) ? d_bottom : d_top;
                 hidden = qi >= Nq || mask.masked(qi, kj);
+            }, [&](int e, int qi, int kj, float ds_biased) {
+                // dbias_ij += dS_ij: the thread's own element, key tiles in order (then the
+                // launches of the heads and batches sharing it). A bias broadcast over keys
+                // (dbias_sc = 0) sums its quad's four columns first, added by lane t = 0.
+                // Only the first chunk's block writes.
+                if (!want_dbias || col0 != 0) return;
+                if (dbias_sc == 0) ds_biased = row_sum_quad(ds_biased);
+                if ((dbias_sc != 0 || t == 0) && qi < Nq && kj < Nk)
+                    dbias[b * dbias_sb + h * dbias_sh + qi * dbias_sr + kj * dbias_sc] +=
+                        ds_biased;
             });
         } else {
             const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
@@ -380,7 +410,8 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          long long do_sb, long long do_sh, long long do_sr,
                          long long dk_sb, long long dk_sh, long long dk_sr,
                          long long dv_sb, long long dv_sh, long long dv_sr,
-                         float scale, int causal, CUFLASH_VARLEN_PARAMS,
+                         float scale, int causal, float* __restrict__ dbias_cols,
+                         int want_dbias_cols, CUFLASH_VARLEN_PARAMS,
                          CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/true>;
@@ -388,7 +419,8 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
                               dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
-                              CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
+                              dbias_cols, want_dbias_cols, CUFLASH_VARIANTS(T), win_left,
+                              win_right, CUFLASH_VARLEN);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
     }
@@ -406,15 +438,22 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        long long v_sb, long long v_sh, long long v_sr,
                        long long do_sb, long long do_sh, long long do_sr,
                        long long dq_sb, long long dq_sh, long long dq_sr,
-                       float scale, int causal, CUFLASH_VARLEN_PARAMS,
-                       CUFLASH_VARIANT_PARAMS(T)) {
+                       float scale, int causal, float* __restrict__ dbias,
+                       long long dbias_sb, long long dbias_sh, long long dbias_sr,
+                       long long dbias_sc, int want_dbias, int head0, int batch0,
+                       CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/false>;
     if constexpr (TensorCores<T>::value) {
+        // dbias broadcast over heads (batch): the heads (batch rows) that share a row of
+        // dbias are not spread over the grid's y (z) but take one launch each, at offset
+        // head0 (batch0), in stream order: each element has one writer and a fixed order.
+        // (A loop over them inside the block, as flash_bwd.cu's, spilled at D = 128, 256.)
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
-                            dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right,
-                            CUFLASH_VARLEN);
+                            dq_sr, scale, causal, dbias, dbias_sb, dbias_sh, dbias_sr, dbias_sc,
+                            want_dbias, blockIdx.y + head0, (long long)blockIdx.z + batch0,
+                            CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
     } else {
         __trap();
     }
@@ -437,7 +476,8 @@ flash_bwd_dkdv_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
                            long long do_sb, long long do_sh, long long do_sr,
                            long long dk_sb, long long dk_sh, long long dk_sr,
                            long long dv_sb, long long dv_sh, long long dv_sr,
-                           float scale, int causal, CUFLASH_VARLEN_PARAMS,
+                           float scale, int causal, float* __restrict__ dbias_cols,
+                           int want_dbias_cols, CUFLASH_VARLEN_PARAMS,
                            CUFLASH_VARIANT_PARAMS(T)) {
     static_assert(sizeof(T) == 4, "flash_bwd_dkdv_tf32 runs float32 inputs");
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
@@ -446,7 +486,8 @@ flash_bwd_dkdv_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
                               dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
-                              CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
+                              dbias_cols, want_dbias_cols, CUFLASH_VARIANTS(T), win_left,
+                              win_right, CUFLASH_VARLEN);
     } else {
         __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
     }
@@ -464,16 +505,19 @@ flash_bwd_dq_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          long long v_sb, long long v_sh, long long v_sr,
                          long long do_sb, long long do_sh, long long do_sr,
                          long long dq_sb, long long dq_sh, long long dq_sr,
-                         float scale, int causal, CUFLASH_VARLEN_PARAMS,
-                         CUFLASH_VARIANT_PARAMS(T)) {
+                         float scale, int causal, float* __restrict__ dbias,
+                         long long dbias_sb, long long dbias_sh, long long dbias_sr,
+                         long long dbias_sc, int want_dbias, int head0, int batch0,
+                         CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
     static_assert(sizeof(T) == 4, "flash_bwd_dq_tf32 runs float32 inputs");
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/false, SPLIT>;
     if constexpr (TensorCoresTf32<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
-                            dq_sr, scale, causal, CUFLASH_VARIANTS(T), win_left, win_right,
-                            CUFLASH_VARLEN);
+                            dq_sr, scale, causal, dbias, dbias_sb, dbias_sh, dbias_sr, dbias_sc,
+                            want_dbias, blockIdx.y + head0, (long long)blockIdx.z + batch0,
+                            CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
     } else {
         __trap();
     }

@@ -124,12 +124,14 @@ __device__ __forceinline__ void p_ds(float& s, float& dp, float scale_log2, floa
 // (recompute_p_ds_variants, bwd_tile.cuh), in place: s becomes P ∘ Z (dropout's keep/(1 − p),
 // for dV), dp becomes dS_raw (dS ∘ (1 − t²) under softcap, for dK and dQ). `at(e, i, j,
 // lse2, Di, hidden)` gives element e's query i, key j, lse·log2 e and D of its query, and
-// whether causal, the window or padding hide it (hidden: nothing read, P = dS = 0). One
-// rolled loop takes the elements from s[0].c0, dp[0].c0 (rotate_fragments, tc_tile.cuh):
-// the chain is inlined once.
-template <int N, typename T, class At>
+// whether causal, the window or padding hide it (hidden: nothing read, P = dS = 0).
+// `dbias(e, i, j, ds)` then receives the element's dS before softcap's factor (dbias's
+// share: the gradient of the biased score; 0 where hidden). One rolled loop takes the
+// elements from s[0].c0, dp[0].c0 (rotate_fragments, tc_tile.cuh): the chain is inlined
+// once.
+template <int N, typename T, class At, class Dbias>
 __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], float scale,
-                                              const Variants<T>& var, At at) {
+                                              const Variants<T>& var, At at, Dbias dbias) {
 #pragma unroll 1
     for (int e = 0; e < 4 * N; ++e) {
         int i, j;
@@ -139,6 +141,7 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
         float p, ds_biased, ds;
         recompute_p_ds_variants(s[0].c0, dp[0].c0, scale, lse2, Di, hidden, var, i, j, p,
                                 ds_biased, ds);
+        dbias(e, i, j, ds_biased);
         rotate_fragments(s, p);
         rotate_fragments(dp, ds);
     }
