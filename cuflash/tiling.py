@@ -769,8 +769,8 @@ def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
 # bytes per tile and, split, hi/lo temporaries beside every mma: the tiles are smaller than
 # the 16-bit kernel's. Candidates (block_rows, tile_rows, num_warps, stages, own_in_regs,
 # chunk_cols) per (kernel, HEAD_DIM, split), best first; each list ends with a tile within
-# 99 KB (sm_86/sm_89). ptxas registers on sm_80 (CUDA 12.9), in order: split dK/dV 215, 243,
-# 247; dQ 187, 220, 214 / 199; one-pass dK/dV 198, 207, 221 x 3; dQ 188, 204, 184 / 174.
+# 99 KB (sm_86/sm_89). ptxas registers on sm_80 (CUDA 12.9), in order: split dK/dV 203, 243,
+# 249; dQ 217, 238, 241 / 231; one-pass dK/dV 169, 208, 222 x 3; dQ 192, 230, 184 / 180.
 # Tried and rejected (sm_80): split dK/dV D=128 with 16-row Q tiles (spills 156 bytes),
 # D=256 with 4 warps (253 registers, no margin); one-pass dQ D=64 with Q_i, dO_i in
 # registers (spills 76 bytes).
