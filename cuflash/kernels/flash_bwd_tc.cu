@@ -256,8 +256,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (query block, head-dim chunk, query head h, batch row b: blockIdx.y, z plus
-    // the launch's offsets); query blocks last-first (the causal tail, as flash_fwd_tc.cu). GQA/MQA: query head h
-    // reads K/V head h / group.
+    // the launch's offsets); query blocks last-first (the causal tail, as flash_fwd_tc.cu).
+    // GQA/MQA: query head h reads K/V head h / group.
     // Chunked: the block owns columns [col0, col0 + CHUNK_COLS) of dQ_i.
     const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
     const int m0 = (gridDim.x / n_chunks - 1 - blockIdx.x / n_chunks) * BM;
