@@ -281,6 +281,31 @@ def all_tc_plans() -> tuple[TcPlan, ...]:
     return tuple(p for dt in TC_DTYPES for D in TC_HEAD_DIMS for p in _tc_candidates(dt, D))
 
 
+def _tensor_core_refusal(d, cc, aligned, *, what, need, head_dims, operands):
+    """Why the tensor-core kernels for `what` ("float16", "float32 (tf32)", ...) cannot take
+    head dim d on a device of compute capability `cc` (at least `need`), or None when they
+    can: d a multiple of a 16-byte chunk's elements up to head_dims[-1], and `operands` (the
+    arrays read by 16-byte loads) `aligned`. One wording for every tensor-core path."""
+    elems = TF32_D_MULTIPLE if what == TF32_WHAT else TC_D_MULTIPLE
+    if cc < need:
+        return (f"SIMT: {what} tensor cores need sm_{need[0]}{need[1]}; the device is "
+                f"sm_{cc[0]}{cc[1]}")
+    if d % elems:
+        return (f"SIMT: head dim d={d} is not a multiple of {elems} ({what} tensor-core rows "
+                f"are whole 16-byte chunks)")
+    if d > head_dims[-1]:
+        return f"SIMT: head dim d={d} > {head_dims[-1]}, the largest {what} tensor-core tile"
+    if not aligned:
+        return (f"SIMT: {operands} is not 16-byte aligned (a base pointer, or a batch, head or "
+                f"row stride that is not a multiple of {elems} elements)")
+    return None
+
+
+def _no_tile_fits(what, D, max_smem, pass_=""):
+    return (f"SIMT: no {what} tensor-core {pass_}tile for D={D} fits {max_smem} bytes of "
+            f"shared memory per block")
+
+
 def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
                  sm_count=None, algorithm: str = "fa2", allow_tf32: bool = False):
     """(plan, reason): the forward kernel a call takes, and why, in words.
@@ -305,25 +330,16 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     cc = tuple(cc)
     if dt.name == TF32_DTYPE:
         return _tf32_path(d, cc, aligned, max_smem=max_smem, allow_tf32=allow_tf32, simt=simt)
-    need = TC_MIN_CC[dt.name]
-    if cc < need:
-        return simt(), (f"SIMT: {dt.name} tensor cores need sm_{need[0]}{need[1]}; "
-                        f"the device is sm_{cc[0]}{cc[1]}")
-    if d % TC_D_MULTIPLE:
-        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TC_D_MULTIPLE} "
-                        f"(tensor-core rows are whole 16-byte chunks)")
-    if d > TC_HEAD_DIMS[-1]:
-        return simt(), f"SIMT: head dim d={d} > {TC_HEAD_DIMS[-1]}, the largest tensor-core tile"
-    if not aligned:
-        return simt(), ("SIMT: q, k or v is not 16-byte aligned (a base pointer, or a batch, "
-                        "head or row stride that is not a multiple of 8 elements)")
+    why = _tensor_core_refusal(d, cc, aligned, what=dt.name, need=TC_MIN_CC[dt.name],
+                               head_dims=TC_HEAD_DIMS, operands="q, k or v")
+    if why:
+        return simt(), why
     D = next(b for b in TC_HEAD_DIMS if d <= b)
     for plan in _tc_candidates(dt, D):
         if plan.smem_bytes <= max_smem:
             instr = "mma.m16n8k16" if cc >= (8, 0) else "2 x mma.m16n8k8"
             return plan, f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}"
-    return simt(), (f"SIMT: no tensor-core tile for D={D} fits {max_smem} bytes of shared "
-                    f"memory per block")
+    return simt(), _no_tile_fits(dt.name, D, max_smem)
 
 
 # ── float32 forward on tensor cores (flash_fwd_tc.cu, flash_fwd_tf32_kernel) ───────────────────────────────
@@ -333,6 +349,7 @@ def forward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
 # product, about fp32 accuracy; one-pass (allow_tf32=True): one tf32 mma per product,
 # 10-bit mantissas. See `Tf32TileTraits` in kernels/tf32_tile.cuh and docs/kernels.md.
 TF32_DTYPE = "float32"
+TF32_WHAT = "float32 (tf32)"     # the reasons' name for these kernels
 TF32_MIN_CC = (8, 0)             # mma.m16n8k8 .tf32, cvt.rna.tf32.f32, cp.async
 TF32_HEAD_DIMS = (64, 128, 256)  # HEAD_DIM buckets; d a multiple of 4 up to 256
 TF32_D_MULTIPLE = 4              # d % 4 == 0: a row of floats is whole 16-byte chunks
@@ -422,26 +439,21 @@ def all_tf32_plans() -> tuple[Tf32Plan, ...]:
 
 def _tf32_path(d, cc, aligned, *, max_smem, allow_tf32, simt):
     """forward_path for float32 on a device of known compute capability `cc`."""
-    if cc < TF32_MIN_CC:
-        return simt(), (f"SIMT: float32 tensor cores (tf32) need sm_{TF32_MIN_CC[0]}"
-                        f"{TF32_MIN_CC[1]}; the device is sm_{cc[0]}{cc[1]}")
-    if d % TF32_D_MULTIPLE:
-        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TF32_D_MULTIPLE} "
-                        f"(float32 tensor-core rows are whole 16-byte chunks)")
-    if d > TF32_HEAD_DIMS[-1]:
-        return simt(), (f"SIMT: head dim d={d} > {TF32_HEAD_DIMS[-1]}, the largest float32 "
-                        f"tensor-core tile")
-    if not aligned:
-        return simt(), ("SIMT: q, k or v is not 16-byte aligned (a base pointer, or a batch, "
-                        "head or row stride that is not a multiple of 4 elements)")
+    why = _tensor_core_refusal(d, cc, aligned, what=TF32_WHAT, need=TF32_MIN_CC,
+                               head_dims=TF32_HEAD_DIMS, operands="q, k or v")
+    if why:
+        return simt(), why
     D = next(b for b in TF32_HEAD_DIMS if d <= b)
-    mode = ("one-pass tf32 (allow_tf32=True)" if allow_tf32
-            else "split tf32, 3 mma per product (allow_tf32=True: one)")
     for plan in _tf32_candidates(D, split=not allow_tf32):
         if plan.smem_bytes <= max_smem:
-            return plan, f"tensor cores: mma.m16n8k8.tf32 on sm_{cc[0]}{cc[1]}, {mode}"
-    return simt(), (f"SIMT: no float32 tensor-core tile for D={D} fits {max_smem} bytes of "
-                    f"shared memory per block")
+            return plan, (f"tensor cores: mma.m16n8k8.tf32 on sm_{cc[0]}{cc[1]}, "
+                          f"{_tf32_mode(allow_tf32)}")
+    return simt(), _no_tile_fits(TF32_WHAT, D, max_smem)
+
+
+def _tf32_mode(allow_tf32):
+    return ("one-pass tf32 (allow_tf32=True)" if allow_tf32
+            else "split tf32, 3 mma per product (allow_tf32=True: one)")
 
 # ── backward (flash_bwd.cu) ────────────────────────────────────────────────────────────
 #
@@ -826,29 +838,17 @@ def all_tf32_bwd_plans() -> tuple[Tf32BwdPlan, ...]:
 
 def _tf32_bwd_path(d, cc, aligned, *, max_smem, allow_tf32, simt):
     """backward_path for float32 on a device of known compute capability `cc`."""
-    if cc < TF32_MIN_CC:
-        return simt(), (f"SIMT: float32 tensor cores (tf32) need sm_{TF32_MIN_CC[0]}"
-                        f"{TF32_MIN_CC[1]}; the device is sm_{cc[0]}{cc[1]}")
-    if d % TF32_D_MULTIPLE:
-        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TF32_D_MULTIPLE} "
-                        f"(float32 tensor-core rows are whole 16-byte chunks)")
-    if d > TF32_HEAD_DIMS[-1]:
-        return simt(), (f"SIMT: head dim d={d} > {TF32_HEAD_DIMS[-1]}, the largest float32 "
-                        f"tensor-core backward tile")
-    if not aligned:
-        return simt(), ("SIMT: q, k, v or dO is not 16-byte aligned (a base pointer, or a "
-                        "batch, head or row stride that is not a multiple of 4 elements)")
+    why = _tensor_core_refusal(d, cc, aligned, what=TF32_WHAT, need=TF32_MIN_CC,
+                               head_dims=TF32_HEAD_DIMS, operands="q, k, v or dO")
+    if why:
+        return simt(), why
     D = next(b for b in TF32_HEAD_DIMS if d <= b)
     fits = [next((p for p in _tf32_bwd_candidates(kernel, D, split=not allow_tf32)
                   if p.smem_bytes <= max_smem), None) for kernel in TF32_BWD_KERNELS]
     if None in fits:
-        return simt(), (f"SIMT: no float32 tensor-core backward tile for D={D} fits "
-                        f"{max_smem} bytes of shared memory per block")
-    mode = ("one-pass tf32 (allow_tf32=True)" if allow_tf32
-            else "split tf32, 3 mma per product (allow_tf32=True: one)")
-    chunks = "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"
-                     for p in fits if p.num_d_chunks(d) > 1)
-    return tuple(fits), f"tensor cores: mma.m16n8k8.tf32 on sm_{cc[0]}{cc[1]}, {mode}{chunks}"
+        return simt(), _no_tile_fits(TF32_WHAT, D, max_smem, "backward ")
+    return tuple(fits), (f"tensor cores: mma.m16n8k8.tf32 on sm_{cc[0]}{cc[1]}, "
+                         f"{_tf32_mode(allow_tf32)}{_chunks(fits, d)}")
 
 
 def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
@@ -879,29 +879,23 @@ def backward_path(d: int, dtype, cc, aligned: bool = True, *, max_smem: int,
     if dt.name == TF32_DTYPE:
         return _tf32_bwd_path(d, cc, aligned, max_smem=max_smem, allow_tf32=allow_tf32,
                               simt=simt)
-    need = TC_MIN_CC[dt.name]
-    if cc < need:
-        return simt(), (f"SIMT: {dt.name} tensor cores need sm_{need[0]}{need[1]}; "
-                        f"the device is sm_{cc[0]}{cc[1]}")
-    if d % TC_D_MULTIPLE:
-        return simt(), (f"SIMT: head dim d={d} is not a multiple of {TC_D_MULTIPLE} "
-                        f"(tensor-core rows are whole 16-byte chunks)")
-    if d > TC_BWD_HEAD_DIMS[-1]:
-        return simt(), (f"SIMT: head dim d={d} > {TC_BWD_HEAD_DIMS[-1]}, the largest "
-                        f"tensor-core backward tile")
-    if not aligned:
-        return simt(), ("SIMT: q, k, v or dO is not 16-byte aligned (a base pointer, or a "
-                        "batch, head or row stride that is not a multiple of 8 elements)")
+    why = _tensor_core_refusal(d, cc, aligned, what=dt.name, need=TC_MIN_CC[dt.name],
+                               head_dims=TC_BWD_HEAD_DIMS, operands="q, k, v or dO")
+    if why:
+        return simt(), why
     D = next(b for b in TC_BWD_HEAD_DIMS if d <= b)
     fits = [next((p for p in _tc_bwd_candidates(kernel, dt, D) if p.smem_bytes <= max_smem),
                  None) for kernel in TC_BWD_KERNELS]
     if None in fits:
-        return simt(), (f"SIMT: no tensor-core backward tile for D={D} fits {max_smem} bytes "
-                        f"of shared memory per block")
+        return simt(), _no_tile_fits(dt.name, D, max_smem, "backward ")
     instr = "mma.m16n8k16" if cc >= (8, 0) else "2 x mma.m16n8k8"
-    chunks = "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"
-                     for p in fits if p.num_d_chunks(d) > 1)
-    return tuple(fits), f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}{chunks}"
+    return tuple(fits), f"tensor cores: {instr} on sm_{cc[0]}{cc[1]}{_chunks(fits, d)}"
+
+
+def _chunks(plans, d):
+    """The backward reason's note on the plans that split head dim d into chunks."""
+    return "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"
+                   for p in plans if p.num_d_chunks(d) > 1)
 
 
 # ── online softmax (online_softmax.cu) ─────────────────────────────────────────────────
