@@ -45,11 +45,12 @@
 // chip. Without CHUNKED the chunk loop runs once and folds away at compile time.
 //
 // __launch_bounds__ minBlocksPerSM (bwd_min_blocks): none (0) for the one-chunk float
-// kernels, which then take ~120 registers, two blocks per SM (a hint of 1 raised them to
-// 128-140 on sm_80: one block per SM); 1 for the chunked ones, as in flash_fwd.cu (with
-// the bare thread count ptxas capped sm_70's 16-bit chunked dK/dV kernel at 128 registers
-// and spilled), and for double, whose dK/dV kernels CUDA 13's ptxas capped at 128
-// registers and spilled.
+// kernels up to D = 128, which then take ~120 registers, two blocks per SM (a hint of 1
+// raised them to 128-140 on sm_80: one block per SM); 1 for the chunked ones, as in
+// flash_fwd.cu (with the bare thread count ptxas capped sm_70's 16-bit chunked dK/dV
+// kernel at 128 registers and spilled), for D = 256 (146-169 registers: one block per SM
+// either way; CUDA 13's ptxas capped sm_75's 16-bit dQ kernel at 128 and spilled), and for
+// double, whose dK/dV kernels CUDA 13's ptxas capped at 128 registers and spilled.
 #include "common.cuh"
 #include "mask.cuh"
 #include "seqlens.cuh"
@@ -58,8 +59,10 @@
 
 using namespace cuflash;
 
-template <typename T, bool CHUNKED>
-constexpr int bwd_min_blocks() { return (CHUNKED || sizeof(accum_t<T>) == 8) ? 1 : 0; }
+template <typename T, int HEAD_DIM, bool CHUNKED>
+constexpr int bwd_min_blocks() {
+    return (CHUNKED || HEAD_DIM >= 256 || sizeof(accum_t<T>) == 8) ? 1 : 0;
+}
 
 // ─────────────────────────────────────────────────────────────────────────────────────
 // Preprocess: D_i = rowsum(dO_i ∘ O_i), one warp per query row.
@@ -91,7 +94,7 @@ flash_bwd_preprocess_kernel(const T* __restrict__ dO, const T* __restrict__ o,
 // ─────────────────────────────────────────────────────────────────────────────────────
 template <typename T, int HEAD_DIM, int LANES_PER_ROW, int ROWS_PER_GROUP, int NUM_WARPS,
           int TILE_ROWS, bool CHUNKED>
-__global__ void __launch_bounds__(NUM_WARPS * 32, (bwd_min_blocks<T, CHUNKED>()))
+__global__ void __launch_bounds__(NUM_WARPS * 32, (bwd_min_blocks<T, HEAD_DIM, CHUNKED>()))
 flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const T* __restrict__ dO, const accum_t<T>* __restrict__ lse,
                       const accum_t<T>* __restrict__ Delta, T* __restrict__ dk,
@@ -225,7 +228,7 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 // ─────────────────────────────────────────────────────────────────────────────────────
 template <typename T, int HEAD_DIM, int LANES_PER_ROW, int ROWS_PER_GROUP, int NUM_WARPS,
           int TILE_ROWS, bool CHUNKED>
-__global__ void __launch_bounds__(NUM_WARPS * 32, (bwd_min_blocks<T, CHUNKED>()))
+__global__ void __launch_bounds__(NUM_WARPS * 32, (bwd_min_blocks<T, HEAD_DIM, CHUNKED>()))
 flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dO, const accum_t<T>* __restrict__ lse,
                     const accum_t<T>* __restrict__ Delta, T* __restrict__ dq,
