@@ -206,8 +206,8 @@ TC_D_MULTIPLE = 8               # d % 8 == 0: a row is whole 16-byte chunks
 # each fits 64 KB (sm_75's opt-in limit). block_m = 16 · row_tiles · num_warps: D = 64 and
 # 128 give each warp two 16-row mma tiles (32 rows, FlashAttention-2's d = 128 layout),
 # sharing every K and V fragment load between them. ptxas registers (sm_80): D=64 128x64
-# 253, D=128 128x32 248, D=256 64x16 216. Tried and rejected (spills, sm_80): D=128 128x64
-# with two row tiles (160 bytes), D=256 with Q_i's fragments in registers (64x16: 8 bytes),
+# 253, D=128 128x32 248, D=256 64x16 210. Tried and rejected (spills, sm_80): D=128 128x64
+# with two row tiles (148 bytes), D=256 with Q_i's fragments in registers (64x16: 8 bytes),
 # D=256 64x32 (56 bytes) and 64x64 (424 bytes) even with Q_i in shared memory.
 _TC_CANDIDATES = {
     64: ((128, 64, 4, 2),),
