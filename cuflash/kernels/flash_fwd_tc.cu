@@ -26,8 +26,10 @@
 //
 // A warp owns kRowTiles (1 or 2) 16-row mma tiles of Q_i: S, acc and the softmax state
 // are per row tile, and each K or V fragment loaded from shared memory feeds the mma of
-// every row tile. Layouts, fragments, swizzle: tc_tile.cuh and mma.cuh. The K/V pipeline: tile j lives in
-// ring slot j % STAGES; at iteration j the thread waits until its copies of tile j landed
+// every row tile. Layouts, fragments, swizzle: tc_tile.cuh and mma.cuh.
+//
+// The K/V pipeline: tile j lives in ring slot j % STAGES; at iteration j the thread waits
+// until its copies of tile j landed
 // (cp.async.wait_group STAGES − 2: the newer groups may still fly), one barrier makes
 // every thread's copies visible *and* proves every warp is done with tile j − 1, whose
 // slot then receives tile j + STAGES − 1. One group is committed per iteration even when
