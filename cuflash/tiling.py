@@ -193,8 +193,8 @@ def plan_forward(d: int, dtype, *, max_smem: int, sm_count=None, cc=None,
 
 # ── tensor-core forward (flash_fwd_tc.cu) ─────────────────────────────────────────────
 #
-# FA2 on mma.sync for float16 (sm_75+) and bfloat16 (sm_80+): each warp owns 16 query rows
-# (BLOCK_M = 16 · num_warps), S and O live in mma accumulator fragments, K/V tiles stream
+# FA2 on mma.sync for float16 (sm_75+) and bfloat16 (sm_80+): each warp owns one or two
+# 16-row mma tiles (BLOCK_M = 16 · row_tiles · num_warps), S and O live in mma accumulator fragments, K/V tiles stream
 # through a `stages`-deep cp.async ring, shared tiles stay in the storage dtype with an
 # XOR swizzle. See `TcTileTraits` in kernels/tc_tile.cuh and docs/kernels.md.
 TC_DTYPES = ("float16", "bfloat16")
@@ -203,13 +203,15 @@ TC_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 
 TC_D_MULTIPLE = 8               # d % 8 == 0: a row is whole 16-byte chunks
 
 # Candidate (block_m, block_n, num_warps, stages) per HEAD_DIM, best first; the last of
-# each fits 64 KB (sm_75's opt-in limit). ptxas registers (sm_80): D=64 128x64 170,
-# D=128 128x64 225, D=128 64x32 210, D=256 64x16 216. Tried and rejected (spills, sm_80):
-# D=256 with Q_i's fragments in registers (64x16: 8 bytes), D=256 64x32 (56 bytes) and
-# 64x64 (424 bytes) even with Q_i in shared memory.
+# each fits 64 KB (sm_75's opt-in limit). block_m = 16 · row_tiles · num_warps: D = 64 and
+# 128 give each warp two 16-row mma tiles (32 rows, FlashAttention-2's d = 128 layout),
+# sharing every K and V fragment load between them. ptxas registers (sm_80): D=64 128x64
+# 253, D=128 128x32 248, D=256 64x16 210. Tried and rejected (spills, sm_80): D=128 128x64
+# with two row tiles (148 bytes), D=256 with Q_i's fragments in registers (64x16: 8 bytes),
+# D=256 64x32 (56 bytes) and 64x64 (424 bytes) even with Q_i in shared memory.
 _TC_CANDIDATES = {
-    64: ((128, 64, 8, 2),),
-    128: ((128, 64, 8, 2), (64, 32, 4, 2)),
+    64: ((128, 64, 4, 2),),
+    128: ((128, 32, 4, 2),),
     256: ((64, 16, 4, 2),),
 }
 
@@ -241,7 +243,7 @@ class TcPlan(_Plan):
     kernel: str            # "flash_fwd_tc"
     dtype: str             # "float16" or "bfloat16"
     head_dim: int          # HEAD_DIM: runs any d <= head_dim that is a multiple of 8
-    block_m: int           # Br = 16 · num_warps
+    block_m: int           # Br = 16 · row_tiles · num_warps
     block_n: int           # Bc
     num_warps: int
     stages: int            # depth of the K/V cp.async ring
@@ -249,6 +251,11 @@ class TcPlan(_Plan):
     @property
     def num_threads(self) -> int:
         return self.num_warps * 32
+
+    @property
+    def row_tiles(self) -> int:
+        """16-row mma tiles per warp (`TcTileTraits::kRowTiles`): block_m / (16 · num_warps)."""
+        return self.block_m // (16 * self.num_warps)
 
     @property
     def head_dim_bucket(self) -> int:

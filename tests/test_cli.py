@@ -27,9 +27,9 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch):
     out = capsys.readouterr().out
     sm80 = out[out.index("  sm_80 (A100)"):out.index("  sm_86")]
     first = sm80.splitlines()[1:3]
-    # 256 threads × 128 registers = 32768 of 65536; 48 KB + 1 KB reserve fits 3× in 164 KB
-    assert "flash_fwd_tc_kernel<__half, 64, 128, 64, 8, 2>" in first[0]
-    assert "2 blocks, 16 warps per SM" in first[0]
+    # 128 threads × 128 registers = 16384 of 65536; 48 KB + 1 KB reserve fits 3× in 164 KB
+    assert "flash_fwd_tc_kernel<__half, 64, 128, 64, 4, 2>" in first[0]
+    assert "3 blocks, 12 warps per SM" in first[0]
     assert "tensor cores" in first[1]
     sm70 = out[out.index("  sm_70 (Tesla V100"):out.index("  sm_75")]
     assert "SIMT: float16 tensor cores need sm_75" in sm70

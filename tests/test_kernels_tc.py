@@ -66,16 +66,15 @@ def _check(be, q, k, v, *, causal, expect_plan=None):
 # -- every specialization, on the archs it targets --------------------------------------------
 # (dtype, HEAD_DIM, BLOCK_M, arch, max_smem forcing the tile or None for the arch's own pick)
 SPECS = [
-    (F16, 64, 128, "sm_75", None),
+    (F16, 64, 128, "sm_75", None),           # two row tiles per warp (32 rows)
     (F16, 64, 128, "sm_80", None),
-    (F16, 128, 64, "sm_75", None),           # T4: 64 KB → the small D=128 tile
-    (F16, 128, 64, "sm_80", 64 * 1024),
+    (F16, 128, 128, "sm_75", None),          # T4: 64 KB, two row tiles, Q_i re-read
     (F16, 128, 128, "sm_86", None),
-    (F16, 256, 64, "sm_75", None),
+    (F16, 256, 64, "sm_75", None),           # one row tile per warp
     (F16, 256, 64, "sm_89", None),
     (BF16, 64, 128, "sm_89", None),
     (BF16, 128, 128, "sm_80", None),
-    (BF16, 128, 64, "sm_90", 64 * 1024),
+    (BF16, 128, 128, "sm_90", None),
     (BF16, 256, 64, "sm_90", None),
 ]
 
@@ -147,9 +146,9 @@ def test_strided_inputs_aligned_and_not():
 
 @pytest.mark.parametrize("arch,dt,D,bm,smem,schedule", [
     ("sm_80", F16, 64, 128, None, "round-robin"),
-    ("sm_75", F16, 128, 64, None, "random"),         # synchronous copies, two m16n8k8
+    ("sm_75", F16, 128, 128, None, "random"),        # synchronous copies, two m16n8k8
     ("sm_90", BF16, 256, 64, None, "reversed"),      # Q_i re-read from shared memory
-    ("sm_86", BF16, 128, 64, 64 * 1024, "random"),
+    ("sm_86", BF16, 128, 128, None, "reversed"),     # two row tiles, Q_i re-read
 ])
 def test_checked(arch, dt, D, bm, smem, schedule):
     plan = _tc_plan(dt, D, bm)
@@ -231,7 +230,8 @@ def test_tc_plans_fit_and_are_listed():
     specs = tiling.specializations()["flash_fwd_tc.cu"]
     for plan in tiling.all_tc_plans():
         assert plan.name_expression in specs
-        assert plan.block_m == 16 * plan.num_warps and plan.stages >= 2
+        assert plan.row_tiles in (1, 2) and plan.stages >= 2
+        assert plan.block_m == 16 * plan.row_tiles * plan.num_warps
     for dt in (F16, BF16):      # every head dim has a tile within sm_75's 64 KB
         for D in tiling.TC_HEAD_DIMS:
             assert min(p.smem_bytes for p in tiling.all_tc_plans()
@@ -285,7 +285,7 @@ def test_smem_formula_matches_ptxas():
 @pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
 def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75:
-    two m16n8k8 per k16 step), ldmatrix (LDSM), cp.async (LDGSTS, sm_80+; plain loads on
+    two m16n8k8 per k16 step; per row tile of the warp), ldmatrix (LDSM), cp.async (LDGSTS, sm_80+; plain loads on
     sm_75) and no local memory (LDL/STL); bfloat16 on sm_75 is a trap."""
     from cuflash import compile_gate
     if compile_gate.nvdisasm_path() is None:
@@ -301,9 +301,10 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
             assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
             continue
         D, bn = p.head_dim, p.block_n
-        mma = (D // 16) * (bn // 8) + (bn // 16) * (D // 8)          # Q Kᵀ + P̃ V per tile
+        rt = p.row_tiles                                              # each K, V fragment
+        mma = rt * ((D // 16) * (bn // 8) + (bn // 16) * (D // 8))   # Q Kᵀ + P̃ V per tile
         ldsm = (D // 16) * (bn // 16) + (bn // 16) * (D // 16)       # K and V fragments
-        ldsm += D // 16                                               # Q (once, or per tile)
+        ldsm += rt * (D // 16)                                        # Q (once, or per tile)
         assert n["HMMA"] >= mma * (2 if r.arch == "sm_75" else 1), (r.kernel, r.arch, n)
         assert n["LDSM"] >= ldsm, (r.kernel, r.arch, n)
         assert (n["LDGSTS"] > 0) == (r.arch != "sm_75"), (r.kernel, r.arch, n)

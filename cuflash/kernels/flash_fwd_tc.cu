@@ -7,8 +7,8 @@
 // The algorithm of flash_fwd.cu (FA2, Algorithm 1), with the tile math on mma.sync:
 //
 //   prologue   Q_i → shared (cp.async) → A fragments in registers, once      (line 4)
-//              (not kQInRegs — D = 256; float32 but one-pass D ≤ 64 — Q_i stays in
-//              shared memory, re-read per k step)
+//              (not kQInRegs — D = 256, two row tiles of D = 128; float32 but one-pass
+//              D ≤ 64 — Q_i stays in shared memory, re-read per k step)
 //              start copying the first STAGES − 1 K_j, V_j tiles
 //   main loop  for each K_j, V_j tile below the causal diagonal               (lines 6-10)
 //                wait for tile j; barrier; start copying tile j + STAGES − 1
@@ -24,8 +24,12 @@
 // turn S's fragments into scores (variant_scores), dropout scales P̃ after ℓ has summed it
 // (dropout_fragments); a plain call skips both branches.
 //
-// Layouts, fragments, swizzle: tc_tile.cuh and mma.cuh. The K/V pipeline: tile j lives in
-// ring slot j % STAGES; at iteration j the thread waits until its copies of tile j landed
+// A warp owns kRowTiles (1 or 2) 16-row mma tiles of Q_i: S, acc and the softmax state
+// are per row tile, and each K or V fragment loaded from shared memory feeds the mma of
+// every row tile. Layouts, fragments, swizzle: tc_tile.cuh and mma.cuh.
+//
+// The K/V pipeline: tile j lives in ring slot j % STAGES; at iteration j the thread waits
+// until its copies of tile j landed
 // (cp.async.wait_group STAGES − 2: the newer groups may still fly), one barrier makes
 // every thread's copies visible *and* proves every warp is done with tile j − 1, whose
 // slot then receives tile j + STAGES − 1. One group is committed per iteration even when
@@ -85,6 +89,8 @@ __device__ __forceinline__ void flash_fwd_tc(
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
     const int g = lane >> 2, t = lane % 4;
+    constexpr int R = Tr::kRowTiles;  // the warp's 16-row mma tiles: rows warp_row0 + 16r ..
+    const int r_top = m0 + warp_row0 + g;  // row tile r's rows: r_top + 16r and r_top + 16r + 8
     const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     // Block skipping: tiles entirely above the diagonal, or outside the window, are never
     // loaded (the first tile starts on a BLOCK_N boundary, as in flash_fwd.cu); then this
@@ -105,15 +111,20 @@ __device__ __forceinline__ void flash_fwd_tc(
     }
     cp_async_wait<STAGES - 1>();  // Q_i has landed (this thread's part)
     __syncthreads();
-    typename Tr::OwnFrag qf[Tr::kQFrags];
+    typename Tr::OwnFrag qf[R][Tr::kQFrags];
     load_own_fragments<Tr>(qf, sQ, warp_row0, lane);
 
-    OnlineSoftmax<float> row_top, row_bottom;  // rows g and g + 8 of the warp's tile
-    row_top.init();  // ℓ here is this thread's partial row sum (the quad sums it at the end)
-    row_bottom.init();
-    FragC acc[Tr::kOTiles];
+    // rows g and g + 8 of each row tile; ℓ here is this thread's partial row sum (the quad
+    // sums it at the end)
+    OnlineSoftmax<float> row_top[R], row_bottom[R];
+    FragC acc[R][Tr::kOTiles];
 #pragma unroll
-    for (int j = 0; j < Tr::kOTiles; ++j) acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+    for (int r = 0; r < R; ++r) {
+        row_top[r].init();
+        row_bottom[r].init();
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j) acc[r][j] = FragC{0.f, 0.f, 0.f, 0.f};
+    }
 
     // -- main loop over K_j, V_j
     for (int j = t_begin; j < t_end; ++j) {
@@ -129,87 +140,113 @@ __device__ __forceinline__ void flash_fwd_tc(
         const int n0 = j * BN;
 
         // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
-        FragC s[Tr::kSTiles];
+        FragC s[R][Tr::kSTiles];
 #pragma unroll
-        for (int i = 0; i < Tr::kSTiles; ++i) s[i] = FragC{0.f, 0.f, 0.f, 0.f};
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < Tr::kSTiles; ++i) s[r][i] = FragC{0.f, 0.f, 0.f, 0.f};
         gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
-        const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
         if (var.scores()) {  // the chain runs on the natural score scale·qk, then log2 units
             var.bind(b, h, Nq, Nk);  // here, not before the loop: short-lived registers
             variant_scores(s, var, mask, scale, r_top, n0 + 2 * t);
         } else {
             const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
 #pragma unroll
-            for (int i = 0; i < Tr::kSTiles; ++i) {
-                s[i].c0 *= scale_log2;
-                s[i].c1 *= scale_log2;
-                s[i].c2 *= scale_log2;
-                s[i].c3 *= scale_log2;
-                if (needs_mask) {
-                    const int c = n0 + i * 8 + 2 * t;
-                    if (mask.masked(r_top, c)) s[i].c0 = neg_inf<float>();
-                    if (mask.masked(r_top, c + 1)) s[i].c1 = neg_inf<float>();
-                    if (mask.masked(r_bottom, c)) s[i].c2 = neg_inf<float>();
-                    if (mask.masked(r_bottom, c + 1)) s[i].c3 = neg_inf<float>();
+            for (int r = 0; r < R; ++r) {
+                const int row = r_top + 16 * r;
+#pragma unroll
+                for (int i = 0; i < Tr::kSTiles; ++i) {
+                    s[r][i].c0 *= scale_log2;
+                    s[r][i].c1 *= scale_log2;
+                    s[r][i].c2 *= scale_log2;
+                    s[r][i].c3 *= scale_log2;
+                    if (needs_mask) {
+                        const int c = n0 + i * 8 + 2 * t;
+                        if (mask.masked(row, c)) s[r][i].c0 = neg_inf<float>();
+                        if (mask.masked(row, c + 1)) s[r][i].c1 = neg_inf<float>();
+                        if (mask.masked(row + 8, c)) s[r][i].c2 = neg_inf<float>();
+                        if (mask.masked(row + 8, c + 1)) s[r][i].c3 = neg_inf<float>();
+                    }
                 }
             }
         }
 
-        // -- update m_i and l_i: m_new = max(m_i, rowmax S), α = exp2(m_i − m_new)
-        float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
-        tile_row_max(s, max_top, max_bottom);
-        const float alpha_top = row_top.update(row_max_quad(max_top));  // also ℓ_i *= α
-        const float alpha_bottom = row_bottom.update(row_max_quad(max_bottom));
-        float sum_top = 0.f, sum_bottom = 0.f;
-        exp2_rows(s, row_top.shift(), row_bottom.shift(), sum_top, sum_bottom);  // S → P̃
-        row_top.l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
-        row_bottom.l_i += sum_bottom;
+        // -- update m_i and l_i: m_new = max(m_i, rowmax S), α = exp2(m_i − m_new); acc *= α.
+        // Where acc *= α goes is ptxas's register allocation, not the algorithm's: with two
+        // row tiles right after α (after the dropout branch, D = 128 spilled on sm_75), with
+        // one after the dropout branch (before it, split tf32 D = 256 spilled).
+        float alpha_top[R], alpha_bottom[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+            tile_row_max(s[r], max_top, max_bottom);
+            alpha_top[r] = row_top[r].update(row_max_quad(max_top));  // also ℓ_i *= α
+            alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom));
+            if constexpr (R > 1) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
+            float sum_top = 0.f, sum_bottom = 0.f;  // S → P̃ = exp2(S − m_new)
+            exp2_rows(s[r], row_top[r].shift(), row_bottom[r].shift(), sum_top, sum_bottom);
+            row_top[r].l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
+            row_bottom[r].l_i += sum_bottom;
+        }
         if (var.dropout()) {  // P̃ V only
             var.bind(b, h, Nq, Nk);
             dropout_fragments(s, var, r_top, n0 + 2 * t);
         }
-        rescale_acc(acc, alpha_top, alpha_bottom);
+        if constexpr (R == 1) rescale_acc(acc[0], alpha_top[0], alpha_bottom[0]);
 
         // -- acc += P̃ V_j
         gemm_c_tile<Tr>(acc, s, sVj, lane);
     }
 
     // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
-    row_top.l_i = row_sum_quad(row_top.l_i);
-    row_bottom.l_i = row_sum_quad(row_bottom.l_i);
-    const float inv_top = row_top.inv_l(), inv_bottom = row_bottom.inv_l();
-    const int r_top = m0 + warp_row0 + g, r_bottom = r_top + 8;
-    if (t == 0) {  // one writer per row
-        if (r_top < Nq) lse[seq.lse_row(split, b, h, r_top)] = row_top.lse();
-        if (r_bottom < Nq) lse[seq.lse_row(split, b, h, r_bottom)] = row_bottom.lse();
+    float inv_top[R], inv_bottom[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        row_top[r].l_i = row_sum_quad(row_top[r].l_i);
+        row_bottom[r].l_i = row_sum_quad(row_bottom[r].l_i);
+        inv_top[r] = row_top[r].inv_l();
+        inv_bottom[r] = row_bottom[r].inv_l();
+        const int row = r_top + 16 * r;
+        if (t == 0) {  // one writer per row
+            if (row < Nq) lse[seq.lse_row(split, b, h, row)] = row_top[r].lse();
+            if (row + 8 < Nq) lse[seq.lse_row(split, b, h, row + 8)] = row_bottom[r].lse();
+        }
     }
     if (o_part) {  // a split's partial O_i, in float, straight from the fragments
 #pragma unroll
-        for (int j = 0; j < Tr::kOTiles; ++j) {
-            const int col = j * 8 + 2 * t;
-            if (col >= d) continue;
-            if (r_top < Nq)
-                *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, r_top) * d + col) =
-                    make_float2(acc[j].c0 * inv_top, acc[j].c1 * inv_top);
-            if (r_bottom < Nq)
-                *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, r_bottom) * d + col) =
-                    make_float2(acc[j].c2 * inv_bottom, acc[j].c3 * inv_bottom);
+        for (int r = 0; r < R; ++r) {
+            const int row = r_top + 16 * r;
+#pragma unroll
+            for (int j = 0; j < Tr::kOTiles; ++j) {
+                const int col = j * 8 + 2 * t;
+                if (col >= d) continue;
+                if (row < Nq)
+                    *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, row) * d + col) =
+                        make_float2(acc[r][j].c0 * inv_top[r], acc[r][j].c1 * inv_top[r]);
+                if (row + 8 < Nq)
+                    *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, row + 8) * d + col) =
+                        make_float2(acc[r][j].c2 * inv_bottom[r], acc[r][j].c3 * inv_bottom[r]);
+            }
         }
         return;
     }
     // (the sequence's first row read again here, not held in a register through the loop)
     T* o_bh = o + b * o_sb + h * o_sh + seq.start_q(b) * o_sr;
-    // O goes through the warp's own 16 rows of sQ (no other warp reads them after the
+    // O goes through the warp's own rows of sQ (no other warp reads them after the
     // prologue), converted to T, so that each thread then stores whole 16-byte chunks.
     T* sO = sQ;
     __syncwarp();  // the warp's reads of Q_i precede these writes
 #pragma unroll
-    for (int j = 0; j < Tr::kOTiles; ++j) {
-        const int col = j * 8 + 2 * t;
-        store_pair(sO + tile_offset<Tr>(warp_row0 + g, col), acc[j].c0 * inv_top,
-                   acc[j].c1 * inv_top);
-        store_pair(sO + tile_offset<Tr>(warp_row0 + g + 8, col), acc[j].c2 * inv_bottom,
-                   acc[j].c3 * inv_bottom);
+    for (int r = 0; r < R; ++r) {
+        const int row = warp_row0 + 16 * r + g;
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j) {
+            const int col = j * 8 + 2 * t;
+            store_pair(sO + tile_offset<Tr>(row, col), acc[r][j].c0 * inv_top[r],
+                       acc[r][j].c1 * inv_top[r]);
+            store_pair(sO + tile_offset<Tr>(row + 8, col), acc[r][j].c2 * inv_bottom[r],
+                       acc[r][j].c3 * inv_bottom[r]);
+        }
     }
     __syncwarp();
     constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;

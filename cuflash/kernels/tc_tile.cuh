@@ -1,15 +1,19 @@
 // tc_tile.cuh — the tensor-core forward's traits, shared-memory swizzle, tile copies and
 // the online softmax and the attention variants on mma fragments (flash_fwd_tc.cu).
 //
-// Warp layout: warp w owns the 16 query rows w·16 .. w·16+15 of the block (one mma row
-// tile), so BLOCK_M = 16 · NUM_WARPS. In registers, per thread (g = lane >> 2, t = lane % 4,
-// see the fragment picture in mma.cuh):
-//   Q_i   kKSteps A fragments (the warp's 16 x D slice of Q, loaded once), for D ≤ 128;
-//         for D = 256 they would take 64 of the 255 registers beside acc's 128 (ptxas
-//         spills), so there Q_i stays in shared memory and each k16 step re-reads its
-//         A fragment with one ldmatrix (as FlashAttention-2 does for every head dim)
+// Warp layout: warp w owns kWarpRows = 16 · kRowTiles query rows of the block, from
+// w · kWarpRows: kRowTiles (1 or 2) mma row tiles, so BLOCK_M = 16 · kRowTiles · NUM_WARPS.
+// Two row tiles (FlashAttention-2's 32 rows per warp) share every K and V fragment a warp
+// loads from shared memory between two mma, halving the ldmatrix bytes per mma. In
+// registers, per thread (g = lane >> 2, t = lane % 4, see the fragment picture in mma.cuh),
+// per row tile r (the warp's rows 16r .. 16r + 15):
+//   Q_i   kKSteps A fragments (the tile's 16 x D slice of Q, loaded once) while they take
+//         at most 32 registers (kQInRegs: one row tile of D ≤ 128, two of D = 64); beside
+//         O's 128 registers (D = 256, or two row tiles of D = 128) ptxas spills, so there
+//         Q_i stays in shared memory and each k16 step re-reads its A fragment with one
+//         ldmatrix (as FlashAttention-2 does for every head dim)
 //   S, P̃  kSTiles C fragments: rows g and g+8, cols 8j + 2t, 8j + 2t + 1 of 16 x BLOCK_N
-//   acc   kOTiles C fragments: rows g and g+8 of the warp's 16 x D slice of O
+//   acc   kOTiles C fragments: rows g and g+8 of the tile's 16 x D slice of O
 //   m_i, ℓ_i  one OnlineSoftmax per owned row (g, g+8); ℓ_i is the thread's partial sum
 //
 // Shared memory (dynamic, in the storage type T, rows of D elements = D/8 16-byte chunks,
@@ -34,14 +38,16 @@ struct TcTileTraits {
     static constexpr int kBlockN = BLOCK_N;
     static constexpr int kStages = STAGES;
     static constexpr int kThreads = NUM_WARPS * 32;
-    static constexpr int kWarpRows = 16;               // one mma row tile per warp
+    static constexpr int kRowTiles = BLOCK_M / (16 * NUM_WARPS);  // 16-row mma tiles per warp
+    static constexpr int kWarpRows = 16 * kRowTiles;
     static constexpr int kChunkElems = 16 / (int)sizeof(T);  // elements per 16-byte chunk
     static constexpr int kChunksPerRow = HEAD_DIM / kChunkElems;
     static constexpr int kKSteps = HEAD_DIM / 16;      // k16 steps of S = Q Kᵀ
     static constexpr int kSTiles = BLOCK_N / 8;        // n-tiles of S (and P̃)
     static constexpr int kPVSteps = BLOCK_N / 16;      // k16 steps of P̃ V
     static constexpr int kOTiles = HEAD_DIM / 8;       // n-tiles of O
-    static constexpr bool kQInRegs = HEAD_DIM <= 128;  // Q_i's A fragments held in registers
+    // Q_i's A fragments held in registers: kRowTiles · D / 4 registers, up to 32
+    static constexpr bool kQInRegs = kRowTiles * HEAD_DIM <= 128;
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
     static constexpr bool kTf32 = false;               // 16-bit operands (tf32_tile.cuh: float)
     static constexpr bool kSplit = false;
@@ -52,7 +58,8 @@ struct TcTileTraits {
     static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * (int)sizeof(T);
 
     static_assert(sizeof(T) == 2, "tensor-core tiles hold f16 or bf16");
-    static_assert(BLOCK_M == kWarpRows * NUM_WARPS, "each warp owns one 16-row mma tile: BLOCK_M = 16 * NUM_WARPS");
+    static_assert(kRowTiles == 1 || kRowTiles == 2, "each warp owns one or two 16-row mma tiles");
+    static_assert(BLOCK_M == kWarpRows * NUM_WARPS, "BLOCK_M = 16 * kRowTiles * NUM_WARPS, kRowTiles 1 or 2");
     static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16 (k16 steps of P V, ldmatrix.x4 pairs)");
     static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be a multiple of 64: the swizzle permutes 8 chunks of 16 bytes");
     static_assert(STAGES >= 2, "the cp.async pipeline needs at least two stages to overlap copy and math");
@@ -117,34 +124,45 @@ __device__ __forceinline__ FragA q_fragment(const T* sQ, int warp_row0, int kk, 
     return a;
 }
 
-// Q_i's A fragments into registers, once per block (when kQInRegs).
-template <class Tr, typename T>
-__device__ __forceinline__ void load_q_fragments(FragA (&qf)[Tr::kQFrags], const T* sQ, int warp_row0,
-                                                 int lane) {
+// Q_i's A fragments into registers, once per block (when kQInRegs): row tile r is the
+// warp's rows 16r .. 16r + 15.
+template <class Tr, int R, typename T>
+__device__ __forceinline__ void load_q_fragments(FragA (&qf)[R][Tr::kQFrags], const T* sQ,
+                                                 int warp_row0, int lane) {
     if constexpr (Tr::kQInRegs) {
 #pragma unroll
-        for (int kk = 0; kk < Tr::kKSteps; ++kk) qf[kk] = q_fragment<Tr>(sQ, warp_row0, kk, lane);
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int kk = 0; kk < Tr::kKSteps; ++kk)
+                qf[r][kk] = q_fragment<Tr>(sQ, warp_row0 + 16 * r, kk, lane);
     }
 }
 
-// s += Q_i K_jᵀ: per k16 step and pair of n-tiles (16 keys), one ldmatrix.x4 of K (keys as
-// rows, not transposed: a K row pair is a B column pair) gives b0, b1 of both n-tiles.
-template <class Tr, typename T>
-__device__ __forceinline__ void gemm_qk_tc(FragC (&s)[Tr::kSTiles], const FragA (&qf)[Tr::kQFrags],
+// s += Q_i K_jᵀ for the warp's R row tiles: per k16 step and pair of n-tiles (16 keys), one
+// ldmatrix.x4 of K (keys as rows, not transposed: a K row pair is a B column pair) gives
+// b0, b1 of both n-tiles, and every row tile's mma uses them: R rows per B fragment load.
+template <class Tr, int R, typename T>
+__device__ __forceinline__ void gemm_qk_tc(FragC (&s)[R][Tr::kSTiles], const FragA (&qf)[R][Tr::kQFrags],
                                            const T* sQ, int warp_row0, const T* sK, int lane) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kKSteps; ++kk) {
-        FragA a;
-        if constexpr (Tr::kQInRegs) a = qf[kk];
-        else a = q_fragment<Tr>(sQ, warp_row0, kk, lane);
+        FragA a[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if constexpr (Tr::kQInRegs) a[r] = qf[r][kk];
+            else a[r] = q_fragment<Tr>(sQ, warp_row0 + 16 * r, kk, lane);
+        }
 #pragma unroll
         for (int np = 0; np < Tr::kSTiles / 2; ++np) {
             FragB b_lo, b_hi;
             ldmatrix_x4(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
                         sK + tile_offset<Tr>(np * 16 + lane % 8 + (lane / 16) * 8,
                                              kk * 16 + ((lane / 8) % 2) * 8));
-            mma_k16<T>(s[2 * np], a, b_lo);
-            mma_k16<T>(s[2 * np + 1], a, b_hi);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                mma_k16<T>(s[r][2 * np], a[r], b_lo);
+                mma_k16<T>(s[r][2 * np + 1], a[r], b_hi);
+            }
         }
     }
 }
@@ -157,22 +175,28 @@ __device__ __forceinline__ FragA p_fragment(const FragC& left, const FragC& righ
                  pack2<T>(right.c0, right.c1), pack2<T>(right.c2, right.c3)};
 }
 
-// acc += P̃ V_j: per k16 step (16 keys) and pair of O n-tiles (16 head-dim columns), one
-// ldmatrix.x4.trans of the row-major V tile gives b0, b1 of both n-tiles.
-template <class Tr, typename T>
-__device__ __forceinline__ void gemm_pv_tc(FragC (&acc)[Tr::kOTiles], const FragC (&p)[Tr::kSTiles],
+// acc += P̃ V_j for the warp's R row tiles: per k16 step (16 keys) and pair of O n-tiles
+// (16 head-dim columns), one ldmatrix.x4.trans of the row-major V tile gives b0, b1 of
+// both n-tiles, shared by every row tile's mma.
+template <class Tr, int R, typename T>
+__device__ __forceinline__ void gemm_pv_tc(FragC (&acc)[R][Tr::kOTiles], const FragC (&p)[R][Tr::kSTiles],
                                            const T* sV, int lane) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
-        const FragA pa = p_fragment<T>(p[2 * kk], p[2 * kk + 1]);
+        FragA pa[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) pa[r] = p_fragment<T>(p[r][2 * kk], p[r][2 * kk + 1]);
 #pragma unroll
         for (int np = 0; np < Tr::kOTiles / 2; ++np) {
             FragB b_lo, b_hi;
             ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
                               sV + tile_offset<Tr>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
                                                    np * 16 + (lane / 16) * 8));
-            mma_k16<T>(acc[2 * np], pa, b_lo);
-            mma_k16<T>(acc[2 * np + 1], pa, b_hi);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                mma_k16<T>(acc[r][2 * np], pa[r], b_lo);
+                mma_k16<T>(acc[r][2 * np + 1], pa[r], b_hi);
+            }
         }
     }
 }
@@ -238,12 +262,12 @@ __device__ __forceinline__ float variant_score(const Variants<T>& var, const Cau
 }
 
 // Every element of the thread's fragments one place towards s[0].c0 (n-tile n's c0 ← c1 ←
-// c2 ← c3 ← n-tile n + 1's c0), `in` into the last: register moves only. 4·N rotations
-// bring every element back to its place, so a rolled loop can take element e from
-// s[0].c0 at step e without a dynamic index into the fragments (which would put them in
-// local memory).
+// c2 ← c3 ← n-tile n + 1's c0), `in` into the last: register moves only; returns the
+// element that leaves s[0].c0. 4·N rotations bring every element back to its place, so a
+// rolled loop can take element e from s[0].c0 at step e without a dynamic index into the
+// fragments (which would put them in local memory).
 template <int N>
-__device__ __forceinline__ void rotate_fragments(FragC (&s)[N], float in) {
+__device__ __forceinline__ float rotate_fragments(FragC (&s)[N], float in) {
 #pragma unroll
     for (int n = N - 1; n >= 0; --n) {
         const float out = s[n].c0;
@@ -253,42 +277,70 @@ __device__ __forceinline__ void rotate_fragments(FragC (&s)[N], float in) {
         s[n].c3 = in;
         in = out;
     }
+    return in;
 }
 
-// S (raw products) → the variants' scores in log2 units, in place. The chain is inlined
-// once, not once per element: a rolled loop takes the thread's 4·N elements one by one
-// from s[0].c0 (rotate_fragments). This keeps the variant branch's code, and the compile
+// The same through R row tiles' fragments: row tile r + 1's first element moves into row
+// tile r's last.
+template <int R, int N>
+__device__ __forceinline__ float rotate_fragments(FragC (&s)[R][N], float in) {
+#pragma unroll
+    for (int r = R - 1; r >= 0; --r) in = rotate_fragments(s[r], in);
+    return in;
+}
+
+// S (raw products) → the variants' scores in log2 units, in place, for the warp's R row
+// tiles (row tile r's rows are r_top + 16r and r_top + 16r + 8). The chain is inlined once,
+// not once per element: a rolled loop takes the thread's 4·R·N elements one by one from
+// s[0][0].c0 (rotate_fragments). This keeps the variant branch's code, and the compile
 // time, small.
-template <int N, typename T>
-__device__ __forceinline__ void variant_scores(FragC (&s)[N], const Variants<T>& var,
+template <int R, int N, typename T>
+__device__ __forceinline__ void variant_scores(FragC (&s)[R][N], const Variants<T>& var,
                                                const CausalMask& mask, float scale, int r_top,
                                                int c0) {
 #pragma unroll 1
-    for (int e = 0; e < 4 * N; ++e) {  // element e: n-tile e / 4, register e % 4
-        const int i = r_top + (e & 2) * 4, j = c0 + (e >> 2) * 8 + (e & 1);
-        rotate_fragments(s, variant_score(var, mask, s[0].c0, scale, i, j));
+    for (int r = 0; r < R; ++r) {
+#pragma unroll 1
+        for (int e = 0; e < 4 * N; ++e) {  // element e: n-tile e / 4, register e % 4
+            const int i = r_top + 16 * r + (e & 2) * 4, j = c0 + (e >> 2) * 8 + (e & 1);
+            rotate_fragments(s, variant_score(var, mask, s[0][0].c0, scale, i, j));
+        }
     }
 }
 
+// One keep bit per element of a thread's part of S: 32 bits where they do, else 64 (two
+// row tiles of Bc = 64).
+template <bool Wide> struct KeepBits { using type = unsigned int; };
+template <> struct KeepBits<true> { using type = unsigned long long; };
+
 // Dropout: P̃ → P̃ ∘ keep / (1 − p) in place, after ℓ has summed P̃ (lse stays the
-// pre-dropout one). The keep decisions are drawn first, into one bit per element (a
-// rolled loop, one Philox call per row and column pair: the generator is inlined once),
-// then applied.
-template <int N, typename T>
-__device__ __forceinline__ void dropout_fragments(FragC (&p)[N], const Variants<T>& var,
+// pre-dropout one), for the warp's R row tiles. The keep decisions are drawn first, into
+// one bit per element (a rolled loop, one Philox call per row and column pair: the
+// generator is inlined once), then applied.
+template <int R, int N, typename T>
+__device__ __forceinline__ void dropout_fragments(FragC (&p)[R][N], const Variants<T>& var,
                                                   int r_top, int c0) {
-    static_assert(4 * N <= 32, "one keep bit per element of the thread's part of S");
-    unsigned int bits = 0;
+    static_assert(4 * R * N <= 64, "one keep bit per element of the thread's part of S");
+    using Bits = typename KeepBits<(4 * R * N > 32)>::type;
+    Bits bits = 0;
 #pragma unroll 1
-    for (int e = 0; e < 2 * N; ++e)  // n-tile e / 2, row r_top + 8·(e % 2): 2 bits at 2·e
-        bits |= var.keep_pair(r_top + (e & 1) * 8, c0 + (e >> 1) * 8) << (2 * e);
+    for (int r = 0; r < R; ++r) {
+#pragma unroll 1
+        for (int e = 0; e < 2 * N; ++e)  // n-tile e / 2, row + 8·(e % 2): 2 bits at 2·e
+            bits |= (Bits)var.keep_pair(r_top + 16 * r + (e & 1) * 8, c0 + (e >> 1) * 8)
+                    << (2 * (r * 2 * N + e));
+    }
     const float ks = var.keep_scale;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        p[j].c0 = (bits >> (4 * j)) & 1u ? p[j].c0 * ks : 0.f;
-        p[j].c1 = (bits >> (4 * j)) & 2u ? p[j].c1 * ks : 0.f;
-        p[j].c2 = (bits >> (4 * j)) & 4u ? p[j].c2 * ks : 0.f;
-        p[j].c3 = (bits >> (4 * j)) & 8u ? p[j].c3 * ks : 0.f;
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const unsigned keep = (unsigned)(bits >> (4 * (r * N + j))) & 0xfu;
+            p[r][j].c0 = keep & 1u ? p[r][j].c0 * ks : 0.f;
+            p[r][j].c1 = keep & 2u ? p[r][j].c1 * ks : 0.f;
+            p[r][j].c2 = keep & 4u ? p[r][j].c2 * ks : 0.f;
+            p[r][j].c3 = keep & 8u ? p[r][j].c3 * ks : 0.f;
+        }
     }
 }
 

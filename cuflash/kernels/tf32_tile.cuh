@@ -47,7 +47,8 @@ struct Tf32TileTraits {
     static constexpr int kBlockN = BLOCK_N;
     static constexpr int kStages = STAGES;
     static constexpr int kThreads = NUM_WARPS * 32;
-    static constexpr int kWarpRows = 16;               // one mma row tile per warp
+    static constexpr int kRowTiles = 1;                // one mma row tile per warp: the fp32
+    static constexpr int kWarpRows = 16;               // operands leave no registers for two
     static constexpr int kChunkElems = 4;              // floats per 16-byte chunk
     static constexpr int kChunksPerRow = HEAD_DIM / kChunkElems;
     static constexpr int kKSteps = HEAD_DIM / 8;       // k8 steps of S = Q Kᵀ
