@@ -285,20 +285,30 @@ def test_smem_formula_matches_ptxas():
 @pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
 def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75:
-    two m16n8k8 per k16 step; per row tile of the warp), ldmatrix (LDSM), cp.async (LDGSTS, sm_80+; plain loads on
-    sm_75) and no local memory (LDL/STL); bfloat16 on sm_75 is a trap."""
+    two m16n8k8 per k16 step; per row tile of the warp), ldmatrix (LDSM), cp.async (LDGSTS,
+    sm_80+; plain loads on sm_75) and no local memory (LDL/STL); bfloat16 and float32 on
+    sm_75 are a trap. float32 (tf32): at least the unrolled P̃ V mma (three per product when
+    split; Q Kᵀ's k loop is rolled when Q_i stays in shared memory), no ldmatrix."""
     from cuflash import compile_gate
     if compile_gate.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    plans = {p.name_expression: p for p in tiling.all_tc_plans()}
+    plans = {p.name_expression: p for p in (*tiling.all_tc_plans(), *tiling.all_tf32_plans())}
     archs = [a for a in compiler.GATE_ARCHS if a != "sm_70"]   # CUDA 13's nvdisasm has no sm_70
-    rows = compile_gate.run_gate({"flash_fwd_tc.cu": list(plans)}, archs=archs, sass=True)
+    # the file's whole list, as the gate builds it (its cached builds)
+    names = tiling.specializations()["flash_fwd_tc.cu"]
+    assert sorted(names) == sorted(plans)
+    rows = compile_gate.run_gate({"flash_fwd_tc.cu": names}, archs=archs, sass=True)
     assert len(rows) == len(plans) * len(archs)
     for r in rows:
         assert r.ok and r.sass is not None, (r.kernel, r.arch, r.error)
         p, n = plans[r.kernel], r.sass
-        if p.dtype == "bfloat16" and r.arch == "sm_75":
+        if p.dtype in ("bfloat16", "float32") and r.arch == "sm_75":
             assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
+            continue
+        if p.dtype == "float32":
+            pv = (p.block_n // 8) * (p.head_dim // 8) * (3 if p.split else 1)
+            assert n["HMMA"] >= pv and n["LDSM"] == 0 and n["LDGSTS"] > 0, (r.kernel, r.arch, n)
+            assert n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
             continue
         D, bn = p.head_dim, p.block_n
         rt = p.row_tiles                                              # each K, V fragment
