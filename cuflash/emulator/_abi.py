@@ -77,10 +77,12 @@ _FUNCTIONS = {
     "__emu_init": (ctypes.c_int, [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]),
     "__emu_kernel_info": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int),
                                          ctypes.POINTER(ctypes.POINTER(ctypes.c_int))]),
-    "__emu_launch": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
-                                    ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                                    ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_int,
-                                    ctypes.c_ulonglong, ctypes.c_int, ctypes.POINTER(ErrorRecord)]),
+    "__emu_launch_start": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
+                                          ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                          ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_ulonglong, ctypes.c_int]),
+    "__emu_launch_wait": (ctypes.c_int, [ctypes.c_int]),
+    "__emu_launch_end": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ErrorRecord)]),
     "__emu_bench_switch": (ctypes.c_double, [ctypes.c_long]),
 }
 

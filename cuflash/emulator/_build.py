@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from .. import compiler
+from . import _headers
 from ._elf import undefined_tls
 from ._errors import EmulatorCompileError, EmulatorError
 from ._launcher import launcher_source
@@ -32,22 +33,28 @@ _EMULATOR_FILES = (*_RUNTIME_SRCS, *_RUNTIME_HEADERS, SHIM, Path(__file__),
 _SOURCE_EXTS = (".h", ".hpp", ".cuh", ".cu", ".inc", ".inl", ".hh", ".hxx")
 # macros that must reach the CUDA headers, so they stay on the command line (see build())
 _EARLY_MACROS = ("__CUDA", "CUDA", "__CUDACC", "_GLIBCXX", "__STDC", "_GNU")
-# headers the shim includes that a host compiler finds only with the CUDA include directories
-_CUDA_HEADERS = ("cuda_fp16.h", "crt/host_defines.h", "nv/target")
 
 _lock = threading.RLock()
 _loaded: dict = {}   # cache key -> Library
 
 
-def cuda_include_dirs() -> list:
-    """compiler.cuda_include_dir() and what a host compiler needs besides (crt/, nv/target)."""
-    dirs = compiler.cuda_host_include_dirs()
-    missing = [h for h in _CUDA_HEADERS if not any((Path(d) / h).exists() for d in dirs)]
-    if missing:
-        raise EmulatorError(
-            f"the CUDA emulator needs the CUDA headers {', '.join(missing)} (searched {list(dirs) or 'nothing'}): "
-            "`pip install nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12`, or set CUDA_PATH to a CUDA toolkit")
-    return list(dirs)
+def availability() -> tuple:
+    """(True, the compiler and CUDA headers the emulator builds with) or (False, what to install).
+    Looks for them only: nothing is compiled."""
+    problems, cxx, dirs = [], None, []
+    try:
+        cxx = find_cxx()
+    except EmulatorError as e:
+        problems.append(str(e))
+    try:
+        dirs = _headers.include_dirs()
+    except EmulatorError as e:
+        problems.append(str(e))
+    if problems:
+        return False, "\n".join(problems)
+    v = compiler.cuda_version(dirs[0])
+    cuda = f"CUDA {v // 1000}.{v % 1000 // 10}" if v else "CUDA"
+    return True, f"{cxx}, {cuda} headers in {', '.join(dirs)}"
 
 
 def _hash_sources(h, d: Path) -> None:
@@ -71,7 +78,8 @@ def cache_key(code: str, src_path, options, names: list, checked: bool, cxx: str
     opts = parse_options(options)
     h = hashlib.sha256()
     for part in (code, repr(tuple(map(str, options))), repr(names), str(checked), arch, str(src_path or ""),
-                 cxx, cxx_version(cxx), repr(cuda_dirs), repr(compiler.cuda_version())):
+                 cxx, cxx_version(cxx), repr(cuda_dirs),
+                 repr(compiler.cuda_version(cuda_dirs[0]) if cuda_dirs else None)):
         h.update(part.encode() + b"\0")
     for f in _EMULATOR_FILES:
         h.update(f.read_bytes())
@@ -93,7 +101,7 @@ def build(code: str, src_path, options, names: list, checked: bool, arch: Arch) 
     """The loaded library of `names` from `code` for the emulated `arch`: from this process,
     the disk cache, or g++."""
     cxx = find_cxx()
-    cuda_dirs = cuda_include_dirs()
+    cuda_dirs = _headers.include_dirs()
     key = cache_key(code, src_path, options, names, checked, cxx, cuda_dirs, arch.name)
     with _lock:
         if key in _loaded:

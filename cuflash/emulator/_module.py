@@ -18,6 +18,7 @@ from .archs import get_arch
 
 _DEFAULT_SMEM = 48 * 1024   # what a kernel may use without raising max_dynamic_shared_size_bytes
 _MAX_SMEM = 232448          # the largest opt-in shared memory of any GPU (227 KiB)
+_WAIT_MS = 50               # how long a launch waits for its workers between checks for Ctrl-C
 
 
 def _dim3(v, what: str) -> tuple:
@@ -172,10 +173,22 @@ class RawKernel:
             *(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in holders))
         rarr = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
         err = ErrorRecord()
+        rt = lib.runtime
         with lib.launch_lock:
-            code = lib.runtime.launch(k, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, argv,
-                                      len(ranges) // 3, rarr, int(checked), self.module.schedule,
-                                      self.module.seed, 1 if checked else _workers(), ctypes.byref(err))
+            finished = False
+            try:
+                rt.launch_start(k, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, argv,
+                                len(ranges) // 3, rarr, int(checked), self.module.schedule, self.module.seed,
+                                1 if checked else _workers())
+                # worker threads run the blocks; waiting in short slices lets Python run its signal
+                # handlers, so Ctrl-C (KeyboardInterrupt) stops a long launch
+                while not rt.launch_wait(_WAIT_MS):
+                    pass
+                finished = True
+            finally:
+                # an exception (Ctrl-C) cancels the launch: the workers stop at their next
+                # barrier, warp operation or block, and the arrays are free again on return
+                code = rt.launch_end(int(not finished), ctypes.byref(err))
         if code:
             raise launch_error(err, lib, self.name, args)
 

@@ -16,7 +16,10 @@
 #include <link.h>
 #include <sys/mman.h>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 #include <algorithm>
@@ -173,11 +176,22 @@ struct Launch {
     std::atomic<long> next_block;
     long nblocks;
     std::atomic<int> failed;
+    std::atomic<int> cancelled;  // the caller gave up (Ctrl-C): stop at the next fiber switch or block
     std::mutex err_mu;
     EmuError* err;
+    EmuError record;   // the launch's own: __emu_launch_end copies it out
     std::vector<Range> args;
     std::vector<GRegion> regions;
+    std::vector<std::thread> workers;
+    bool handlers = false;   // install_signals() was called
+    int running = 0;         // workers not yet finished
+    std::mutex run_mu;
+    std::condition_variable run_cv;
 };
+
+static bool stopping(const Launch* L) {
+    return L->failed.load(std::memory_order_relaxed) || L->cancelled.load(std::memory_order_relaxed);
+}
 
 static uintptr_t g_module_base = 0;
 static std::vector<std::pair<uintptr_t, uintptr_t>> g_module_ranges;  // PT_LOAD segments
@@ -1086,7 +1100,7 @@ static void run_block(Worker* w, long b) {
 #endif
             w->in_fiber = 0;
             w->cur = nullptr;
-            if (L->failed.load(std::memory_order_relaxed)) return;
+            if (stopping(L)) return;   // the block's fibers are abandoned; their stacks go with the worker
         }
         if (w->live == 0) return;
         if (!ran) {
@@ -1193,7 +1207,7 @@ static void worker_run(Launch* L) {
     __emu_t_worker = w;
     if (sigsetjmp(w->jb, 1) == 0) {
         for (;;) {
-            if (L->failed.load(std::memory_order_relaxed)) break;
+            if (stopping(L)) break;
             long b = L->next_block.fetch_add(1);
             if (b >= L->nblocks) break;
             run_block(w, b);
@@ -1210,9 +1224,25 @@ static void worker_run(Launch* L) {
     munmap(w->stacks, w->stacks_size);
 }
 
-EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, unsigned long long shmem,
-                            void** argv, int nranges, const unsigned long long* ranges, int checked,
-                            int schedule, unsigned long long seed, int nworkers, EmuError* err) {
+// A launch runs on worker threads while the caller waits in short slices (__emu_launch_wait), so
+// that Python runs its signal handlers meanwhile: a blocking call would hold off Ctrl-C until the
+// last block. One launch per library at a time (Python holds the library's launch lock).
+static Launch* g_launch = nullptr;
+
+static void worker_main(Launch* L) {
+    worker_run(L);
+    std::lock_guard<std::mutex> g(L->run_mu);
+    if (--L->running == 0) L->run_cv.notify_all();
+}
+
+EMU_EXPORT int __emu_launch_end(int cancel, EmuError* out);
+
+EMU_EXPORT int __emu_launch_start(int k, const unsigned* grid, const unsigned* block, unsigned long long shmem,
+                                  void** argv, int nranges, const unsigned long long* ranges, int checked,
+                                  int schedule, unsigned long long seed, int nworkers) {
+    if (g_launch) __emu_launch_end(1, nullptr);   // an abandoned launch must not outlive its arrays
+    Launch* L = g_launch = new Launch();
+    EmuError* err = L->err = &L->record;
     memset(err, 0, sizeof(*err));
     if (k < 0 || k >= __emu_kernel_count) { err->code = EMU_ERROR_GENERIC; snprintf(err->msg, sizeof(err->msg), "bad kernel index"); return err->code; }
     if (shmem > EMU_DYN_SMEM_MAX) {
@@ -1220,35 +1250,34 @@ EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, 
         snprintf(err->msg, sizeof(err->msg), "dynamic shared memory of %llu bytes exceeds the emulator's (and every GPU's) limit of %d bytes", shmem, EMU_DYN_SMEM_MAX);
         return err->code;
     }
-    Launch L;
-    L.k = &__emu_kernel_table[k];
-    L.argv = argv;
-    for (int i = 0; i < 3; ++i) { L.grid[i] = grid[i]; L.block[i] = block[i]; }
-    L.shmem = shmem;
-    L.checked = checked;
-    L.schedule = schedule;
-    L.seed = seed;
-    L.next_block = 0;
-    L.nblocks = (long)grid[0] * grid[1] * grid[2];
-    L.failed = 0;
-    L.err = err;
+    L->k = &__emu_kernel_table[k];
+    L->argv = argv;
+    for (int i = 0; i < 3; ++i) { L->grid[i] = grid[i]; L->block[i] = block[i]; }
+    L->shmem = shmem;
+    L->checked = checked;
+    L->schedule = schedule;
+    L->seed = seed;
+    L->next_block = 0;
+    L->nblocks = (long)grid[0] * grid[1] * grid[2];
+    L->failed = 0;
+    L->cancelled = 0;
     for (int i = 0; i < nranges; ++i)
-        L.args.push_back({(uintptr_t)ranges[3 * i], (uintptr_t)(ranges[3 * i] + ranges[3 * i + 1]), (int)ranges[3 * i + 2]});
+        L->args.push_back({(uintptr_t)ranges[3 * i], (uintptr_t)(ranges[3 * i] + ranges[3 * i + 1]), (int)ranges[3 * i + 2]});
     if (checked) {
         // merge overlapping argument ranges into regions, each with a per-byte block shadow
-        std::vector<Range> rs = L.args;
+        std::vector<Range> rs = L->args;
         std::sort(rs.begin(), rs.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
         for (auto& r : rs) {
             if (r.hi <= r.lo) continue;
-            if (!L.regions.empty() && r.lo < L.regions.back().hi) { L.regions.back().hi = std::max(L.regions.back().hi, r.hi); continue; }
-            L.regions.push_back({r.lo, r.hi, nullptr, nullptr, nullptr});
+            if (!L->regions.empty() && r.lo < L->regions.back().hi) { L->regions.back().hi = std::max(L->regions.back().hi, r.hi); continue; }
+            L->regions.push_back({r.lo, r.hi, nullptr, nullptr, nullptr});
         }
         size_t total = 0;
-        for (auto& g : L.regions) total += g.hi - g.lo;
+        for (auto& g : L->regions) total += g.hi - g.lo;
         // intra-block race tracking on global memory costs 32 bytes of (lazily touched) shadow per
         // byte; skip it for very large launches (bounds and inter-block checks stay on)
         const bool intra = total <= ((size_t)512 << 20) / sizeof(SShadow);
-        for (auto& g : L.regions) {
+        for (auto& g : L->regions) {
             g.wr = (int32_t*)calloc(g.hi - g.lo, sizeof(int32_t));
             g.rd = (int32_t*)calloc(g.hi - g.lo, sizeof(int32_t));
             if (intra) g.sh = (SShadow*)calloc(g.hi - g.lo, sizeof(SShadow));
@@ -1256,16 +1285,46 @@ EMU_EXPORT int __emu_launch(int k, const unsigned* grid, const unsigned* block, 
         nworkers = 1;
     }
     if (nworkers < 1) nworkers = 1;
-    if (nworkers > L.nblocks) nworkers = (int)std::max(1L, L.nblocks);
+    if (nworkers > L->nblocks) nworkers = (int)std::max(1L, L->nblocks);
     install_signals();
-    std::vector<std::thread> th;
-    for (int i = 1; i < nworkers; ++i) th.emplace_back(worker_run, &L);
-    worker_run(&L);
-    for (auto& t : th) t.join();
-    remove_signals();
-    for (auto& g : L.regions) { free(g.wr); free(g.rd); free(g.sh); }
-    fflush(stdout);
+    L->handlers = true;
+    L->running = nworkers;
+    for (int i = 0; i < nworkers; ++i) {
+        try {
+            L->workers.emplace_back(worker_main, L);
+        } catch (const std::system_error&) {   // out of threads: the ones started do the work
+            std::lock_guard<std::mutex> g(L->run_mu);
+            L->running -= nworkers - i;
+            if (i == 0) { err->code = EMU_ERROR_GENERIC; snprintf(err->msg, sizeof(err->msg), "cannot start a worker thread"); }
+            break;
+        }
+    }
     return err->code;
+}
+
+// 1 once every worker has finished (or none was started), 0 after `timeout_ms` otherwise.
+EMU_EXPORT int __emu_launch_wait(int timeout_ms) {
+    Launch* L = g_launch;
+    if (!L) return 1;
+    std::unique_lock<std::mutex> g(L->run_mu);
+    return L->run_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [L] { return L->running == 0; });
+}
+
+// Ends the launch: with `cancel`, the workers stop at their next fiber switch or block; waits for
+// them, copies the error record to `out` and returns its code (no-op returning 0 without a launch).
+EMU_EXPORT int __emu_launch_end(int cancel, EmuError* out) {
+    Launch* L = g_launch;
+    if (!L) return 0;
+    if (cancel) L->cancelled.store(1);
+    for (auto& t : L->workers) t.join();
+    if (L->handlers) remove_signals();
+    for (auto& g : L->regions) { free(g.wr); free(g.rd); free(g.sh); }
+    fflush(stdout);
+    int code = L->err->code;
+    if (out) memcpy(out, L->err, sizeof(*out));
+    g_launch = nullptr;
+    delete L;
+    return code;
 }
 
 // micro-benchmark of the context switch (ns per switch), used by the docs/tests
