@@ -142,7 +142,8 @@ def check_axis(axis, ndim):
 
 # -- attention variants (cuflash.variants) -----------------------------------------------
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An integer that is not a bool (True is an int to Python, never an index here)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
@@ -151,7 +152,7 @@ def check_window(window):
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2 \
-            or not all(_is_int(w) for w in window):
+            or not all(is_int(w) for w in window):
         raise TypeError(f"window must be None or a pair of ints (left, right); got {window!r}")
     left, right = (int(w) for w in window)
     if left < -1 or right < -1:
@@ -181,7 +182,7 @@ def check_dropout(dropout_p, seed):
     if not 0.0 <= p < 1.0:  # NaN fails too
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
     if seed is not None:
-        if not _is_int(seed):
+        if not is_int(seed):
             raise TypeError(f"seed must be an int >= 0 or None; got {seed!r}")
         if not 0 <= int(seed) < 2 ** 64:
             raise ValueError(f"seed must be an int in [0, 2**64); got {seed!r}")
@@ -210,23 +211,25 @@ def check_bias(bias, q, nk, dtype):
     """bias: a float array of q's dtype or float32, broadcastable to the scores' shape."""
     if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
         raise TypeError(f"bias must be an array or None; got {describe(bias)}")
+    # the shape first: a bias of the wrong shape is wrong whatever its dtype
+    check_broadcastable("bias", bias, score_shape(q, nk))
     got = np.dtype(bias.dtype)
     accepted = {np.dtype(dtype), np.dtype(np.float32)}
     if got not in accepted:
         names = " or ".join(sorted({str(d) for d in accepted}))
-        raise TypeError(f"bias must have q's dtype or float32 ({names}); got dtype {got}")
-    check_broadcastable("bias", bias, score_shape(q, nk))
+        raise TypeError(f"bias must have q's dtype or float32 ({names}); got dtype {got} "
+                        f"(cast it: bias.astype(q.dtype))")
 
 
 def check_mask(mask, q, nk):
     """mask: a bool array (True = may attend), broadcastable to the scores' shape."""
     if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
         raise TypeError(f"mask must be a bool array or None; got {describe(mask)}")
+    check_broadcastable("mask", mask, score_shape(q, nk))   # the shape first, as bias
     if np.dtype(mask.dtype) != np.bool_:
         raise TypeError(f"mask must be a bool array (True = may attend, as in PyTorch's "
                         f"scaled_dot_product_attention); got dtype {mask.dtype}. Use "
                         f"mask.astype(bool), or bias for additive masks")
-    check_broadcastable("mask", mask, score_shape(q, nk))
 
 
 def check_alibi(slopes, q, hq):

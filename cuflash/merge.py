@@ -30,7 +30,10 @@ def merge_states(o, lse):
     lse = logsumexp_s lse_s, o = Σ_s exp(lse_s − lse)·o_s; o in o's dtype, lse in the
     accumulation dtype (float32, float64 for float64). Sums run in float32 (float64 for
     float64 o). A row where every lse_s is −inf (no key in any part) gives o = 0 and
-    lse = −inf, never NaN.
+    lse = −inf, never NaN. A row where some lse_s is +inf (a +inf score in that part)
+    gives o = NaN and lse = +inf, as scipy.special.softmax and logsumexp do over the
+    union of the keys; a NaN lse_s gives o = NaN and lse = NaN. No floating-point
+    warning is raised.
     """
     xp = array_module(o)
     if array_module(lse) is not xp:
@@ -50,18 +53,23 @@ def merge_states(o, lse):
     acc = _dtypes.accum_dtype(dtype)
     lse = lse.astype(acc, copy=False)
     m = lse.max(axis=0)                                     # the largest lse of each row
-    # −inf − (−inf) would give NaN on rows no part saw: subtract 0 there instead.
-    m_safe = xp.where(m == -np.inf, 0.0, m).astype(acc, copy=False)
+    # Subtract 0 instead on rows whose max is not finite: −inf − (−inf) (no part saw a
+    # key) and +inf − (+inf) would be NaN; those rows are set below.
+    m_safe = xp.where(xp.isfinite(m), m, 0.0).astype(acc, copy=False)
     o_out = xp.zeros(o.shape[1:], dtype=acc)
     l_sum = xp.zeros(m.shape, dtype=acc)                    # ℓ = Σ_s exp(lse_s − m)
-    for s in range(o.shape[0]):
-        w = xp.exp(lse[s] - m_safe)                         # 0 for a part with lse = −inf
-        l_sum += w
-        o_out += w[..., None] * o[s].astype(acc, copy=False)
-    seen = l_sum > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for s in range(o.shape[0]):
+            w = xp.exp(lse[s] - m_safe)                     # 0 for a part with lse = −inf
+            l_sum += w
+            o_out += w[..., None] * o[s].astype(acc, copy=False)
+        seen = l_sum > 0
         o_out /= xp.where(seen, l_sum, 1.0)[..., None]      # o = Σ_s w_s o_s / ℓ
         lse_out = xp.where(seen, xp.log(xp.where(seen, l_sum, 1.0)) + m_safe, -np.inf)
-    # A NaN lse (a NaN score in that part) makes its row NaN, as one call would.
-    lse_out = xp.where(xp.isnan(m), m, lse_out).astype(acc, copy=False)
+    # A part with lse = +inf saw a +inf score: its row is NaN with lse = +inf, as
+    # scipy.special.softmax and logsumexp give over the union. A NaN lse (a NaN score
+    # in that part) makes its row NaN, as one call would.
+    inf_rows = m == np.inf
+    o_out = xp.where(inf_rows[..., None] | xp.isnan(m)[..., None], np.nan, o_out)
+    lse_out = xp.where(inf_rows | xp.isnan(m), m, lse_out).astype(acc, copy=False)
     return o_out.astype(dtype, copy=False), lse_out

@@ -209,7 +209,7 @@ def test_varlen_variants_per_sequence():
 
 
 VARLEN_ERRORS = [
-    (dict(cq=np.array([0, 3, 8], np.int64)), TypeError, "cu_seqlens_q must have dtype int32"),
+    (dict(cq=np.array([0, 3, 8.0])), TypeError, "cu_seqlens_q must be an integer array"),
     (dict(cq=np.array([[0, 3, 8]], np.int32)), ValueError, "cu_seqlens_q must be 1-D"),
     (dict(cq=np.array([1, 3, 8], np.int32)), ValueError, "cu_seqlens_q must start at 0"),
     (dict(cq=np.array([0, 5, 3, 8], np.int32), ck=np.array([0, 5, 6, 10], np.int32)),
@@ -385,10 +385,10 @@ def test_split_points_and_auto_splits():
     assert all(c % 16 == 0 for c in kvc.split_points(200, 1, 5, causal=True, window=None,
                                                      alibi=False, page_size=16)[:-1])
     assert kvc.split_points(200, 1, 1, causal=True, window=(10, 0), alibi=False) == [189, 200]
-    assert kvc.auto_num_splits(132, 64, 32, 1, 65536) == 1      # enough tiles: no split
-    assert kvc.auto_num_splits(132, 1, 8, 1, 65536) == 16       # one row: split, capped
-    assert kvc.auto_num_splits(2, 1, 1, 1, 300) == 2            # NumPy: one per worker
-    assert kvc.auto_num_splits(132, 1, 8, 1, 300) == 2          # ≥ 256 keys per chunk
+    assert kvc.split_kv_calls(132, 64, 32, 1, 65536) == 1      # enough tiles: no split
+    assert kvc.split_kv_calls(132, 1, 8, 1, 65536) == 16       # one row: split, capped
+    assert kvc.split_kv_calls(2, 1, 1, 1, 300) == 2            # NumPy: one per worker
+    assert kvc.split_kv_calls(132, 1, 8, 1, 300) == 2          # ≥ 256 keys per chunk
 
 
 def cache_error_cases():
@@ -401,7 +401,8 @@ def cache_error_cases():
     return [
         (ok, dict(cache_seqlens=np.array([3, 16], np.int32)), ValueError,
          r"row 1: cache_seqlens \+ Nnew = 16 \+ 1 = 17 exceeds the cache capacity \(Ncache = 16\)"),
-        (ok, dict(cache_seqlens=np.array([3, 15], np.int64)), TypeError, "cache_seqlens must have dtype int32"),
+        (ok, dict(cache_seqlens=np.array([3., 15.])), TypeError,
+         "cache_seqlens must be an int or an integer array"),
         (ok, dict(v=None), ValueError, "k and v .* go together"),
         (ok, dict(k=z(2, 2, 1, 4), v=z(2, 2, 1, 4)), ValueError,
          r"k must be \(B, Hkv, Nnew, d\) = \(2, 2, Nnew, 8\) to match q \(2, 4, 1, 8\) and k_cache"),
@@ -419,8 +420,8 @@ def cache_error_cases():
          r"block_table\[1, 1\] = 5 is out of range: the cache has 5 pages"),
         (paged, dict(block_table=np.array([[0, 1], [2, -1]], np.int32)), ValueError,
          r"block_table\[1, 1\] = -1 is out of range"),
-        (paged, dict(block_table=np.array([[0, 1], [2, 3]], np.int64)), TypeError,
-         "block_table must have dtype int32"),
+        (paged, dict(block_table=np.array([[0, 1], [2, 3]], np.float32)), TypeError,
+         "block_table must be an integer array"),
         (paged, dict(block_table=np.array([[0, 1], [0, 1]], np.int32)), ValueError,
          r"row 0 would write its new key 0 into page 0, which another row also uses: pages shared between rows are read-only"),
         (paged, dict(block_table=np.array([[0, 1]], np.int32)), ValueError,

@@ -77,9 +77,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     """Attention over a batch of B sequences of different lengths, packed without padding.
 
     q: (Hq, total_q, d); k, v: (Hkv, total_k, d); Hq a multiple of Hkv (GQA/MQA).
-    cu_seqlens_q, cu_seqlens_k: int32 (B+1,), starting at 0, non-decreasing, ending at
-    total_q (total_k): sequence b is rows cu[b]:cu[b+1] and attends only within its own
-    pair of segments. Empty sequences are allowed (Nk_b = 0: output 0, lse −inf).
+    cu_seqlens_q, cu_seqlens_k: (B+1,) integers (any integer dtype, or lists) within
+    int32, starting at 0, non-decreasing, ending at total_q (total_k): sequence b is
+    rows cu[b]:cu[b+1] and attends only within its own pair of segments. Empty
+    sequences are allowed (Nk_b = 0: output 0, lse −inf).
     max_seqlen_q/k, when given, must be at least the longest sequence.
     causal and window are bottom-right aligned per sequence; alibi_slopes is (Hq,) or
     (B, Hq). Returns o (Hq, total_q, d) in q's dtype, and with return_lse=True also lse

@@ -36,7 +36,10 @@ dtype, whatever the inputs' strides; dQ accumulators) — never N×N.
 Numerics: 16-bit inputs are widened to float32 and accumulated in float32, float64
 in float64; −inf − (−inf) is guarded by subtracting 0 from rows whose max is still
 −inf; a fully masked row gets o = 0 and lse = −inf; a NaN or +inf score poisons its
-own row only, as scipy.special.softmax does.
+own row only, as scipy.special.softmax does. An extreme scale is split between Q and
+K, and a P̃ V that overflows is redone with V scaled by powers of two (arrays:
+split_scale, column_shift). The backward's tasks run in fixed lanes (pool.lanes), so
+its sums have one order and its result is bitwise reproducible.
 """
 import numpy as np
 

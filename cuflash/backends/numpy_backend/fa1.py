@@ -7,7 +7,7 @@ from the same `block_schedule` as the backward's (outer="k").
 import numpy as np
 
 from ..._dtypes import accum_dtype, lse_dtype
-from .arrays import as_dtype, grouped_heads
+from .arrays import as_dtype, column_shift, grouped_heads, split_scale
 from .schedule import NEG_INF, block_schedule, mask_block, tile_rows
 
 
@@ -21,24 +21,34 @@ def forward(q, k, v, causal, scale, config):
     O = np.zeros((BH, G, Nq, d), acc_t)
     l = np.zeros((BH, G, Nq), acc_t)
     m = np.full((BH, G, Nq), NEG_INF, acc_t)
-    sc = acc_t.type(scale)
-    # K/V tiles outer, each with the Q rows that see it (block_schedule, outer="k").
-    for c0, c1, q_tiles in block_schedule(Nq, Nk, Br, Bc, causal=causal, outer="k",
-                                          diag=max(1, min(Bc, config.diag_keys))):  # 5: for j
-        K_j = as_dtype(k3[:, c0:c1], acc_t)                # 6: load K_j, V_j
-        V_j = as_dtype(v3[:, c0:c1], acc_t)
-        for r0, r1, b0, b1, t in q_tiles:                  # 7: for i in 1..Tr
-            # (a step may cover only keys [b0, b1) of the tile: a strip of the diagonal)
-            K_s, V_s = K_j[:, b0 - c0:b1 - c0], V_j[:, b0 - c0:b1 - c0]
-            Q_i = np.multiply(q4[:, :, r0:r1], sc, dtype=acc_t)  # 8: load Q_i, O_i, ℓ_i, m_i
-            O_i, l_i, m_i = O[:, :, r0:r1], l[:, :, r0:r1], m[:, :, r0:r1]
-            S = Q_i @ K_s[:, None].transpose(0, 1, 3, 2)   # 9: S_ij = Q_i K_jᵀ
-            if t is not None:
-                mask_block(S, G, r1 - r0, t)
-            # 10: m̃_ij = rowmax(S_ij), P̃_ij = exp(S_ij − m̃_ij), ℓ̃_ij = rowsum(P̃_ij)
-            mt = S.max(axis=-1)
-            mt_safe = np.where(mt == NEG_INF, 0, mt).astype(acc_t, copy=False)  # −inf guard
-            with np.errstate(invalid="ignore"):
+    # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
+    s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
+    # P̃ V with |V| near the dtype's maximum would overflow: V's big columns scaled down
+    # by powers of two, O scaled back at the end (column_shift).
+    V_all = as_dtype(v3, acc_t)
+    shift = column_shift(V_all, Nk, acc_t)
+    if shift is not None:
+        V_all = V_all * shift[:, None]
+    # ±inf scores, and NaN from them, propagate as the API promises (a row's own result).
+    with np.errstate(over="ignore", invalid="ignore"):
+        # K/V tiles outer, each with the Q rows that see it (block_schedule, outer="k").
+        for c0, c1, q_tiles in block_schedule(Nq, Nk, Br, Bc, causal=causal, outer="k",
+                                              diag=max(1, min(Bc, config.diag_keys))):  # 5: for j
+            K_j = as_dtype(k3[:, c0:c1], acc_t)                # 6: load K_j, V_j
+            if s_k != 1:
+                K_j = K_j * s_k
+            V_j = V_all[:, c0:c1]
+            for r0, r1, b0, b1, t in q_tiles:                  # 7: for i in 1..Tr
+                # (a step may cover only keys [b0, b1) of the tile: a strip of the diagonal)
+                K_s, V_s = K_j[:, b0 - c0:b1 - c0], V_j[:, b0 - c0:b1 - c0]
+                Q_i = np.multiply(q4[:, :, r0:r1], s_q, dtype=acc_t)  # 8: load Q_i, O_i, ℓ_i, m_i
+                O_i, l_i, m_i = O[:, :, r0:r1], l[:, :, r0:r1], m[:, :, r0:r1]
+                S = Q_i @ K_s[:, None].transpose(0, 1, 3, 2)   # 9: S_ij = Q_i K_jᵀ
+                if t is not None:
+                    mask_block(S, G, r1 - r0, t)
+                # 10: m̃_ij = rowmax(S_ij), P̃_ij = exp(S_ij − m̃_ij), ℓ̃_ij = rowsum(P̃_ij)
+                mt = S.max(axis=-1)
+                mt_safe = np.where(mt == NEG_INF, 0, mt).astype(acc_t, copy=False)  # −inf guard
                 np.subtract(S, mt_safe[..., None], out=S)
                 P = np.exp(S, out=S)
                 lt = P.sum(axis=-1)
@@ -52,9 +62,10 @@ def forward(q, k, v, causal, scale, config):
                 l_div = np.where(l_new == 0, 1, l_new).astype(acc_t, copy=False)
                 O[:, :, r0:r1] = ((l_i * alpha)[..., None] * O_i
                                   + beta[..., None] * (P @ V_s[:, None])) / l_div[..., None]
-            l[:, :, r0:r1] = l_new                          # 13: write ℓ_i, m_i
-            m[:, :, r0:r1] = m_new
-    with np.errstate(divide="ignore", invalid="ignore"):
+                l[:, :, r0:r1] = l_new                          # 13: write ℓ_i, m_i
+                m[:, :, r0:r1] = m_new
         lse = np.where(l == 0, NEG_INF, m + np.log(np.where(l == 0, 1, l)))
+    if shift is not None:
+        O /= shift.reshape(BH, 1, 1, d)
     return (O.astype(q.dtype, copy=False).reshape(B, Hq, Nq, d),
             lse.astype(lse_dtype(q.dtype), copy=False).reshape(B, Hq, Nq))

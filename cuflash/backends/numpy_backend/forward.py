@@ -4,12 +4,13 @@ Each pool task is one Q tile (Br rows of the G query heads of a range of K/V
 heads) with its steps from `block_schedule`. It runs `frozen_max_tile` first and
 `online_tile` where that declines (see forward_tiles).
 """
+import math
 import threading
 
 import numpy as np
 
 from ..._dtypes import accum_dtype, lse_dtype
-from .arrays import Scratch, grouped_heads, with_ones
+from .arrays import Scratch, column_shift, grouped_heads, split_scale, with_ones
 from .expbase import exp_limit, in_exp_range
 from .forward_tiles import frozen_max_tile, online_tile
 from .pool import run_tasks
@@ -17,9 +18,10 @@ from .schedule import NEG_INF, block_schedule, head_chunks, head_ranges, mask_bl
 
 
 def prepare(q4, k3, v3, scale, causal, acc_t, config):
-    """Qx = [c·Q | −m_b], Kx = [K | 1], Vx = [V | 1] in the accumulation dtype, made
-    once per call on the pool (O(N·d), like o), with c = scale·log_b(e): scores come
-    out in the config's base b, S_b = c·Q Kᵀ, and b^(S_b − m_b) = exp(S − m).
+    """Qx = [c_q·Q | −m_b], Kx = [c_k·K | 1], Vx = [V | 1] in the accumulation dtype,
+    made once per call on the pool (O(N·d), like o), with c_q·c_k = c = scale·log_b(e)
+    (`split_scale`): scores come out in the config's base b, S_b = c·Q Kᵀ, and
+    b^(S_b − m_b) = exp(S − m).
 
     [Q_i | −m_b_i] [K_j | 1]ᵀ = S_b_ij − m_b_i: the column of ones lets the matmul
     subtract the frozen reference (see frozen_max_tile) for free. [V | 1] lets
@@ -42,15 +44,15 @@ def prepare(q4, k3, v3, scale, causal, acc_t, config):
     m = np.zeros((BH, G, Nq), acc_t)
     in_range = np.zeros(BH, bool)
     ns = min(config.max_sample, Nk)
-    c = acc_t.type(scale * base.log_e)
+    c_q, c_k = (acc_t.type(f) for f in split_scale(scale * base.log_e, acc_t))
     lim = exp_limit(acc_t, base)
 
     def prepare_heads(heads):
         h0, h1 = heads
         nh = h1 - h0
-        np.multiply(q4[h0:h1], c, out=Qx[h0:h1, ..., :d], casting="unsafe")
+        np.multiply(q4[h0:h1], c_q, out=Qx[h0:h1, ..., :d], casting="unsafe")
         Q = Qx[h0:h1, ..., :d].reshape(nh, G * Nq, d)
-        with_ones(k3[h0:h1], Kx[h0:h1])
+        with_ones(k3[h0:h1], Kx[h0:h1], c_k)
         with_ones(v3[h0:h1], Vx[h0:h1])
         m_b = np.zeros((nh, G * Nq), acc_t)
         if config.frozen_max:
@@ -128,6 +130,14 @@ def forward(q, k, v, causal, scale, config):
             return
         acc, l_i, m_i = online_tile(Qx_i, Kx_h, Vx_h, kv, r0=r0, br=br, G=G, exp=exp,
                                     lim=lim, scratch=local)
+        shift = None if math.isfinite(acc.sum()) else column_shift(Vx_h[..., :d], Nk, acc_t)
+        if shift is not None:
+            # P̃ V overflowed: |V| near the dtype's maximum. Again with V's big columns
+            # scaled down by powers of two, scaled back after the division by ℓ.
+            Vs = Vx_h.copy()
+            Vs[..., :d] *= shift[:, None]
+            acc, l_i, m_i = online_tile(Qx_i, Kx_h, Vs, kv, r0=r0, br=br, G=G, exp=exp,
+                                        lim=lim, scratch=local)
         # -- epilogue, for any row: ℓ = 0 (no key), NaN rows --
         seen = l_i > 0  # NaN rows compare False but keep their NaN through acc and m
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -135,6 +145,8 @@ def forward(q, k, v, causal, scale, config):
             acc /= l_div[:, :, None]
             L = np.where(seen, m_i * ln + np.log(l_div), NEG_INF)
             L[np.isnan(l_i)] = np.nan  # a NaN score: NaN lse, in that row only
+        if shift is not None:
+            acc /= shift[:, None]
         o_t[...] = acc.reshape(nh, G, br, d)
         lse_t[...] = L.reshape(nh, G, br)
 

@@ -3,7 +3,8 @@
 A task is one call of a function on one item (a head range to prepare, a Q tile or
 a K/V tile of a head range with its steps); the workers take tasks in list order.
 NumPy releases the GIL inside BLAS and inside ufunc loops, so the workers run the
-big tile operations in parallel.
+big tile operations in parallel. Tasks that add into shared sums (the backward's dQ
+and dbias) run in fixed lanes instead (`lanes`), so that every sum has one order.
 """
 import os
 import threading
@@ -78,3 +79,21 @@ def run_tasks(fn, tasks, workers):
             return fn(task)
 
     return list(pool.map(quiet, tasks))
+
+
+def lanes(tasks, workers, cost):
+    """The tasks dealt into at most `workers` lists, each run in order by one pool task.
+
+    Floating-point sums depend on their order, so a sum that crosses tasks is kept per
+    lane and the lanes' sums are added in lane order: the result depends on the inputs
+    and the worker count only, never on which thread ran what when. Deterministic
+    longest-first dealing (each task, biggest `cost` first, to the lane with the least
+    cost so far) keeps the lanes about as balanced as the pool's own queue.
+    """
+    out = [[] for _ in range(max(1, min(workers, len(tasks))))]
+    load = [0] * len(out)
+    for task in sorted(tasks, key=lambda t: -cost(t)):  # stable: ties keep list order
+        i = load.index(min(load))
+        out[i].append(task)
+        load[i] += cost(task)
+    return out

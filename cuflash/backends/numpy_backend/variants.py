@@ -19,19 +19,22 @@ cores, bench_variants.py); the rest of the gap to the band is the tiles' corners
 
 bias and mask are read tile by tile from their compact 4-D form (a size-1 axis
 broadcast as a stride-0 view): nothing of size Nq × Nk is made. dbias is summed in one
-accumulator of the bias's own compact shape (under a lock: tasks of other heads or key
-tiles may add to the same entries when the bias is broadcast).
+accumulator of the bias's own compact shape; where the bias is broadcast across tasks
+(other batch rows, K/V heads or key tiles add to the same entries) one per lane.
+The backward's tasks run in fixed lanes (`pool.lanes`), so dq and dbias are bitwise
+the same from call to call.
 """
 import functools
-import threading
+import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
-from .arrays import Scratch, as_dtype
+from .arrays import Scratch, as_dtype, column_shift, split_scale
 from .band import batches, diagonal_windows, runs, windows
-from .pool import run_tasks
+from .pool import lanes, run_tasks
 from .schedule import NEG_INF
 
 # Rows (per query head) and keys of a score tile. Smaller than the default forward's: the
@@ -222,15 +225,17 @@ def forward(q, k, v, causal, scale, config, var):
     tasks = [(bh, batch) for bh in range(BH)
              for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "q",
                                         _RUN_SCORES)]
-    sc = acc_t.type(scale)
+    # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
+    s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
 
     def run(task):
         bh, batch = task
         for r0, br, n, steps in batch:
             run_blocks(bh, r0, br, n, steps)
 
-    def run_blocks(bh, r0, br, n, steps):
-        """n blocks of br rows from row r0, block i shifted by i·br keys."""
+    def run_blocks(bh, r0, br, n, steps, shift=None):
+        """n blocks of br rows from row r0, block i shifted by i·br keys; V's columns
+        scaled by `shift` (column_shift) where not None."""
         b, hs = chain.heads(bh)
         hkv = bh % Hkv
         r1 = r0 + n * br
@@ -240,14 +245,16 @@ def forward(q, k, v, causal, scale, config, var):
             return
         # Q (n, G·br, d): each block's G heads stacked, one matmul's rows.
         Q = np.empty((n, G, br, d), acc_t)
-        np.multiply(q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3), sc, out=Q)
+        np.multiply(q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3), s_q, out=Q)
         Q = Q.reshape(n, G * br, d)
         kh, vh = k[b, hkv], v[b, hkv]
         m_i = l_i = acc = None
         for c0, c1, pred in steps:
             span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
-            K_j = windows(as_dtype(kh[keys], acc_t), n, br, span)
-            V_j = windows(as_dtype(vh[keys], acc_t), n, br, span)
+            K_j = as_dtype(kh[keys], acc_t)
+            V_j = as_dtype(vh[keys], acc_t)
+            K_j = windows(K_j if s_k == 1 else K_j * s_k, n, br, span)
+            V_j = windows(V_j if shift is None else V_j * shift, n, br, span)
             # -- compute qk, then the chain: S = softcap(scale·Q Kᵀ) + ALiBi + bias, masked
             S, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh, r0,
                                c0, pred, br)
@@ -267,10 +274,18 @@ def forward(q, k, v, causal, scale, config, var):
                 l_i = alpha * l_i + l_step
                 acc = alpha[..., None] * acc + P @ V_j               # acc = α acc + P̃ V_j
             m_i = m_new
+        if shift is None and not math.isfinite(acc.sum()):
+            # P̃ V overflowed where |V| nears the dtype's maximum: again with V's big
+            # columns scaled down by powers of two, scaled back after the division by ℓ.
+            shift = column_shift(as_dtype(vh, acc_t), Nk, acc_t)
+            if shift is not None:
+                return run_blocks(bh, r0, br, n, steps, shift)
         # -- finalize: O = acc / ℓ, lse = m + log ℓ (a row that saw no key: 0 and −inf)
         seen = l_i > 0
         l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
         acc /= l_div[..., None]
+        if shift is not None:
+            acc /= shift
         o[b, hs, r0:r1] = acc.reshape(n, G, br, d).transpose(1, 0, 2, 3).reshape(G, n * br, d)
         L = np.where(seen, m_i + np.log(l_div), NEG_INF)
         L[np.isnan(l_i)] = np.nan
@@ -278,6 +293,15 @@ def forward(q, k, v, causal, scale, config, var):
 
     run_tasks(run, tasks, config.workers)
     return o, lse
+
+
+class Lane(NamedTuple):
+    """A backward lane's accumulators: dq, dbias (its own or the shared one), and the
+    scratch of a step's dQ before its blocks are added."""
+
+    dq: np.ndarray
+    dbias: Optional[np.ndarray]
+    dQ: Scratch
 
 
 def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
@@ -295,24 +319,27 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     acc_t = accum_dtype(q.dtype)
     chain = ScoreChain(var, B, Hq, Hkv, Nq, Nk, causal, acc_t)
     Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window, outer="k")
-    sc = acc_t.type(scale)
+    # scale = s_q·s_k (split_scale); dQ and dK take back the other factor at the end.
+    s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
     # D = rowsum(dO ∘ O) (dropout leaves it unchanged: rowsum(P ∘ dP) = rowsum(dO ∘ O)).
     D = np.einsum("bhnd,bhnd->bhn", as_dtype(do, acc_t), as_dtype(o, acc_t))
     # lse = −inf (the row sees no key): subtract +inf instead, so P = 0, not NaN.
     Ls = np.where(lse == NEG_INF, np.inf, lse).astype(acc_t, copy=False)
     dk = np.zeros((B, Hkv, Nk, d), k.dtype)
     dv = np.zeros((B, Hkv, Nk, d), v.dtype)
-    dbias = None
-    if return_dbias:
-        dbias = np.zeros(var.bias.shape, acc_t)
-        bias_lock = threading.Lock()
     tasks = [(bh, batch) for bh in range(BH)
              for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "k",
                                         _RUN_SCORES)]
-    local = threading.local()
-    dq_parts, parts_lock = [], threading.Lock()
+    # dbias sums over its broadcast axes; where such a sum crosses tasks (other batch
+    # rows, other K/V heads, other key tiles) each lane keeps its own dbias, else the
+    # tasks write disjoint entries of one.
+    dbias, per_lane = None, False
+    if return_dbias:
+        bb, bhd, _, bk = var.bias.shape
+        per_lane = bb < B or (bhd < Hq and Hkv > 1) or bk < Nk
+        dbias = None if per_lane else np.zeros(var.bias.shape, acc_t)
 
-    def add_dbias(dS, b, hs, a0, a1, c0, c1):
+    def add_dbias(dbias, dS, b, hs, a0, a1, c0, c1):
         """dbias += dS, summed over the axes along which the bias is broadcast."""
         bb, bhd, bq, bk = dbias.shape
         red = dS
@@ -325,33 +352,35 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
         target = dbias[b if bb > 1 else 0, hs if bhd > 1 else slice(0, 1),
                        slice(a0, a1) if bq > 1 else slice(0, 1),
                        slice(c0, c1) if bk > 1 else slice(0, 1)]
-        with bias_lock:
-            target += red
+        target += red
 
-    def run(task):
-        bh, batch = task
-        for c0, bc, n, steps in batch:
-            run_blocks(bh, c0, bc, n, steps)
+    def run_lane(lane):
+        # dQ (and a broadcast dbias) are summed across tasks: one accumulator per lane, its
+        # tasks in a fixed order (pool.lanes), so every sum has one order.
+        acc = Lane(np.zeros((B, Hq, Nq, d), acc_t),
+                   np.zeros(var.bias.shape, acc_t) if per_lane else dbias,
+                   Scratch(acc_t))
+        for bh, batch in lane:
+            for c0, bc, n, steps in batch:
+                run_blocks(acc, bh, c0, bc, n, steps)
+        return acc
 
-    def run_blocks(bh, c0, bc, n, steps):
+    def run_blocks(acc, bh, c0, bc, n, steps):
         """n K/V blocks of bc keys from key c0, block i shifted by i·bc rows."""
         if not steps:
             return
-        if not hasattr(local, "dq"):
-            local.dq = np.zeros((B, Hq, Nq, d), acc_t)
-            local.dQ = Scratch(acc_t)          # a step's dQ, before its blocks are added
-            with parts_lock:
-                dq_parts.append(local.dq)
         b, hs = chain.heads(bh)
         hkv = bh % Hkv
         c1 = c0 + n * bc
         K_j = as_dtype(k[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
+        if s_k != 1:
+            K_j = K_j * s_k
         V_j = as_dtype(v[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
         dK_j = np.zeros((n, bc, d), acc_t)
         dV_j = np.zeros((n, bc, d), acc_t)
         for r0, r1, pred in steps:
             h, rows = r1 - r0, slice(r0, r0 + (n - 1) * bc + r1 - r0)   # the n blocks' rows
-            Q_i = windows(np.multiply(q[b, hs, rows], sc, dtype=acc_t), n, bc, h, axis=1)
+            Q_i = windows(np.multiply(q[b, hs, rows], s_q, dtype=acc_t), n, bc, h, axis=1)
             dO_i = windows(as_dtype(do[b, hs, rows], acc_t), n, bc, h, axis=1)  # (n, G, h, d)
             S, T = chain.apply(Q_i @ K_j.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc)
             Ls_i = windows(Ls[b, hs, rows], n, bc, h, axis=1)
@@ -364,23 +393,31 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
                 dS *= Z
             dS -= windows(D[b, hs, rows], n, bc, h, axis=1)[..., None]
             dS *= P                                                  # dS = P ∘ (dP − D)
-            if dbias is not None:
+            if acc.dbias is not None:
                 for i in range(n):
-                    add_dbias(dS[i], b, hs, r0 + i * bc, r1 + i * bc, c0 + i * bc,
+                    add_dbias(acc.dbias, dS[i], b, hs, r0 + i * bc, r1 + i * bc, c0 + i * bc,
                               c0 + (i + 1) * bc)
             if T is not None:
                 dS *= 1 - T * T                                      # through the softcap
-            dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (scale·Q_i)
-            dQ = np.matmul(dS, K_j, out=local.dQ.get(Q_i.shape))     # dQ_i += dS K_j
+            dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (s_q·Q_i)
+            dQ = np.matmul(dS, K_j, out=acc.dQ.get(Q_i.shape))       # dQ_i += dS K_j
             for i in range(n):                                       # (the blocks' rows overlap)
-                local.dq[b, hs, r0 + i * bc:r1 + i * bc] += dQ[i]
+                acc.dq[b, hs, r0 + i * bc:r1 + i * bc] += dQ[i]
+        if s_k != 1:
+            dK_j *= s_k
         dk[b, hkv, c0:c1] = dK_j.reshape(n * bc, d)
         dv[b, hkv, c0:c1] = dV_j.reshape(n * bc, d)
 
-    run_tasks(run, tasks, config.workers)
-    dq = np.zeros((B, Hq, Nq, d), acc_t)
-    for part in dq_parts:
-        dq += part
-    dq *= sc                                                         # dQ = dS K · scale
+    cost = lambda t: sum(n * rows * sum(c1 - c0 for c0, c1, _ in steps)
+                         for _, rows, n, steps in t[1])
+    parts = run_tasks(run_lane, lanes(tasks, config.workers, cost), config.workers)
+    dq = parts[0].dq
+    if per_lane:
+        dbias = parts[0].dbias
+    for part in parts[1:]:                                           # in lane order
+        dq += part.dq
+        if per_lane:
+            dbias += part.dbias
+    dq *= s_q                                                        # dQ = dS (s_k·K) · s_q
     out = (dq.astype(q.dtype, copy=False), dk, dv)
     return out + (dbias,) if return_dbias else out
