@@ -216,20 +216,42 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
 
 
 def online_softmax(x, axis=-1, *, backend="auto"):
-    """softmax(x) along `axis` (None: over all elements), equal to scipy.special.softmax.
+    """softmax(x) along `axis`, equal to scipy.special.softmax(x, axis): `axis` is an int,
+    a tuple of distinct ints (one softmax over those axes together) or None (over all
+    elements).
 
-    Computed in one pass with a running (max, sum) pair per row, then one normalising
+    Computed in one pass with a running (max, sum) pair per line, then one normalising
     pass. Accumulates in float32 (float64 for float64); returns x's dtype.
     """
     be = resolve_backend(backend, {"x": x})
     (x,) = bring(be, {"x": x})
     dtype = _checks.check_dtype("x", x)
-    axis = _checks.check_axis(axis, x.ndim)
+    if axis is None:
+        axes = tuple(range(x.ndim))
+    else:
+        items = axis if isinstance(axis, tuple) else (axis,)
+        if not all(isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_))
+                   for a in items):
+            raise TypeError(f"axis must be an int, a tuple of ints or None; got {axis!r}")
+        if x.ndim == 0 and items:
+            raise ValueError(f"axis={axis!r} for a 0-d x: a 0-d array has no axis to "
+                             "normalise over; pass axis=None (the softmax of one element, "
+                             "1.0) or reshape x to at least 1-d")
+        axes = tuple(_checks.check_axis(a, x.ndim) for a in items)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"axis {axis!r} names an axis twice; accepted: distinct axes "
+                             f"of the {x.ndim}-d x")
     if x.size == 0:
         return be.xp.empty(x.shape, dtype=dtype)
-    if axis is None:
-        x3 = x.reshape(1, x.size, 1)
-    else:
-        x3 = x.reshape(math.prod(x.shape[:axis]), x.shape[axis],
-                       math.prod(x.shape[axis + 1:]))
-    return be.softmax(x3).reshape(x.shape)
+    axes = tuple(sorted(axes))
+    if axes and axes == tuple(range(axes[0], axes[-1] + 1)):
+        # adjacent axes are the middle of (before, axes, after): a view where strides allow
+        a, b = axes[0], axes[-1] + 1
+        x3 = x.reshape(math.prod(x.shape[:a]), math.prod(x.shape[a:b]),
+                       math.prod(x.shape[b:]))
+        return be.softmax(x3).reshape(x.shape)
+    # scattered axes (or none): moved to the end, where they merge into one line (a copy)
+    end = tuple(range(x.ndim - len(axes), x.ndim))
+    xm = be.xp.moveaxis(x, axes, end)
+    y = be.softmax(xm.reshape(-1, math.prod(xm.shape[x.ndim - len(axes):]), 1))
+    return be.xp.moveaxis(y.reshape(xm.shape), end, axes)

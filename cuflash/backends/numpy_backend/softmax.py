@@ -16,6 +16,8 @@ def softmax(x, config):
     P_, n, Q_ = x.shape
     acc_t = accum_dtype(x.dtype)
     nb = max(1, config.softmax_block // max(1, P_ * Q_))
+    # The output first: an x too large for memory fails here at once, not after pass 1.
+    out = np.empty(x.shape, x.dtype)
     # -- init --
     m = np.full((P_, 1, Q_), NEG_INF, acc_t)
     l = np.zeros((P_, 1, Q_), acc_t)
@@ -33,7 +35,6 @@ def softmax(x, config):
             l += e.sum(axis=1, keepdims=True)
             m = m_new
         # -- finalize: pass 2 --
-        out = np.empty(x.shape, x.dtype)
         inv_l = np.divide(1, l, dtype=acc_t)
         for a in range(0, n, nb):
             e = as_dtype(x[:, a:a + nb], acc_t) - m
