@@ -1,27 +1,182 @@
-"""The GPU benchmark's --dry-run runs end to end without a GPU and says so."""
+"""The GPU benchmark without a GPU: its --dry-run end to end, and its sweep, validation,
+ratios and CSV driven by NumPy implementations on a simulated clock."""
 import csv
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
+import cuflash
 from conftest import HAS_GXX
+from cuflash.flops import attention_flops
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
 
 
-@pytest.mark.skipif(not HAS_GXX, reason="the dry run validates in the emulator, which needs g++")
-def test_bench_gpu_dry_run(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def bench():
     spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not HAS_GXX, reason="the dry run validates in the emulator, which needs g++")
+def test_bench_gpu_dry_run(bench, tmp_path, capsys):
     rc = bench.main(["--dry-run", "--dtype", "float16", "float32", "--d", "64",
                      "--seqlens", "512", "--causal", "true", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "no GPU timings exist yet" in out and "FAILED" not in out
+    peers = out.split("peers a GPU run would compare against:")[1]
+    for peer in ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn"):
+        assert f"  {peer} " in peers
     rows = list(csv.DictReader(open(tmp_path / "bench_gpu_plans.csv")))
     by = {(r["dtype"], r["arch"]): r for r in rows}
     assert by[("float16", "sm_80")]["kernel"].startswith("flash_fwd_tc_kernel<__half, 64")
     assert by[("float16", "sm_70")]["path"].startswith("SIMT")
     assert not (tmp_path / "bench_gpu.csv").exists()  # nothing timed
+
+
+class Clock:
+    """Simulated seconds: each measurement costs `step`."""
+
+    def __init__(self, step=10.0):
+        self.t, self.step = 0.0, step
+
+    def __call__(self):
+        return self.t
+
+
+def numpy_impl(bench, name, tflops, clock, *, dtypes=("float16", "float32"), corrupt=None,
+               corrupt_dq=None, missing=None):
+    """An implementation on cuflash's NumPy backend whose 'GPU' runs at `tflops`; `corrupt`
+    spoils the forward's output, `corrupt_dq` the gradient dq, `missing` makes it
+    unavailable."""
+
+    class NumpyImpl(bench.Impl):
+        timer = "simulated"
+
+        def missing(self):
+            return missing
+
+        def from_host(self, arrays):
+            return [np.asarray(a) for a in arrays]
+
+        def random(self, shape, dtype_name):
+            return np.random.default_rng(1).standard_normal(shape).astype(bench._dtype(dtype_name))
+
+        def to_host(self, x):
+            return np.asarray(x, np.float64)
+
+        def passes(self, q, k, v, do, causal, scale):
+            kw = dict(causal=causal, scale=scale, backend="numpy")
+            o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+
+            def fwd():
+                return corrupt(o) if corrupt else o
+
+            def bwd():
+                return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
+
+            def fwd_bwd():
+                dq, dk, dv = bwd()
+                return o, (corrupt_dq(dq) if corrupt_dq else dq, dk, dv)
+            self.problem = (q.shape, causal)
+            self.mode_of = {id(fwd): "fwd", id(bwd): "bwd", id(fwd_bwd): "fwd+bwd"}
+            return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+        def time(self, fn, n_repeat, max_s):
+            (B, H, N, d), causal = self.problem
+            clock.t += clock.step
+            flops = attention_flops(B, H, N, N, d, causal=causal, pass_=self.mode_of[id(fn)])
+            return flops / (tflops * 1e12)
+
+    impl = NumpyImpl()
+    impl.name, impl.dtypes = name, dtypes
+    return impl
+
+
+def test_sweep_runs_sizes_in_order_and_stops_at_the_budget(bench):
+    clock = Clock(step=10.0)
+    impls = [numpy_impl(bench, "cuflash", 100.0, clock),
+             numpy_impl(bench, "torch-flash", 50.0, clock, dtypes=("float16",)),
+             numpy_impl(bench, "jax-cudnn", 1.0, clock, missing="JAX is not installed")]
+    args = bench.parse_args(["--dtype", "float16", "float32", "--d", "16", "--seqlens", "256",
+                             "64", "128", "--causal", "false", "--tokens", "256", "--heads", "1"])
+    configs = bench.sweep(args)
+    assert [c[3] for c in configs] == [64, 64, 128, 128, 256, 256]   # ascending N
+    assert [c[4] for c in configs[::2]] == [4, 2, 1]                 # B = tokens / N
+    # 10 s per measurement: N = 64 takes 90 s (float16: 3 + 3, float32: 3, as torch-flash
+    # refuses float32), N = 128 as much; N = 256 would start after the 160 s budget.
+    rows = bench.run_sweep(impls, configs, heads=1, n_repeat=3, max_s=1.0, budget=160.0,
+                           clock=clock, log=lambda *a: None)
+    assert len(rows) == 6 * 3 * 3          # every (configuration, implementation, pass)
+    status = {(r["impl"], r["dtype"], r["N"], r["mode"]): r["status"] for r in rows}
+    assert status[("cuflash", "float16", 128, "bwd")] == "ok"
+    assert status[("cuflash", "float32", 128, "fwd")] == "ok"
+    assert {status[("cuflash", dt, 256, m)] for dt in ("float16", "float32")
+            for m in bench.MODES} == {"budget"}
+    assert status[("torch-flash", "float32", 64, "fwd")] == "unsupported"
+    assert status[("jax-cudnn", "float16", 64, "fwd")] == "unavailable"
+    ok = {(r["impl"], r["dtype"], r["N"], r["mode"]): r for r in rows if r["status"] == "ok"}
+    # the rate the simulated device was given, through FLOPs / time
+    assert ok[("cuflash", "float16", 64, "fwd+bwd")]["tflops"] == pytest.approx(100.0)
+    assert ok[("torch-flash", "float16", 128, "bwd")]["tflops"] == pytest.approx(50.0)
+    assert ok[("cuflash", "float16", 64, "fwd")]["ms"] == pytest.approx(
+        4 * 4 * 1 * 64 * 64 * 16 / 100e12 * 1e3)
+
+
+def test_validation_says_why_an_implementation_is_not_timed(bench):
+    clock = Clock()
+    good = numpy_impl(bench, "cuflash", 1.0, clock)
+    assert bench.validate(good, "float16", 16, True)[0] == "ok"
+    for spoil in ({"corrupt": lambda o: o * np.nan}, {"corrupt_dq": lambda dq: dq * np.nan}):
+        nan = numpy_impl(bench, "peer", 1.0, clock, **spoil)
+        status, note = bench.validate(nan, "float16", 16, False)
+        assert status == "invalid" and "nan" in note, spoil   # NaN never passes a tolerance
+    off = numpy_impl(bench, "peer", 1.0, clock, corrupt=lambda o: o + np.float16(0.05))
+    assert bench.validate(off, "float16", 16, False)[0] == "invalid"
+
+    def refuse(error):
+        impl = numpy_impl(bench, "peer", 1.0, clock)
+        impl.passes = lambda *a: (_ for _ in ()).throw(error)
+        return bench.validate(impl, "float16", 16, False)
+    assert refuse(RuntimeError("No available kernel. Aborting execution."))[0] == "unsupported"
+    assert refuse(NotImplementedError("head dim 256"))[0] == "unsupported"
+    status, note = refuse(MemoryError("out of memory"))
+    assert status == "error" and "MemoryError: out of memory" in note
+
+
+def test_ratios_and_the_csv_round_trip(bench, tmp_path):
+    clock = Clock()
+    impls = [numpy_impl(bench, "cuflash", 120.0, clock),
+             numpy_impl(bench, "torch-cudnn", 80.0, clock),
+             numpy_impl(bench, "torch-efficient", 40.0, clock)]
+    rows = bench.run_sweep(impls, [("float16", True, 16, 64, 2)], heads=1, n_repeat=3,
+                           max_s=1.0, clock=clock, log=lambda *a: None)
+    table = bench.ratios(rows)
+    assert table[("float16", True, 16, 64, "fwd")] == pytest.approx(
+        {"torch-cudnn": 1.5, "torch-efficient": 3.0})
+    path = tmp_path / "bench_gpu.csv"
+    bench.write_csv(rows, path)
+    back = bench.read_csv(path)
+    assert [(r["impl"], r["causal"], r["N"], r["status"]) for r in back] == \
+        [(r["impl"], r["causal"], r["N"], r["status"]) for r in rows]
+    again = bench.ratios(back)
+    assert again.keys() == table.keys()
+    for key, got in table.items():
+        assert again[key] == pytest.approx(got)
+    cells = [r for r in csv.DictReader(open(path)) if r["impl"] == "cuflash"]
+    assert [float(r["vs_torch-efficient"]) for r in cells] == pytest.approx([3.0] * 3)
+
+
+@pytest.mark.parametrize("argv, named", [(["--d", "0"], "--d"), (["--seqlens", "x"], "--seqlens"),
+                                         (["--budget", "-5"], "--budget"),
+                                         (["--peers", "torch"], "--peers")])
+def test_bad_arguments_are_named(bench, capsys, argv, named):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert named in err and repr(argv[1]).strip("'") in err
