@@ -154,22 +154,45 @@ def test_backward_nan_stays_in_its_row(backend):
         np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("shapes", [
-    ((0, 16), (5, 16)), ((5, 16), (0, 16)), ((0, 2, 7, 8), (0, 2, 9, 8)),
-    ((2, 0, 7, 8), (2, 0, 9, 8)), ((0, 8), (0, 8)),
-])
-def test_empty_inputs(backend, shapes):
-    q_shape, k_shape = shapes
-    q, k = np.ones(q_shape, np.float32), np.ones(k_shape, np.float32)
-    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, k), return_lse=True,
-                                     backend=backend)
-    assert o.shape == q_shape and lse.shape == q_shape[:-1]
-    o, lse = to_host(o), to_host(lse)
-    assert np.all(o == 0) and np.all(lse == -np.inf)  # no key: rows are fully masked
-    dq, dk, dv = cuflash.flash_attention_backward(
-        *to_backend(backend, q, q, k, k), *to_backend(backend, o, lse), backend=backend)
-    assert dq.shape == q_shape and dk.shape == k_shape and dv.shape == k_shape
-    assert not np.any(to_host(dq)) and not np.any(to_host(dk))
+# (q shape, k shape, bias shape): no query, no key, batch 0, heads 0, both 0, GQA without
+# queries. The bias broadcasts over an axis of length 0 in some cases, so its dbias is not
+# empty: it must come back as zeros of the bias's own shape.
+EMPTY_CASES = [
+    ((0, 16), (5, 16), (1, 5)), ((5, 16), (0, 16), (5, 1)),
+    ((0, 2, 7, 8), (0, 2, 9, 8), (7, 9)), ((2, 0, 7, 8), (2, 0, 9, 8), (1, 1, 7, 9)),
+    ((0, 8), (0, 8), (1, 1)), ((3, 0, 8), (1, 6, 8), (3, 1, 6)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", EMPTY_CASES, ids=lambda c: f"q{c[0]}-k{c[1]}")
+def test_empty_inputs(backend, shapes, dtype):
+    """Every output of an empty problem, as docs/api.md defines it: o and lse in their
+    shapes and dtypes, o = 0 and lse = −inf for rows without keys; dq, dk, dv, dbias in
+    the shapes and dtypes of q, k, v, bias, all exactly 0 (no (query, key) pair
+    contributes to any gradient)."""
+    q_shape, k_shape, bias_shape = shapes
+    q, k = np.ones(q_shape, dtype), np.full(k_shape, 2.0, dtype)
+    bias = np.ones(bias_shape, dtype)
+    for opts in ({}, {"bias": bias}):
+        o, lse = cuflash.flash_attention(*to_backend(backend, q, k, k), return_lse=True,
+                                         backend=backend, **_on(backend, opts))
+        assert o.shape == q_shape and o.dtype == dtype
+        assert lse.shape == q_shape[:-1] and lse.dtype == _dtypes.lse_dtype(dtype)
+        o, lse = to_host(o), to_host(lse)
+        assert np.all(o == 0) and np.all(lse == -np.inf)  # no key: rows are fully masked
+        grads = cuflash.flash_attention_backward(
+            *to_backend(backend, q, q, k, k, o, lse), backend=backend,
+            return_dbias=bool(opts), **_on(backend, opts))
+        wanted = (q, k, k, bias) if opts else (q, k, k)
+        assert len(grads) == len(wanted)
+        for name, g, x in zip(("dq", "dk", "dv", "dbias"), grads, wanted):
+            assert g.shape == x.shape and g.dtype == x.dtype, name
+            np.testing.assert_array_equal(to_host(g).astype(np.float64), 0.0, err_msg=name)
+
+
+def _on(backend, opts):
+    return {n: to_backend(backend, x) for n, x in opts.items()}
 
 
 # -- backward ---------------------------------------------------------------------------

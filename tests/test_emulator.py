@@ -643,13 +643,31 @@ def test_launches_do_not_leak_mappings(monkeypatch):
     f = mod("dynsmem.cu").get_function("reverse_chunks")
     x = np.arange(512, dtype=np.float32)
     y = np.zeros(512, np.float32)
-    f((2,), (256,), (x, y, np.int32(512)), shared_mem=1024)
 
-    def nmaps():
+    def launches(n):
+        for _ in range(n):
+            f((2,), (256,), (x, y, np.int32(512)), shared_mem=1024)
+
+    def mappings():
+        """(number of mappings, bytes mapped): a leak that merges with a neighbouring
+        mapping shows in the bytes."""
         with open("/proc/self/maps") as fh:
-            return sum(1 for _ in fh)
+            spans = [line.split()[0].split("-") for line in fh]
+        return len(spans), sum(int(hi, 16) - int(lo, 16) for lo, hi in spans)
 
-    before = nmaps()
-    for _ in range(40):
-        f((2,), (256,), (x, y, np.int32(512)), shared_mem=1024)
-    assert nmaps() - before < 64
+    # Some mappings come once per process, not per launch, at a moment no test controls:
+    # glibc gives a worker thread that finds every malloc arena locked a new arena (a
+    # 64 MiB reservation, two mappings; at most 8 per core), the heap grows, and the first
+    # reading allocates the reading's own memory. A leak recurs in every round of
+    # launches, so one round of 40 that maps nothing new (count and bytes) is the proof.
+    launches(5)
+    mappings()
+    growth = []
+    for _ in range(4):
+        before = mappings()
+        launches(40)
+        after = mappings()
+        growth.append((after[0] - before[0], after[1] - before[1]))
+        if after == before:
+            break
+    assert growth[-1] == (0, 0), f"(mappings, bytes) added per round of 40 launches: {growth}"

@@ -4,6 +4,7 @@ and planted bugs that must be caught. Kernels: tests/emulator_kernels/ptx.cu.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import tarfile
 from fractions import Fraction
@@ -513,8 +514,8 @@ def test_arch_table():
     assert archs.gpu_limits("80").shared_per_block_optin == 166912
     with pytest.raises(ValueError, match="sm_80"):
         RawModule(code="", arch="sm_60")
-    with pytest.raises(Exception):
-        lim.sm_count = 1     # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError, match="sm_count"):
+        lim.sm_count = 1     # the limits are a frozen dataclass
 
 
 # ---------------------------------------------------------------------------------------------

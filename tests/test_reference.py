@@ -213,3 +213,81 @@ def test_online_softmax_nan_inf_like_scipy():
         expected = scipy.special.softmax(x, axis=1)
     np.testing.assert_allclose(R.online_softmax(x, axis=1), expected, rtol=1e-14)
     assert np.isnan(R.online_softmax(x, 1)[0]).all()
+
+
+# ---------------------------------------------------------------- variants, worked by hand
+# Query i sees key j through i' = i + Nk − Nq (bottom-right alignment); window (left, right)
+# keeps i' − left ≤ j ≤ i' + right, causal keeps j ≤ i'. Every row below is written out.
+T, F = True, False
+
+
+@pytest.mark.parametrize("Nq, Nk, causal, window, expected", [
+    # Nq = 3, Nk = 4, window (1, 0): i' = 1, 2, 3 sees keys {0, 1}, {1, 2}, {2, 3}
+    (3, 4, False, (1, 0), [[T, T, F, F], [F, T, T, F], [F, F, T, T]]),
+    # causal, Nq < Nk: j ≤ i + 1
+    (3, 4, True, None, [[T, T, F, F], [T, T, T, F], [T, T, T, T]]),
+    # causal, Nq > Nk: j ≤ i − 2, so rows 0 and 1 see no key
+    (4, 2, True, None, [[F, F], [F, F], [T, F], [T, T]]),
+    # window (2, 1), Nq = Nk: i − 2 ≤ j ≤ i + 1
+    (4, 4, False, (2, 1), [[T, T, F, F], [T, T, T, F], [T, T, T, T], [F, T, T, T]]),
+    # the same window with causal: the right edge becomes j ≤ i
+    (4, 4, True, (2, 1), [[T, F, F, F], [T, T, F, F], [T, T, T, F], [F, T, T, T]]),
+    # causal with a left window, Nq = 2, Nk = 5: i' = 3, 4 sees {2, 3}, {3, 4}
+    (2, 5, True, (1, -1), [[F, F, T, T, F], [F, F, F, T, T]]),
+    # left unbounded, right 0, Nq > Nk: i' = i − 1
+    (3, 2, False, (-1, 0), [[F, F], [T, F], [T, T]]),
+])
+def test_visible_keys_worked_examples(Nq, Nk, causal, window, expected):
+    assert R.visible_keys(Nq, Nk, causal=causal, window=window).tolist() == expected
+
+
+# q = [1, 2], k = [1, 0, −1] (d = 1, scale 1): S = [[1, 0, −1], [2, 0, −2]];
+# |i + Nk − Nq − j| = [[1, 0, 1], [2, 1, 0]].
+_Q, _K = np.array([[1.0], [2.0]]), np.array([[1.0], [0.0], [-1.0]])
+_TANH_HALF, _TANH_ONE = 0.46211715726000974, 0.7615941559557649   # tanh(0.5), tanh(1)
+
+
+def test_attention_scores_chain_worked_example():
+    """softcap 2, ALiBi slope 0.5, bias, then the mask, in that order:
+    2·tanh(S/2) = [[0.9242343145200195, 0, −0.9242343145200195],
+                   [1.5231883119115297, 0, −1.5231883119115297]]
+    − 0.5·|i + 1 − j| + bias [[0.25, 0, 0], [0, 0, 1]], then keys (0, 2) and (1, 0) hidden."""
+    bias = np.array([[0.25, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    mask = np.array([[T, T, F], [F, T, T]])
+    Z, Tz = R.attention_scores(_Q, _K, scale=1.0, softcap=2.0, alibi_slopes=np.array(0.5),
+                               bias=bias, mask=mask)
+    expected = [[0.9242343145200195 - 0.5 + 0.25, 0.0, -np.inf],
+                [-np.inf, -0.5, -1.5231883119115297 + 1.0]]
+    np.testing.assert_allclose(Z, expected, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(Tz, [[_TANH_HALF, 0, -_TANH_HALF], [_TANH_ONE, 0, -_TANH_ONE]],
+                               rtol=1e-15)
+    # Without the mask the hidden entries are the chain's values: 1.5231883119115297 − 1 + 0
+    # at (1, 0), −0.9242343145200195 − 0.5 at (0, 2).
+    Z, _ = R.attention_scores(_Q, _K, scale=1.0, softcap=2.0, alibi_slopes=np.array(0.5),
+                              bias=bias)
+    np.testing.assert_allclose(Z[1, 0], 0.5231883119115297, rtol=1e-15)
+    np.testing.assert_allclose(Z[0, 2], -1.4242343145200195, rtol=1e-15)
+
+
+def test_alibi_per_head_worked_example():
+    """Two heads, slopes 0.5 and 0.25, no other variant: S − slope·|i + 1 − j|."""
+    q, k = np.broadcast_to(_Q, (1, 2, 2, 1)), np.broadcast_to(_K, (1, 2, 3, 1))
+    Z, Tz = R.attention_scores(q, k, scale=1.0, alibi_slopes=np.array([0.5, 0.25]))
+    assert Tz is None
+    np.testing.assert_array_equal(Z, [[[[0.5, 0.0, -1.5], [1.0, -0.5, -2.0]],
+                                       [[0.75, 0.0, -1.25], [1.5, -0.25, -2.0]]]])
+
+
+def test_naive_attention_with_variants_worked_example():
+    """The chain above, then softmax over the visible keys and · v, v = [1, 2, 4]:
+    row 0 sees keys 0 and 1 with scores z = 0.6742343145200195 and 0: σ = 1/(1 + e^−z),
+    o = σ·1 + (1 − σ)·2 = 1.337549356295595, lse = log(e^z + 1) = 1.08604353848587;
+    row 1 sees keys 1 and 2 with −0.5 and −0.5231883119115297: o = 2.988406363528991,
+    lse = 0.18162023532457003."""
+    v = np.array([[1.0], [2.0], [4.0]])
+    bias = np.array([[0.25, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    mask = np.array([[T, T, F], [F, T, T]])
+    o, lse = R.naive_attention(_Q, _K, v, scale=1.0, softcap=2.0, alibi_slopes=np.array(0.5),
+                               bias=bias, mask=mask, return_lse=True)
+    np.testing.assert_allclose(o, [[1.337549356295595], [2.988406363528991]], rtol=1e-14)
+    np.testing.assert_allclose(lse, [1.08604353848587, 0.18162023532457003], rtol=1e-14)
