@@ -1,7 +1,9 @@
 """`python -m cuflash`: info, demo, bench, check-kernels."""
 import argparse
+import csv
+import dataclasses
+import pathlib
 import platform
-import shutil
 import time
 import tracemalloc
 
@@ -41,6 +43,35 @@ def best_backend():
 
 # -- info -------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """A GPU whose plans `info` lists: the gate arch whose registers apply, its compute
+    capability and its limits (a `cuflash.emulator.GpuLimits`)."""
+    arch: str
+    cc: tuple
+    limits: "cuflash.emulator.GpuLimits"
+
+
+def _gate_target(arch):
+    from .emulator import archs
+    a = archs.ARCHS[arch]
+    return _Target(arch, divmod(a.cuda_arch // 10, 10), a.limits)
+
+
+def _device_target(cupy, dev, name):
+    """The local GPU, its limits from the device's attributes."""
+    from .emulator import archs
+    a = dev.attributes
+    cc = divmod(int(dev.compute_capability), 10)
+    limits = archs.GpuLimits(
+        name, a["MultiProcessorCount"], a["MaxThreadsPerMultiProcessor"],
+        a["MaxBlocksPerMultiprocessor"], a["MaxRegistersPerMultiprocessor"],
+        255,  # every architecture since sm_35
+        a["MaxSharedMemoryPerBlock"], a["MaxSharedMemoryPerBlockOptin"],
+        a["MaxSharedMemoryPerMultiprocessor"], a["ReservedSharedMemoryPerBlock"])
+    return _Target(f"sm_{cc[0]}{cc[1]}", cc, limits)
+
+
 def cmd_info(args):
     print(f"cuflash {cuflash.__version__} on Python {platform.python_version()}, "
           f"NumPy {np.__version__}")
@@ -52,32 +83,81 @@ def cmd_info(args):
     print(f"  numpy     available (blocked FlashAttention-2 on the CPU, "
           f"{numpy_backend.BACKEND.config.workers} workers, exponentials in base "
           f"{numpy_backend.BACKEND.config.base.name}: NumPy's fastest on this CPU)")
-    gxx = shutil.which("g++")
-    print(f"  emulator  {'available, g++ at ' + gxx if gxx else 'needs g++ (apt-get install g++)'}")
+    from .emulator import availability
+    ok, why = availability()  # g++ and the CUDA headers, found, not tried
+    print(f"  emulator  {'available, ' if ok else 'unavailable: '}{why}")
+    targets = []
     if cupy is None:
         print(f"  cuda      unavailable: {dev}")
-        _plans_per_arch()
-        return 0
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    free, total = cupy.cuda.runtime.memGetInfo()
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"  cuda      {name}, compute capability {dev.compute_capability}, "
-          f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
-    from . import tiling
-    limits = tiling.device_limits()
-    print(f"tile plans for this device ({limits}):")
-    for dtype in _dtypes.SUPPORTED:
-        for d in (64, 128, 256):
-            try:
-                fwd, why = tiling.forward_path(d, dtype, limits["cc"], max_smem=limits["max_smem"])
-                (dkdv, dq), bwd_why = tiling.backward_path(d, dtype, **limits)
-                print(f"  {str(dtype):9s} d={d:<4d} forward {fwd}\n{'':19s}path: {why}"
-                      f"\n{'':19s}backward {dkdv}; {dq}\n{'':19s}path: {bwd_why}")
-            except ValueError as exc:
-                print(f"  {str(dtype):9s} d={d:<4d} no plan: {exc}")
-    fwd, _ = tiling.forward_path(128, np.float16, limits["cc"], max_smem=limits["max_smem"])
-    print(f"  {_split_kv_example(fwd, limits['sm_count'])}")
+    else:
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        free, total = cupy.cuda.runtime.memGetInfo()
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        print(f"  cuda      {name}, compute capability {dev.compute_capability}, "
+              f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+        targets.append(_device_target(cupy, dev, name))
+    from .emulator import archs
+    known = tuple(archs.ARCHS)  # the architectures whose limits cuflash holds
+    for arch in args.arch or (known if args.verbose else ()):
+        targets.append(_gate_target(arch))
+    if not targets:
+        print(f"plans: `--arch sm_XY` lists one architecture's ({', '.join(known)}), "
+              "`--verbose` every one's")
+    unknown = [t.arch for t in targets if not _print_plans(t)]
+    if unknown:
+        print(f"blocks per SM need the compile gate's registers: run `python -m cuflash "
+              f"check-kernels {' '.join('--arch ' + a for a in unknown)}` once")
+    if args.verbose:
+        from . import compile_gate
+        missing = [a for a in compile_gate.ARCHS if a not in known]
+        if missing:
+            print(f"no device limits for {', '.join(missing)} (cuflash.emulator.archs): the "
+                  f"compile gate builds them, info cannot list their plans")
     return 0
+
+
+def _print_plans(target):
+    """Print the forward and backward kernels `target` runs per dtype and head dim, why,
+    and their blocks and warps per SM (the occupancy calculator's rules with the compile
+    gate's registers); False when the gate's cache has no registers for them."""
+    from . import compile_gate, tiling
+    lim = target.limits
+    registers = compile_gate.cached_registers(target.arch)
+    kwargs = {"max_smem": lim.shared_per_block_optin, "sm_count": lim.sm_count}
+    known = True
+
+    def occupancy(plan):
+        nonlocal known
+        regs = registers.get(plan.name_expression)
+        if regs is None:
+            known = False
+            return ""
+        blocks = tiling.occupancy(lim, threads=plan.num_threads, smem_bytes=plan.smem_bytes,
+                                  registers=regs)
+        warps = blocks * -(-plan.num_threads // 32)
+        return (f"{blocks} block{'s' * (blocks != 1)}, {warps} warp{'s' * (warps != 1)} "
+                f"per SM")
+
+    print(f"plans on {target.arch} ({lim.gpu}: {lim.sm_count} SMs, "
+          f"{lim.shared_per_block_optin // 1024} KiB shared memory per block):")
+    lines = []  # (head, kernel, blocks per SM) or (reason,)
+    # by name: bfloat16's plans need no ml_dtypes; float64 always runs the SIMT kernels
+    for dtype in (n for n in tiling.DTYPE_NAMES if tiling.ELEMENTS[n].bytes < 8):
+        for d in (64, 128, 256):
+            fwd, why = tiling.forward_path(d, dtype, target.cc, **kwargs)
+            bwd, bwd_why = tiling.backward_path(d, dtype, target.cc, **kwargs)
+            lines += [(f"{dtype:9s} d={d:<4d} forward ", fwd.name_expression, occupancy(fwd)),
+                      (why,)]
+            lines += [(f"{'':17s}backward", p.name_expression, occupancy(p)) for p in bwd]
+            if bwd_why != why:
+                lines.append((bwd_why,))
+    width = max(len(x[1]) for x in lines if len(x) == 3)
+    for x in lines:
+        print(f"  {x[0]} {x[1]:{width}s}  {x[2]}".rstrip() if len(x) == 3 else
+              f"{'':28s}{x[0]}")
+    decode_plan = tiling.forward_path(128, np.float16, target.cc, **kwargs)[0]
+    print(f"  {_split_kv_example(decode_plan, lim.sm_count)}")
+    return known
 
 
 # A decode step: one query row per (batch row, head) against a long cache.
@@ -95,47 +175,34 @@ def _split_kv_example(plan, sm_count):
             f"{splits} key split{'s' * (splits != 1)}, {blocks * splits} blocks")
 
 
-def _plans_per_arch():
-    """The kernels each gate architecture would run, and their predicted occupancy."""
-    from . import compile_gate, compiler, tiling
-    from .emulator import archs
-    print("plans per architecture (forward and backward kernels, why, and blocks and warps "
-          "per SM by the occupancy calculator's rules with the compile gate's registers):")
-    unknown = False
-    for arch in compiler.GATE_ARCHS:
-        a = archs.get_arch(arch)
-        limits = {"max_smem": a.limits.shared_per_block_optin, "sm_count": a.limits.sm_count}
-        cc = divmod(a.cuda_arch // 10, 10)
-        registers = compile_gate.cached_registers(arch)
+# -- checks and rates, shared by demo and bench ---------------------------------------
 
-        def occupancy(plan):
-            nonlocal unknown
-            regs = registers.get(plan.name_expression)
-            if regs is None:
-                unknown = True
-                return "occupancy ?"
-            blocks = tiling.occupancy(a.limits, threads=plan.num_threads,
-                                      smem_bytes=plan.smem_bytes, registers=regs)
-            warps = blocks * -(-plan.num_threads // 32)
-            return f"{blocks} block{'s' * (blocks != 1)}, {warps} warps per SM"
+def significant(x, digits=3):
+    """`x` in fixed notation with `digits` significant digits: an emulator's 0.000105
+    GFLOP/s stays nonzero, a GPU's 312456 stays readable."""
+    if not np.isfinite(x) or x == 0:
+        return f"{x:g}"
+    return f"{x:.{max(0, digits - 1 - int(np.floor(np.log10(abs(x)))))}f}"
 
-        print(f"  {arch} ({a.limits.gpu}):")
-        for dtype in (dt for dt in _dtypes.SUPPORTED if dt.itemsize < 8):
-            for d in (64, 128, 256):
-                fwd, why = tiling.forward_path(d, dtype, cc, **limits)
-                bwd, bwd_why = tiling.backward_path(d, dtype, cc, **limits)
-                print(f"    {str(dtype):9s} d={d:<4d} forward  {fwd.name_expression:52s} "
-                      f"{occupancy(fwd)}\n{'':24s}{why}")
-                for plan in bwd:
-                    print(f"{'':20s}backward {plan.name_expression:52s} {occupancy(plan)}")
-                print(f"{'':24s}{bwd_why}")
-        decode_plan = tiling.forward_path(128, np.float16, cc, **limits)[0]
-        print(f"    {_split_kv_example(decode_plan, a.limits.sm_count)}")
-    if unknown:
-        print("  occupancy ?: registers not in the gate's cache; run "
-              "`python -m cuflash check-kernels` once")
-    print("  Blackwell (sm_100, sm_120) is not in the gate: CuPy compiles the sm_90 plans "
-          "for it where the installed NVRTC targets it (CUDA 12.8 and later).")
+
+def _worst_error(host, outputs, heads, causal):
+    """Largest error relative to max(1, |reference|) of o, lse, dq, dk, dv over `heads`
+    ((batch, head) pairs), against the float64 reference."""
+    o, lse, dq, dk, dv = outputs
+    worst = dict.fromkeys(("o", "lse", "dq", "dk", "dv"), 0.0)
+    for i, j in heads:
+        qh, kh, vh, doh = (a[i, j] for a in host)
+        ro, rlse = reference.naive_attention(qh, kh, vh, causal=causal, return_lse=True)
+        grads = reference.attention_backward(doh, qh, kh, vh, ro, rlse, causal=causal)
+        for name, got, ref in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, grads[0]),
+                               ("dk", dk, grads[1]), ("dv", dv, grads[2])):
+            err = np.max(np.abs(got[i, j].astype(np.float64) - ref), initial=0.0)
+            worst[name] = max(worst[name], float(err / max(1.0, np.max(np.abs(ref)))))
+    return worst
+
+
+def _tolerance(dtype):
+    return 1e-4 if np.dtype(dtype).itemsize >= 4 else 3e-2
 
 
 # -- demo -------------------------------------------------------------------------------
@@ -221,25 +288,19 @@ def cmd_demo(args):
     naive = b * h * n * n * np.dtype(np.float32).itemsize
     for what, t, pass_ in (("forward", t_fwd, "fwd"), ("backward", t_bwd, "bwd")):
         gflops = attention_flops(b, h, n, n, d, causal=True, pass_=pass_) / t / 1e9
-        print(f"  {what:9s} {t * 1e3:9.1f} ms  {gflops:8.1f} GFLOP/s  (median of {args.repeat})")
+        print(f"  {what:9s} {significant(t * 1e3):>9s} ms  {significant(gflops):>8s} GFLOP/s  "
+              f"(median of {args.repeat})")
     print(f"  peak memory beyond inputs: {peak / 2**20:.1f} MiB for fwd+bwd outputs and "
           f"work space (inputs {in_bytes / 2**20:.1f} MiB; a naive score matrix alone "
           f"would take {naive / 2**20:.1f} MiB)")
 
     # Check every head against the float64 reference, one head at a time.
     get = (lambda a: a.get()) if backend == "cuda" else np.asarray
-    o, lse, dq, dk, dv = map(get, (o, lse, dq, dk, dv))
-    worst = {"o": 0.0, "lse": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    outputs = [get(a) for a in (o, lse, dq, dk, dv)]
     heads = [(i, j) for i in range(b) for j in range(h)][: args.check_heads]
-    for i, j in _progress(heads, desc="checking against the reference", unit="head"):
-        qh, kh, vh, doh = (a[i, j] for a in host)
-        ro, rlse = reference.naive_attention(qh, kh, vh, causal=True, return_lse=True)
-        grads = reference.attention_backward(doh, qh, kh, vh, ro, rlse, causal=True)
-        for name, got, ref in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, grads[0]),
-                               ("dk", dk, grads[1]), ("dv", dv, grads[2])):
-            err = np.max(np.abs(got[i, j].astype(np.float64) - ref))
-            worst[name] = max(worst[name], float(err / max(1.0, np.max(np.abs(ref)))))
-    tol = 1e-4 if np.dtype(dtype).itemsize >= 4 else 3e-2
+    worst = _worst_error(host, outputs, _progress(heads, desc="checking against the reference",
+                                                  unit="head"), causal=True)
+    tol = _tolerance(dtype)
     ok = all(e <= tol for e in worst.values())
     print(f"  checked {len(heads)} head(s) against the float64 reference: max relative error "
           + ", ".join(f"{k} {e:.1e}" for k, e in worst.items())
@@ -249,20 +310,56 @@ def cmd_demo(args):
 
 # -- bench ------------------------------------------------------------------------------
 
+# Sequence lengths and dtype by backend: seconds per configuration, not hours, on each.
+BENCH_N = {"cuda": (1024, 2048, 4096, 8192), "numpy": (512, 1024, 2048),
+           "emulator": (32, 64, 128)}
+BENCH_DTYPE = {"cuda": "float16", "numpy": "float32", "emulator": "float32"}
+BENCH_FIELDS = ("backend", "dtype", "batch", "heads", "n", "d", "causal", "pass",
+                "ms_median", "ms_best", "gflops", "max_rel_err")
+
+
+def bench_out_dir():
+    """benchmarks/results when run from a directory with a benchmarks/ folder (the cuflash
+    repository), else the current directory."""
+    here = pathlib.Path.cwd()
+    return here / "benchmarks" / "results" if (here / "benchmarks").is_dir() else here
+
+
+def _timings(f, repeat, backend):
+    """Seconds of `repeat` calls of `f` after one warm-up call."""
+    f()
+    _sync(backend)
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        _sync(backend)
+        ts.append(time.perf_counter() - t0)
+    return np.array(ts)
+
+
 def cmd_bench(args):
     backend = args.backend if args.backend != "auto" else best_backend()
     xp = np
     if backend == "cuda":
         import cupy as xp
-    dtype = np.dtype(args.dtype)
-    print(f"cuflash bench on {backend!r}: B={args.batch} H={args.heads} d={args.d} {dtype}, "
-          f"median of {args.repeat}; FLOPs 4·B·H·N²·d (halved causal), backward ×2.5")
-    print(f"{'N':>6} {'causal':>6} {'fwd ms':>9} {'fwd GFLOP/s':>12} {'bwd ms':>9} "
-          f"{'bwd GFLOP/s':>12}")
+    dtype = np.dtype(args.dtype or BENCH_DTYPE[backend])
+    ns = args.n or BENCH_N[backend]
+    b, h, d = args.batch, args.heads, args.d
+    out = pathlib.Path(args.out) if args.out else bench_out_dir()
+    print(f"cuflash bench on {backend!r}: B={b} H={h} d={d} {dtype}, median of {args.repeat} "
+          f"runs after a warm-up, each size first checked against the float64 reference; "
+          f"GFLOP/s by FlashAttention's count: forward 4·B·H·N²·d, halved when causal, "
+          f"backward 2.5× forward")
+    print(f"{'N':>6} {'causal':>6} {'fwd ms':>10} {'fwd GFLOP/s':>12} {'bwd ms':>10} "
+          f"{'bwd GFLOP/s':>12} {'max rel err':>11}")
+    get = (lambda a: a.get()) if backend == "cuda" else np.asarray
+    tol = _tolerance(dtype)
     rng = np.random.default_rng(0)
-    for n in args.n:
-        shape = (args.batch, args.heads, n, args.d)
-        q, k, v, do = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
+    rows, ok = [], True
+    for n in ns:
+        host = [rng.standard_normal((b, h, n, d)).astype(dtype) for _ in range(4)]
+        q, k, v, do = (xp.asarray(a) for a in host)
         for causal in (False, True):
             def fwd():
                 return cuflash.flash_attention(q, k, v, causal=causal, return_lse=True,
@@ -272,22 +369,61 @@ def cmd_bench(args):
             def bwd():
                 return cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=causal,
                                                         backend=backend)
-            times = []
-            for f in (fwd, bwd):
-                f()
-                _sync(backend)
-                ts = []
-                for _ in range(args.repeat):
-                    t0 = time.perf_counter()
-                    f()
-                    _sync(backend)
-                    ts.append(time.perf_counter() - t0)
-                times.append(float(np.median(ts)))
-            fl = [attention_flops(args.batch, args.heads, n, n, args.d, causal=causal, pass_=p)
-                  for p in ("fwd", "bwd")]
-            print(f"{n:>6} {str(causal):>6} {times[0] * 1e3:9.2f} {fl[0] / times[0] / 1e9:12.1f} "
-                  f"{times[1] * 1e3:9.2f} {fl[1] / times[1] / 1e9:12.1f}")
-    return 0
+            # validate first (one head against the float64 reference), then time
+            err = max(_worst_error(host, [get(a) for a in (o, lse, *bwd())], [(0, 0)],
+                                   causal).values())
+            ok &= err <= tol
+            cells = []
+            for pass_, f in (("fwd", fwd), ("bwd", bwd)):
+                ts = _timings(f, args.repeat, backend)
+                ms = float(np.median(ts)) * 1e3
+                gflops = attention_flops(b, h, n, n, d, causal=causal, pass_=pass_) / ms / 1e6
+                rows.append({"backend": backend, "dtype": dtype.name, "batch": b, "heads": h,
+                             "n": n, "d": d, "causal": causal, "pass": pass_,
+                             "ms_median": ms, "ms_best": float(np.min(ts)) * 1e3,
+                             "gflops": gflops, "max_rel_err": err})
+                cells += [significant(ms), significant(gflops)]
+            print(f"{n:>6} {str(causal):>6} {cells[0]:>10} {cells[1]:>12} {cells[2]:>10} "
+                  f"{cells[3]:>12} {err:>11.1e}" + ("" if err <= tol else "  FAILED"))
+    stem = out / f"bench_{backend}_{dtype.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as fh:
+        writer = csv.DictWriter(fh, BENCH_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {stem.with_suffix('.csv')}")
+    _plot(rows, stem.with_suffix(".png"), f"cuflash on {backend}: B={b} H={h} d={d} {dtype}")
+    if not ok:
+        print(f"FAILED: an error above the tolerance {tol:g}")
+    return 0 if ok else 1
+
+
+def _plot(rows, path, title):
+    """GFLOP/s over N, one line per pass and masking; nothing without matplotlib."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'cuflash[cli]')")
+        return
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for pass_ in ("fwd", "bwd"):
+        for causal in (False, True):
+            pts = [(r["n"], r["gflops"]) for r in rows
+                   if r["pass"] == pass_ and r["causal"] == causal]
+            ax.plot(*zip(*pts), marker="o",
+                    label=f"{'forward' if pass_ == 'fwd' else 'backward'}"
+                          f"{', causal' if causal else ''}")
+    ax.set_xscale("log", base=2)
+    ns = sorted({r["n"] for r in rows})
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 # -- check-kernels ----------------------------------------------------------------------
@@ -297,35 +433,88 @@ def cmd_check_kernels(args):
     return check_kernels(args.gate_args)
 
 
-def main(argv=None):
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, unless the help states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default:" in text else super()._get_help_string(action)
+
+
+def build_parser():
     parser = argparse.ArgumentParser(prog="python -m cuflash", description=cuflash.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="device, memory, tile plans and available backends")
-    demo = sub.add_parser("demo", help="attention at realistic sizes on the best backend, "
-                          "checked against the reference, with time and memory")
-    demo.add_argument("--backend", default="auto", choices=cuflash.api.BACKENDS)
-    demo.add_argument("--n", type=int, default=None, help="sequence length")
+    info = sub.add_parser("info", formatter_class=_Defaults,
+                          help="device, backends and the kernels each GPU runs (tile plans)",
+                          description="The device, the backends, and the tile plans of the "
+                                      "local GPU or of --arch: the kernel each dtype and head "
+                                      "dim takes, why, and its blocks per SM.")
+    info.add_argument("--arch", action="append", default=None, metavar="sm_XY",
+                      help="list this architecture's plans, repeatable (default: the local GPU's)")
+    info.add_argument("--verbose", "-v", action="store_true",
+                      help="list the plans of every architecture the compile gate builds")
+    demo = sub.add_parser("demo", formatter_class=_Defaults,
+                          help="attention at realistic sizes on the best backend, checked "
+                               "against the reference, with time and memory")
+    demo.add_argument("--backend", default="auto", choices=cuflash.api.BACKENDS,
+                      help="where to run (auto: cuda where CuPy sees a GPU, else numpy)")
+    demo.add_argument("--n", type=int, default=None,
+                      help="sequence length (default: 4096 on cuda, 2048 on numpy, 256 on the "
+                           "emulator)")
     demo.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
     demo.add_argument("--check-heads", type=int, default=4,
                       help="how many heads to check against the float64 reference")
-    bench = sub.add_parser("bench", help="forward/backward time and GFLOP/s over N")
-    bench.add_argument("--backend", default="auto", choices=cuflash.api.BACKENDS)
-    bench.add_argument("--n", type=int, nargs="+", default=[512, 1024, 2048])
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--heads", type=int, default=8)
-    bench.add_argument("--d", type=int, default=64)
-    bench.add_argument("--dtype", default="float32")
-    bench.add_argument("--repeat", type=int, default=5)
+    bench = sub.add_parser(
+        "bench", formatter_class=_Defaults,
+        help="forward and backward time and GFLOP/s over N: a table, a CSV and a plot",
+        description="Times cuflash's forward and backward (causal and not) over sequence "
+                    "lengths after checking each size against the float64 reference; prints "
+                    "a table and writes bench_<backend>_<dtype>.csv and, with matplotlib, "
+                    ".png. GFLOP/s by FlashAttention's count (cuflash.flops).")
+    bench.add_argument("--backend", default="auto", choices=cuflash.api.BACKENDS,
+                       help="where to run (auto: cuda where CuPy sees a GPU, else numpy)")
+    bench.add_argument("--n", type=int, nargs="+", default=None,
+                       help="sequence lengths (default: " + "; ".join(
+                           f"{k} {' '.join(map(str, v))}" for k, v in BENCH_N.items()) + ")")
+    bench.add_argument("--batch", type=int, default=1, help="batch size B")
+    bench.add_argument("--heads", type=int, default=8, help="heads H")
+    bench.add_argument("--d", type=int, default=64, help="head dim")
+    bench.add_argument("--dtype", default=None, choices=[dt.name for dt in _dtypes.SUPPORTED],
+                       help="input dtype (default: " + ", ".join(
+                           f"{v} on {k}" for k, v in BENCH_DTYPE.items()) + ")")
+    bench.add_argument("--repeat", type=int, default=5, help="timed runs per pass (median)")
+    bench.add_argument("--out", default=None, metavar="DIR",
+                       help="where the CSV and the plot go (default: benchmarks/results when run "
+                            "from a directory with a benchmarks/ folder, as the cuflash "
+                            "repository's root, else the current directory)")
     # check-kernels has its own options (compile_gate.check_kernels parses them).
+    from .compile_gate import ARCHS
     sub.add_parser("check-kernels", add_help=False,
                    help="compile every kernel specialization with NVRTC + ptxas for "
-                        "sm_70..sm_90: registers, shared memory, spills")
+                        f"{', '.join(ARCHS)}: registers, shared memory, spills "
+                        "(check-kernels --help for its options)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "check-kernels":
         args.gate_args = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "info":
+        from .emulator import archs
+        for arch in args.arch or ():
+            if arch not in archs.ARCHS:
+                parser.error(f"info --arch: got {arch!r}; choose from {', '.join(archs.ARCHS)}")
+    for name in ("n", "batch", "heads", "d", "repeat", "check_heads"):
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 1:
+                parser.error(f"{args.command} --{name.replace('_', '-')}: got {value}; "
+                             "a positive integer is needed")
     commands = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench,
                 "check-kernels": cmd_check_kernels}
     return commands[args.command](args)

@@ -1,7 +1,8 @@
 """The compile gate: every kernel specialization cuflash can launch, built for every
-architecture in `compiler.GATE_ARCHS` by NVRTC (the compiler CuPy uses at run time)
-and assembled by `ptxas -v`; a specialization that fails to compile or spills any
-bytes to local memory fails the gate. Needs no GPU.
+architecture in `ARCHS` that the installed NVRTC targets (the compiler CuPy uses at run
+time) and assembled by `ptxas -v`; a specialization that fails to compile or spills any
+bytes to local memory fails the gate. Needs no GPU, and no ml_dtypes: NVRTC knows
+bfloat16 as `__nv_bfloat16`, so the gate builds the bfloat16 kernels regardless.
 
 `python -m cuflash check-kernels` calls `check_kernels()`, which prints the table.
 
@@ -43,6 +44,16 @@ from . import compiler
 CUPY_APPENDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 CACHE_VERSION = 1
+
+# The architectures the gate proves: compiler.GATE_ARCHS and Blackwell, which runs the
+# sm_80/sm_90 mma.sync plans (B200 sm_100 with 227 KB of shared memory per block, the
+# consumer sm_120 with 99 KB) and which NVRTC targets from CUDA 12.8 on.
+ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120")))
+
+# Why an NVRTC may lack an arch of ARCHS: each CUDA release adds and drops some.
+_ARCH_RANGE = {"sm_70": "CUDA 12.9 is the last toolkit that targets sm_70",
+               "sm_100": "CUDA 12.8 is the first toolkit that targets sm_100",
+               "sm_120": "CUDA 12.8 is the first toolkit that targets sm_120"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,32 +334,43 @@ def _store(key, rows):
         pass
 
 
-def collect_specializations():
-    """{filename: [name expressions]}: every specialization cuflash can launch."""
+def arch_cc(arch: str) -> tuple[int, int]:
+    """The compute capability of "sm_XY" / "sm_XYZ" (the last digit is the minor)."""
+    digits = arch.removeprefix("sm_").rstrip("af")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def collect_specializations(arch=None):
+    """{filename: [name expressions]}: every specialization cuflash can launch on `arch`
+    ("sm_80"; None: on any arch). Plans depend on the arch (sm_120's float32 tiles)."""
     from . import tiling
-    return tiling.specializations()
+    return tiling.specializations(None if arch is None else arch_cc(arch))
 
 
-def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None, sass=False):
+def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None, sass=False,
+             only=None):
     """Compile every specialization for every arch; returns a list of Row (with `sass`,
     each with its SASS opcode counts: nvdisasm must be installed).
 
-    specs: {filename: [name expressions]} (default: everything cuflash can launch).
+    specs: {filename: [name expressions]} built for every arch (default: what cuflash can
+    launch on each arch, `collect_specializations(arch)`); `only`: these filenames alone.
     sources: optional {filename: source text} overriding `compiler.read_source`
     (used to test that the gate catches errors and spills).
     """
-    specs = collect_specializations() if specs is None else specs
-    archs = tuple(archs or compiler.GATE_ARCHS)
+    archs = tuple(archs or gate_archs()[0])
+    per_arch = {a: {f: names for f, names in
+                    (collect_specializations(a) if specs is None else specs).items()
+                    if only is None or f in only} for a in archs}
     jobs = jobs or min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else (os.cpu_count() or 1), 8)
     results = {}
     todo = []
-    for filename, names in specs.items():
-        text = (sources or {}).get(filename)
-        if text is None:
-            text = compiler.read_source(filename)
-        for arch in archs:
-            options = gate_options(arch)
+    for arch in archs:
+        options = gate_options(arch)
+        for filename, names in per_arch[arch].items():
+            text = (sources or {}).get(filename)
+            if text is None:
+                text = compiler.read_source(filename)
             key = _key(text, names, arch, options, sass)
             cached = _load(key) if use_cache else None
             if cached is not None:
@@ -367,15 +389,12 @@ def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None,
                     rows = fut.result()
                 except Exception as e:  # a crashed worker is a failure, not a pass
                     rows = [Row(filename, n, arch, error=f"gate worker failed: {e!r}")
-                            for n in specs[filename]]
+                            for n in per_arch[arch][filename]]
                 results[(filename, arch)] = rows
                 if use_cache and not any(r.error for r in rows):
                     _store(key, rows)
-    out = []
-    for filename in specs:
-        for arch in archs:
-            out.extend(results[(filename, arch)])
-    return out
+    return [row for arch in archs for filename in per_arch[arch]
+            for row in results[(filename, arch)]]
 
 
 def cached_registers(arch):
@@ -385,7 +404,7 @@ def cached_registers(arch):
     out = {}
     try:
         options = gate_options(arch)
-        for filename, names in collect_specializations().items():
+        for filename, names in collect_specializations(arch).items():
             text = compiler.read_source(filename)
             for sass in (True, False):
                 rows = _load(_key(text, names, arch, options, sass))
@@ -442,40 +461,59 @@ def nvrtc_archs() -> tuple[str, ...]:
 def split_archs(requested, supported, nvrtc_version):
     """(the requested archs NVRTC can build, {skipped arch: why}).
 
-    Each CUDA release drops old architectures (CUDA 13's NVRTC no longer targets Volta,
-    sm_70): those are reported, not failed, so the gate proves what the installed
-    toolkit can build."""
+    Each CUDA release adds and drops architectures (CUDA 13's NVRTC no longer targets
+    Volta, sm_70; Blackwell needs CUDA 12.8): those are reported, not failed, so the gate
+    proves what the installed toolkit can build."""
     version = ".".join(map(str, nvrtc_version))
     build = tuple(a for a in requested if a in supported)
-    skipped = {a: f"NVRTC {version} cannot target {a} (CUDA 12.9 is the last toolkit "
-                  f"that targets sm_70)" if a == "sm_70" else
-                  f"NVRTC {version} cannot target {a}"
+    skipped = {a: f"NVRTC {version} cannot target {a}"
+                  + (f" ({_ARCH_RANGE[a]})" if a in _ARCH_RANGE else "")
                for a in requested if a not in supported}
     return build, skipped
+
+
+def gate_archs(requested=None):
+    """split_archs() of `requested` (default: ARCHS) against the installed NVRTC."""
+    from cupy.cuda import nvrtc
+    return split_archs(tuple(requested or ARCHS), nvrtc_archs(), nvrtc.getVersion())
 
 
 def check_kernels(argv=None) -> int:
     """Print the gate's table; return 0 when every specialization compiles spill-free on
     every requested arch the installed NVRTC can target (the others are listed as
     skipped, with the reason)."""
-    from cupy.cuda import nvrtc
-
-    ap = argparse.ArgumentParser(prog="cuflash check-kernels",
-                                 description="Compile every kernel specialization with "
-                                             "NVRTC + ptxas for each gate architecture.")
-    ap.add_argument("--arch", action="append", help="architecture(s), default: all of "
-                    + ", ".join(compiler.GATE_ARCHS))
-    ap.add_argument("--no-cache", action="store_true", help="ignore the on-disk results cache")
-    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compilations")
+    ap = argparse.ArgumentParser(
+        prog="python -m cuflash check-kernels",
+        description="Compile every kernel specialization cuflash can launch with NVRTC and "
+                    "assemble it with ptxas -v for each architecture: registers, shared "
+                    "memory, spills, and the disassembly's tensor-core and local-memory "
+                    "instructions. Exits 1 when one fails or spills. Needs no GPU.")
+    ap.add_argument("--arch", action="append", metavar="sm_XY",
+                    help="an architecture to build for, repeatable (default: each of "
+                         + ", ".join(ARCHS) + " that the installed NVRTC targets)")
+    ap.add_argument("--source", action="append", metavar="FILE",
+                    help="only this kernel source of cuflash/kernels/, repeatable (default: "
+                         "every source: " + ", ".join(sorted(collect_specializations()))
+                         + ")")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="rebuild everything, ignoring the on-disk results cache in "
+                         f"{_cache_dir()} (default: use it)")
+    ap.add_argument("-j", "--jobs", type=int, default=None,
+                    help="parallel compilations (default: the usable CPUs, at most 8)")
     ap.add_argument("--no-sass", action="store_true",
-                    help="skip the disassembly (HMMA/LDSM/LDGSTS/LDL/STL counts)")
+                    help="skip the disassembly (HMMA/LDSM/LDGSTS/LDL/STL counts; default: "
+                         "disassemble where nvdisasm is installed)")
     args = ap.parse_args(argv)
+    sources = sorted(collect_specializations())
+    unknown = sorted(set(args.source or ()) - set(sources))
+    if unknown:
+        ap.error(f"--source {unknown[0]!r} is not a kernel source; choose from "
+                 + ", ".join(sources))
     sass = not args.no_sass and nvdisasm_path() is not None
     t0 = time.perf_counter()
-    archs, skipped = split_archs(tuple(args.arch or compiler.GATE_ARCHS), nvrtc_archs(),
-                                 nvrtc.getVersion())
-    rows = (run_gate(archs=archs, jobs=args.jobs, use_cache=not args.no_cache, sass=sass)
-            if archs else [])
+    archs, skipped = gate_archs(args.arch)
+    rows = (run_gate(archs=archs, jobs=args.jobs, use_cache=not args.no_cache, sass=sass,
+                     only=args.source) if archs else [])
     if rows:
         print(format_table(rows))
     bad = [r for r in rows if not r.ok]

@@ -4,6 +4,9 @@ assembles with ptxas without spilling — and the gate itself can fail.
 The full run is cached on disk (keyed by source + headers + options + names + NVRTC
 version), so only the first run after a kernel edit pays the cold compile.
 """
+import subprocess
+import sys
+
 import pytest
 
 from cuflash import compile_gate, compiler, tiling
@@ -35,17 +38,18 @@ def test_every_specialization_compiles_without_spills(gate_rows):
 
 
 def test_gate_covers_every_arch_and_backward_kernel(gate_rows):
+    archs, _ = compile_gate.gate_archs()
     seen = {(r.kernel, r.arch) for r in gate_rows}
     for name in tiling.specializations()["flash_bwd.cu"]:
-        for arch in compiler.GATE_ARCHS:
+        for arch in archs:
             assert (name, arch) in seen
 
 
 def test_backward_smem_formula_matches_ptxas(gate_rows):
     """The Python plan's shared-memory bytes are what ptxas reports for the kernel."""
     by_name = {(r.kernel, r.arch): r for r in gate_rows}
-    for p in tiling.all_bwd_plans():
-        for arch in compiler.GATE_ARCHS:
+    for p in tiling.all_simt_bwd_plans():
+        for arch in compile_gate.gate_archs()[0]:
             assert by_name[(p.name_expression, arch)].smem == p.smem_bytes, str(p)
 
 
@@ -118,11 +122,40 @@ def test_split_archs_names_what_it_skips_and_why():
     assert "NVRTC 13.0 cannot target sm_70" in skipped["sm_70"]
 
 
+# Real architectures `nvrtcGetSupportedArchs` lists, by toolkit (CUDA 13 drops Maxwell,
+# Pascal and Volta).
+NVRTC_12_6 = ("sm_50", "sm_52", "sm_53", "sm_60", "sm_61", "sm_62", "sm_70", "sm_72", "sm_75",
+              "sm_80", "sm_86", "sm_87", "sm_89", "sm_90")
+NVRTC_12_9 = NVRTC_12_6 + ("sm_100", "sm_101", "sm_103", "sm_120", "sm_121")
+NVRTC_13_0 = ("sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_103",
+              "sm_110", "sm_120", "sm_121")
+
+
+@pytest.mark.parametrize("version, supported, skipped", [
+    ((12, 6), NVRTC_12_6, ("sm_100", "sm_120")),
+    ((12, 9), NVRTC_12_9, ()),
+    ((13, 0), NVRTC_13_0, ("sm_70",)),
+])
+def test_gate_archs_are_what_the_toolkit_targets(monkeypatch, version, supported, skipped):
+    """Volta through Hopper and Blackwell (B200 sm_100, the consumer sm_120), less what
+    the installed NVRTC cannot target, each skipped arch with the toolkit that has it."""
+    from cupy.cuda import nvrtc
+    monkeypatch.setattr(compile_gate, "nvrtc_archs", lambda: supported)
+    monkeypatch.setattr(nvrtc, "getVersion", lambda: version)
+    build, why = compile_gate.gate_archs()
+    every = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+    assert build == tuple(a for a in every if a not in skipped)
+    assert tuple(why) == skipped
+    for arch in skipped:
+        assert why[arch].startswith(f"NVRTC {version[0]}.{version[1]} cannot target {arch} (")
+        assert ("12.9 is the last" if arch == "sm_70" else "12.8 is the first") in why[arch]
+
+
 def test_check_kernels_builds_what_it_can_and_lists_the_rest(capsys, monkeypatch):
     """A toolkit without sm_70 (CUDA 13): the gate passes on the archs it can build."""
     monkeypatch.setattr(compile_gate, "nvrtc_archs", lambda: ("sm_75", "sm_80"))
     monkeypatch.setattr(compile_gate, "collect_specializations",
-                        lambda: {"planted.cu": ["light<2>"]})
+                        lambda arch=None: {"planted.cu": ["light<2>"]})
     monkeypatch.setattr(compiler, "read_source", lambda name: PLANTED)
     assert compile_gate.check_kernels(["--arch", "sm_70", "--arch", "sm_80"]) == 0
     out = capsys.readouterr().out
@@ -130,6 +163,42 @@ def test_check_kernels_builds_what_it_can_and_lists_the_rest(capsys, monkeypatch
     assert "skipped sm_70: NVRTC" in out
     # Nothing buildable is a failure, not a silent pass.
     assert compile_gate.check_kernels(["--arch", "sm_70"]) == 1
+
+
+# A Python without ml_dtypes, as far as imports see (sys.modules["ml_dtypes"] = None would
+# also break CuPy, which tells the missing package from a blocked one).
+WITHOUT_ML_DTYPES = """import sys
+class NoMlDtypes:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "ml_dtypes":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoMlDtypes())
+"""
+
+
+def test_check_kernels_without_ml_dtypes():
+    """Without the bf16 extra the gate still builds the bfloat16 kernels: NVRTC needs only
+    the C type name __nv_bfloat16, not ml_dtypes' NumPy type."""
+    code = WITHOUT_ML_DTYPES + ("from cuflash import cli\n"
+                                "sys.exit(cli.main(['check-kernels', '--arch', 'sm_80', "
+                                "'--source', 'online_softmax.cu']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [x.split() for x in proc.stdout.splitlines() if "_kernel<" in x]
+    assert {r[0] for r in rows} == {"softmax_rows_kernel<__nv_bfloat16,",
+                                    "softmax_cols_kernel<__nv_bfloat16,",
+                                    "softmax_rows_kernel<__half,", "softmax_cols_kernel<__half,",
+                                    "softmax_rows_kernel<float,", "softmax_cols_kernel<float,",
+                                    "softmax_rows_kernel<double,", "softmax_cols_kernel<double,"}
+    assert all(r[-1] == "ok" for r in rows), proc.stdout
+
+
+def test_check_kernels_rejects_an_unknown_source(capsys):
+    with pytest.raises(SystemExit):
+        compile_gate.check_kernels(["--source", "flash_fwd.cuh"])
+    err = capsys.readouterr().err
+    assert "'flash_fwd.cuh'" in err and "flash_fwd.cu" in err
 
 
 # -- the forward's shared-memory formula, through ptxas ------------------------------------
@@ -154,7 +223,7 @@ __global__ void smem_probe(unsigned char* out) {
 
 def test_forward_smem_formula_matches_ptxas():
     """tiling.attention_smem_bytes is what the kernel's traits (kSmemBytes) declare."""
-    plans = {p.name_expression: p for p in tiling.all_plans()}
+    plans = {p.name_expression: p for p in tiling.all_simt_fwd_plans()}
     probes = {name.replace(name[:name.index("<")], "smem_probe", 1): p
               for name, p in plans.items()}
     rows = compile_gate.run_gate({"smem_probe.cu": list(probes)}, archs=["sm_80"],

@@ -22,7 +22,7 @@ blocks when the query blocks alone would leave SMs idle (`tiling.split_kv_count`
 partial results merged by lse (`merge_states`) in a fixed order.
 
 Head dims above the plan's bucket run in bucket-wide chunks (`num_d_chunks`). The tile
-plan comes from `tiling.plan_forward`; inputs are as `cuflash.backends` describes them
+plan comes from `tiling.forward_path`; inputs are as `cuflash.backends` describes them
 (checked and non-empty).
 """
 from __future__ import annotations
@@ -58,9 +58,9 @@ class Segments:
 
 def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False):
     """The plan `forward` launches for these (prepared) arrays on this backend."""
-    return tiling.plan_forward(q.shape[-1], q.dtype, algorithm=algorithm,
+    return tiling.forward_path(q.shape[-1], q.dtype, algorithm=algorithm,
                                aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
-                               **backend.limits())
+                               **backend.limits())[0]
 
 
 def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,

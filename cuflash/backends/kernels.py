@@ -10,7 +10,7 @@ Both backends run the very same `.cu` sources. They differ only in
 
 Everything else is shared: `KernelBackend` compiles and memoises kernels and delegates
 to the launch modules `kernel_forward`, `kernel_backward` and `kernel_softmax`, which
-take their plans from `cuflash.tiling` and marshal arguments with `marshal`.
+take their plans from `cuflash.plans` and marshal arguments with `marshal`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import threading
 
 import numpy as np
 
-from .. import compiler, tiling
+from .. import compiler
+from ..plans.device import device_limits
 from . import kernel_backward, kernel_forward, kernel_softmax
 
 _DEFAULT_DYNAMIC_SMEM = 48 * 1024  # what a launch may use without opting in
@@ -72,11 +73,6 @@ class KernelBackend:
                 fn.max_dynamic_shared_size_bytes = plan.smem_bytes
         return fn
 
-    def plan(self, d, dtype, algorithm="fa2", allow_tf32=False) -> tiling.KernelPlan:
-        """The forward plan this backend's device gets for head dim d and dtype."""
-        return tiling.plan_forward(d, dtype, algorithm=algorithm, allow_tf32=allow_tf32,
-                                   **self.limits())
-
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
                 allow_tf32=False, segments=None, num_splits=None):
         with self._device_of(q):
@@ -111,7 +107,7 @@ def _cuda_backend():
 
 @functools.cache
 def _cuda_limits(device_id):
-    return tiling.device_limits()
+    return device_limits()
 
 
 def cuda_backend():

@@ -3,9 +3,10 @@ contiguous or paged, with split-KV.
 
 Layouts (docs/serving.md):
   contiguous  k_cache, v_cache (B, Hkv, Ncache, d); row b's keys are k_cache[b, :, :L_b].
-  paged       k_cache, v_cache (num_blocks, Hkv, page_size, d) and block_table int32
-              (B, max_pages): row b's key p lives in page block_table[b, p // page_size]
-              at offset p % page_size. Pages may be shared between rows (read-only).
+  paged       k_cache, v_cache (num_blocks, Hkv, page_size, d) and block_table
+              (B, max_pages), integers within int32: row b's key p lives in page
+              block_table[b, p // page_size] at offset p % page_size. Pages may be
+              shared between rows (read-only).
 
 Row b attends to its first L_b = cache_seqlens[b] + Nnew keys, causal bottom-right.
 New keys (k, v) are written into the cache in place first, after every argument has
@@ -19,8 +20,6 @@ into up to num_splits contiguous chunks; each runs through the backend's attenti
 return_lse on views of the cache (a paged chunk's pages gathered into one buffer first),
 and merge_states combines them.
 """
-import math
-
 import numpy as np
 
 from .. import _checks, _dtypes
@@ -30,9 +29,7 @@ from ..backends.kernel_forward import Segments
 from ..variants import Variants
 from . import _args
 from ..merge import merge_states
-
-MAX_SPLITS = 16          # above this the merge costs more than it saves (FA2 caps at 128)
-MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this is mostly call overhead
+from ..plans.device import split_kv_calls
 
 
 # -- split-KV: how many chunks, and where they start ----------------------------------
@@ -43,17 +40,6 @@ def parallel_units(be) -> int:
     if be.name == "numpy":
         return max(1, int(be.config.workers))
     return max(1, int(be.limits()["sm_count"]))
-
-
-def auto_num_splits(units, batch, heads, nq, max_keys) -> int:
-    """FlashAttention-2's rule, simplified: split the keys only while the (row, head,
-    64-query block) tiles leave units idle, into chunks of at least MIN_KEYS_PER_SPLIT
-    keys, at most MAX_SPLITS."""
-    tiles = batch * heads * math.ceil(max(nq, 1) / 64)
-    if tiles >= 0.8 * units:
-        return 1
-    return max(1, min(math.ceil(units / tiles), math.ceil(max_keys / MIN_KEYS_PER_SPLIT),
-                      MAX_SPLITS))
 
 
 def split_points(L, nq, num_splits, *, causal, window, alibi, page_size=1):
@@ -197,7 +183,7 @@ def _check_cache_args(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
         table = _args.to_host_int("block_table", block_table, ndim=2)
         if table.shape[0] != B:
             raise ValueError(f"block_table must have one row per batch row of q (B = {B}); "
-                             f"got block_table {tuple(block_table.shape)}, q {tuple(q.shape)}")
+                             f"got block_table {table.shape}, q {tuple(q.shape)}")
     elif k_cache.shape[0] != B:
         raise ValueError(f"k_cache must have one row per batch row of q (B = {B}); got "
                          f"k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}")
@@ -221,13 +207,11 @@ def _check_cache_args(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
             raise ValueError("k and v (new keys) need cache_seqlens: the position each row "
                              "writes them at")
         seqlens = np.full(B, cap, np.int64)
-    elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        seqlens = np.full(B, int(cache_seqlens), np.int64)
     else:
-        seqlens = _args.to_host_int("cache_seqlens", cache_seqlens, ndim=1)
+        seqlens = _args.to_host_int_rows("cache_seqlens", cache_seqlens, rows=B)
         if seqlens.shape[0] != B:
             raise ValueError(f"cache_seqlens must have one entry per batch row (B = {B}); "
-                             f"got shape {tuple(cache_seqlens.shape)}")
+                             f"got shape {seqlens.shape}")
     if (seqlens < 0).any():
         raise ValueError(f"cache_seqlens must be >= 0; got {seqlens.min()}")
     total = seqlens + nnew
@@ -273,9 +257,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
 
     q: (B, Hq, Nq, d) — Nq = 1 when decoding, a few for speculative decoding.
     k_cache, v_cache: (B, Hkv, Ncache, d), or paged (num_blocks, Hkv, page_size, d) with
-    block_table int32 (B, max_pages). cache_seqlens: an int or int32 (B,): the valid
-    keys of each row (None: the whole capacity). k, v (B, Hkv, Nnew, d), when given, are
-    written into the cache in place at positions cache_seqlens … + Nnew − 1 (the caller
+    block_table (B, max_pages). cache_seqlens: an int, or (B,): the valid keys of each
+    row (None: the whole capacity). Index arguments take any integer dtype (or lists)
+    whose values fit in int32. k, v (B, Hkv, Nnew, d), when given, are written into
+    the cache in place at positions cache_seqlens … + Nnew − 1 (the caller
     advances cache_seqlens). Row b then attends to its first cache_seqlens[b] + Nnew
     keys, causal bottom-right. num_splits: 0 picks the split-KV count from the device
     (SMs, or the NumPy backend's workers), 1 does not split, n > 1 forces n chunks.
@@ -308,8 +293,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
         if out is not None:
             return out if return_lse else out[0]
     if num_splits == 0:
-        num_splits = auto_num_splits(parallel_units(be), B, hq, nq,
-                                     int(lengths.max()) if B else 0)
+        num_splits = split_kv_calls(parallel_units(be), B, hq, nq,
+                                    int(lengths.max()) if B else 0)
     acc = _dtypes.lse_dtype(dtype)
     o = xp.empty(q.shape, dtype=dtype)
     lse = xp.empty(q.shape[:-1], dtype=acc)

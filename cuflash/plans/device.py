@@ -1,0 +1,86 @@
+"""What the device gives a plan: its limits, the occupancy model, and split-KV (how many
+key ranges keep every SM busy when the query blocks alone would not)."""
+from __future__ import annotations
+
+import math
+
+
+def device_limits():
+    """{'max_smem', 'sm_count', 'cc'} of the current CuPy device."""
+    import cupy
+    dev = cupy.cuda.Device()
+    attrs = dev.attributes
+    cc = dev.compute_capability  # "80", "90", "100", "120": the minor is the last digit
+    return {
+        "max_smem": int(attrs["MaxSharedMemoryPerBlockOptin"]),
+        "sm_count": int(attrs["MultiProcessorCount"]),
+        "cc": (int(cc[:-1]), int(cc[-1])),
+    }
+
+
+def occupancy(limits, *, threads: int, smem_bytes: int, registers: int) -> int:
+    """Resident blocks per SM of a kernel, by the CUDA occupancy calculator's rules:
+    the fewest allowed by the SM's block slots, its warp slots, its registers (allocated
+    per warp in units of 256) and its shared memory (static + dynamic + the per-block
+    reserve, in units of 128 bytes). `limits` is a `cuflash.emulator.archs.GpuLimits`."""
+    warps = -(-threads // 32)
+    by_warps = limits.max_threads_per_sm // 32 // warps
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = limits.registers_per_sm // (regs_per_warp * warps) if registers > 0 else by_warps
+    smem = -(-(smem_bytes + limits.shared_reserved_per_block) // 128) * 128
+    by_smem = limits.shared_per_sm // smem if smem else by_warps
+    return max(0, min(limits.max_blocks_per_sm, by_warps, by_regs, by_smem))
+
+
+# ── split-KV: two rules, because a split costs two different things ─────────────────────
+#
+# Within one launch (seqlens.cuh, `split_kv_count`): a split is one more block on the
+# grid and one more lse-weighted term in the merge, both small next to a key tile, so
+# the rule follows FlashAttention-2's `num_splits_heuristic` and its cap of 128.
+# Over separate calls (`split_kv_calls`: the NumPy backend, or cache pages the kernels
+# cannot read in place): a split is a whole attention call on a view of the cache and a
+# merge pass over O, so each must bring MIN_KEYS_PER_CALL keys and there are few of them.
+
+MAX_SPLITS = 128            # FlashAttention-2's cap
+SPLIT_FULL_WAVES = 0.8      # this many blocks per SM (as a fraction) already fill the GPU
+SPLIT_EFFICIENCY = 0.85     # take the fewest splits within this fraction of the best
+MAX_CALL_SPLITS = 16        # above this the merge costs more than the calls save
+MIN_KEYS_PER_CALL = 256     # a call on fewer keys is mostly call overhead
+CALL_QUERY_BLOCK = 64       # query rows per unit of work, as the kernels' tiles
+
+
+def split_kv_count(blocks: int, key_tiles: int, sm_count) -> int:
+    """How many key ranges (split-KV) a forward launch of `blocks` blocks (query blocks ×
+    heads × batch, and head-dim chunks), each walking `key_tiles` key tiles, should cut the
+    keys into on `sm_count` SMs. FlashAttention-2's rule: no split once the blocks fill
+    SPLIT_FULL_WAVES of the SMs; else, of the split counts s ≤ min(MAX_SPLITS, SMs, key
+    tiles) that change the tiles per split, the fewest whose wave efficiency
+    (blocks·s / SMs) / ⌈blocks·s / SMs⌉ is within SPLIT_EFFICIENCY of the best. The merge
+    (one lse-weighted sum per split) is not modelled: it is small next to the tiles."""
+    if not sm_count or blocks <= 0 or blocks >= SPLIT_FULL_WAVES * sm_count:
+        return 1
+    cap = min(MAX_SPLITS, sm_count, key_tiles)
+    if cap <= 1:
+        return 1
+
+    def efficiency(s):
+        waves = blocks * s / sm_count
+        return waves / math.ceil(waves)
+
+    counts = [s for s in range(1, cap + 1)
+              if s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))]
+    best = max(efficiency(s) for s in counts)
+    return next(s for s in counts if efficiency(s) >= SPLIT_EFFICIENCY * best)
+
+
+def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -> int:
+    """How many separate attention calls a KV-cache step cuts each row's keys into on
+    `units` parallel units (SMs, or the NumPy backend's workers): none while the (row,
+    head, CALL_QUERY_BLOCK-query block) tiles fill SPLIT_FULL_WAVES of the units; else
+    enough to fill them, each call on at least MIN_KEYS_PER_CALL keys, at most
+    MAX_CALL_SPLITS. An empty batch has nothing to split."""
+    tiles = batch * heads * math.ceil(max(nq, 1) / CALL_QUERY_BLOCK)
+    if tiles == 0 or tiles >= SPLIT_FULL_WAVES * units:
+        return 1
+    return max(1, min(math.ceil(units / tiles), math.ceil(max_keys / MIN_KEYS_PER_CALL),
+                      MAX_CALL_SPLITS))
