@@ -35,33 +35,6 @@ def cuda_include_dir():
 
 
 @functools.cache
-def cuda_host_include_dirs():
-    """cuda_include_dir() and what a host C++ compiler needs besides to include cuda_fp16.h
-    and cuda_bf16.h, which NVRTC has built in: crt/host_defines.h (the toolkit's include
-    directory, else the nvidia-cuda-nvcc wheel's) and nv/target (the toolkit's CCCL, else
-    the copy inside CuPy). Only directories that exist; the emulator names what is missing."""
-    inc = cuda_include_dir()
-    if inc is None:
-        return ()
-    candidates = [pathlib.Path(inc), pathlib.Path(inc) / "cccl"]
-    try:
-        import nvidia.cuda_nvcc
-        candidates += [pathlib.Path(base) / "include" for base in nvidia.cuda_nvcc.__path__]
-    except ImportError:
-        pass
-    # find_spec locates CuPy without importing it (slow, and it may ask for a GPU)
-    cupy = importlib.util.find_spec("cupy")
-    if cupy is not None and cupy.origin:
-        candidates.append(pathlib.Path(cupy.origin).parent / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx")
-    dirs = [str(inc)]
-    for rel in ("crt/host_defines.h", "nv/target"):
-        found = next((d for d in candidates if (d / rel).exists()), None)
-        if found is not None and str(found) not in dirs:
-            dirs.append(str(found))
-    return tuple(dirs)
-
-
-@functools.cache
 def cuda_version(include_dir=None):
     """CUDART_VERSION (12090 for CUDA 12.9) of the headers in `include_dir` (default:
     cuda_include_dir()), None where there are none."""

@@ -5,7 +5,7 @@ Limits: CUDA C++ Programming Guide, "Compute Capabilities", table "Technical Spe
 per Compute Capability" (shared memory per block opt-in = ``cudaDevAttrMaxSharedMemoryPerBlockOptin``,
 per SM = ``cudaDevAttrMaxSharedMemoryPerMultiprocessor``, 1 KB of it reserved per block on
 8.x/9.0), and the SM count of the named product (NVIDIA data sheets: V100 SXM2 80, T4 40,
-A100 108, A10 72, L4 58, H100 SXM5 132).
+A100 108, A10 72, L4 58, H100 SXM5 132, B200 148, RTX 5090 170).
 
 Tensor-core arithmetic (measured; Khattak & Mikaitis, "Accurate models of NVIDIA tensor
 cores", arXiv 2512.07004, and the captures in tests/data/tensor-core): products are exact;
@@ -13,6 +13,8 @@ within a block of ``block_k`` products plus the accumulator every term is aligne
 largest exponent (floored at ``min_exponent``), keeps ``23 + extra_bits`` fraction bits below
 it, truncated; the sum is exact, then truncated to fp32; blocks chain through the accumulator.
 sm_75 uses the V100 parameters (the captures are V100's); its exponent floor is not measured.
+sm_100 and sm_120 run the mma.sync kernels with Hopper's parameters: an assumption, as no
+capture of theirs exists.
 """
 from __future__ import annotations
 
@@ -71,6 +73,11 @@ ARCHS = {a.name: a for a in (
     Arch("sm_89", 890, GpuLimits("L4", 58, 1536, 24, 65536, 255, 48 * _KIB, 99 * _KIB, 100 * _KIB, _KIB),
          _AMPERE_MMA),
     Arch("sm_90", 900, GpuLimits("H100 SXM5", 132, 2048, 32, 65536, 255, 48 * _KIB, 227 * _KIB, 228 * _KIB, _KIB),
+         _HOPPER_MMA),
+    Arch("sm_100", 1000, GpuLimits("B200", 148, 2048, 32, 65536, 255, 48 * _KIB, 227 * _KIB, 228 * _KIB, _KIB),
+         _HOPPER_MMA),
+    Arch("sm_120", 1200, GpuLimits("GeForce RTX 5090", 170, 1536, 32, 65536, 255, 48 * _KIB, 99 * _KIB, 100 * _KIB,
+                                   _KIB),
          _HOPPER_MMA),
 )}
 
