@@ -65,7 +65,7 @@ def validate_decode(backend, q, kc, vc, lens, kn, vn, extra):
                                              backend=backend, **extra)
     L = int(to_np(lens)[0]) + 1
     if "block_table" in extra:
-        t, page = to_np(extra["block_table"])[0], kc.shape[2]
+        t = to_np(extra["block_table"])[0]
         keys = to_np(kc)[t].transpose(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[3])[:, :L]
         vals = to_np(vc)[t].transpose(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[3])[:, :L]
     else:

@@ -5,7 +5,6 @@ gate (`python -m cuflash check-kernels`) build their option lists here, so the g
 compiles exactly what CuPy will.
 """
 import functools
-import importlib.util
 import os
 import pathlib
 import re

@@ -17,7 +17,6 @@ bottom-right corner lies on the global diagonal. docs/dask.md has the rules.
 Needs the `dask` extra (dask[array]; distributed for clusters).
 """
 import itertools
-import math
 import operator
 import warnings
 
@@ -316,7 +315,6 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     _checks.check_lse(_shape_only(lse), _shape_only(q))
     do, o = do.rechunk(q.chunks), o.rechunk(q.chunks)
     lse = lse.rechunk(q.chunks[:-1])
-    acc = _dtypes.accum_dtype(dtype)
     nq, nk = q.shape[-2], k.shape[-2]
     off = nk - nq
     token = tokenize(do, q, k, v, o, lse, causal, scale, backend, softcap, window,

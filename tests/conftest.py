@@ -1,11 +1,33 @@
-"""Shared fixtures: the backends every API test body runs on, and tolerance rules."""
+"""Shared fixtures: the backends every API test body runs on, the emulator backends and
+inputs of the kernel tests, the plain low-precision implementations and the tolerance rule."""
 import shutil
 
 import numpy as np
 import pytest
 import scipy.special
 
-from cuflash import _dtypes
+from cuflash import _dtypes, reference
+from cuflash.backends import kernels
+
+
+def have_toolchain() -> bool:
+    """NVRTC (through CuPy) and the matching ptxas are installed. Only their absence gives
+    False, so the tests that need them skip; a toolchain that is there but fails raises,
+    so those tests fail instead of skipping quietly."""
+    try:
+        from cupy.cuda import nvrtc
+    except ImportError:
+        return False
+    from cuflash import compile_gate
+    for probe, absent in ((nvrtc.getVersion, "failed to load"),       # CuPy finds no libnvrtc
+                          (compile_gate.ptxas_path, "ptxas not found")):
+        try:
+            probe()
+        except RuntimeError as e:
+            if absent not in str(e):
+                raise
+            return False
+    return True
 
 
 def _cuda_device_count():
@@ -49,6 +71,64 @@ def to_host(x):
 
 
 DTYPES = [pytest.param(d, id=str(d)) for d in _dtypes.SUPPORTED]
+
+
+# -- the kernel tests' emulator backends and inputs -----------------------------------------
+
+class RecordingBackend(kernels.KernelBackend):
+    """A kernel backend that notes the plan of every launch, so that a test asserts the
+    kernel that ran rather than the one the planner says it would pick."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.launched = []
+
+    def get_function(self, plan):
+        self.launched.append(plan)
+        return super().get_function(plan)
+
+    def take_launches(self) -> list:
+        """The plans launched since the last call, in launch order."""
+        out, self.launched = self.launched, []
+        return out
+
+
+def emulator_backend(arch, *, max_smem=None, cc=None, checked=False, schedule="round-robin",
+                     seed=0) -> RecordingBackend:
+    """The emulator on `arch` ("sm_80"), recording its launches. `max_smem` below the arch's
+    limit makes the planner pick a smaller tile; `cc` is the compute capability the planner
+    sees (cc=(7, 0): no tensor cores, so the SIMT kernels, on the same emulated arch and its
+    builds); `checked`, `schedule` and `seed` as `cuflash.emulator.RawModule` takes them."""
+    from cuflash import emulator
+    from cuflash.emulator import archs
+    arch = archs.get_arch(arch).name
+    lim = kernels.emulator_limits(arch)
+    if max_smem is not None:
+        lim["max_smem"] = max_smem
+    if cc is not None:
+        lim["cc"] = cc
+    return RecordingBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
+                            limits=lambda: dict(lim),
+                            module_options=dict(checked=checked, schedule=schedule, seed=seed,
+                                                arch=arch))
+
+
+def attention_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, *, seed=0):
+    """q, k, v, do in `dtype`, standard normal: q and do (B, Hq, Nq, d), k and v
+    (B, Hkv, Nk, d), drawn in that order from one generator seeded with `seed`."""
+    rng = np.random.default_rng(seed)
+    shapes = ((B, Hq, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d), (B, Hq, Nq, d))
+    return tuple(rng.standard_normal(s).astype(dtype) for s in shapes)
+
+
+def backward_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, *, causal, seed=0):
+    """([do, q, k, v, o, lse], scale): `attention_inputs` with o and lse from the float64
+    reference forward (o rounded to `dtype`, lse stored in the accumulation dtype), so the
+    errors a backward shows are its own; scale = 1/√d."""
+    q, k, v, do = attention_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=seed)
+    scale = 1.0 / np.sqrt(d)
+    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    return [do, q, k, v, o.astype(dtype), lse.astype(_dtypes.lse_dtype(q.dtype))], scale
 
 
 def round_to(x, dtype):
@@ -124,6 +204,39 @@ def plain_attention(q, k, v, *, causal, scale, dtype, window=None, softcap=None,
     return r(pv @ v), p
 
 
+def plain_lse(q, k, *, causal, scale, dtype, window=None, softcap=None, alibi_slopes=None,
+              bias=None, mask=None):
+    """lse of the plain implementation in `dtype`: the natural log-sum-exp (in float64) of
+    its scores S, each step stored in `dtype`; −inf for rows that see no key."""
+    r = lambda x: round_to(x, dtype)  # noqa: E731
+    q, k = (np.asarray(a, np.float64) for a in (q, k))
+    group, axis = _heads(q, k)
+    if group > 1:
+        k = np.repeat(k, group, axis=axis)
+    s, _ = _plain_scores(q, k, r, scale=scale, causal=causal, window=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes, bias=bias, mask=mask)
+    with np.errstate(divide="ignore"):   # a row without keys: log 0 = −inf, as the contract says
+        return scipy.special.logsumexp(s, axis=-1)
+
+
+def plain_tf32_attention(q, k, v, *, causal, scale, dropout_p=0.0, seed=None, **variants):
+    """O of a plain one-pass tf32 implementation, as a framework with tf32 matmuls computes
+    it: S from tf32-rounded q and k, the variants and softmax in float32
+    (`plain_attention`), then P (after dropout) and V rounded to tf32 for P V, products
+    exact, O stored in float32."""
+    from cuflash import variants as _variants
+    _, p = plain_attention(round_tf32(q), round_tf32(k), v, causal=causal, scale=scale,
+                           dtype=np.float32, **variants)
+    if dropout_p:
+        p = round_to(p * _variants.dropout_mask(p.shape, dropout_p, seed) / (1 - dropout_p),
+                     np.float32)
+    group, axis = _heads(q, k)
+    v = np.asarray(v, np.float64)
+    if group > 1:
+        v = np.repeat(v, group, axis=axis)
+    return round_to(round_tf32(p) @ round_tf32(v), np.float32)
+
+
 def plain_backward(do, q, k, v, o, lse, *, causal, scale, dtype, window=None, softcap=None,
                    alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None):
     """The backward's equations with every intermediate stored in `dtype`:
@@ -159,20 +272,27 @@ def plain_backward(do, q, k, v, o, lse, *, causal, scale, dtype, window=None, so
 
 # -- tolerances --------------------------------------------------------------------------
 
-# Absolute floor of the 16-bit rule, relative to max(1, max|ref|): near each format's own
-# rounding of attention outputs of size ~0.1 (fp16 keeps 11 significant bits, bf16 8).
-LOWP_FLOOR = {np.dtype(np.float16): 1e-5, _dtypes.BFLOAT16: 1e-4}
+# Absolute floor of the low-precision rule, relative to max(1, max|ref|): near each format's
+# own rounding of attention outputs of size ~0.1 (fp16 keeps 11 significant bits, bf16 8;
+# tf32, the tensor cores' one-pass float32 operands, 11 as fp16).
+LOWP_FLOOR = {np.dtype(np.float16): 1e-5, _dtypes.BFLOAT16: 1e-4, round_tf32: 1e-5}
 # float32 and float64 are compared with a fixed relative bound: their plain error is
 # below what a blocked sum order changes.
 FULL_PRECISION_TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
 
 
+def _precision(dtype):
+    """np.dtype(dtype), or `dtype` itself when it is a rounding function (round_tf32)."""
+    return dtype if callable(dtype) and not isinstance(dtype, type) else np.dtype(dtype)
+
+
 def error_bound(ref, plain, dtype, *, factor=2.0):
-    """FlashAttention's rule: factor · max|plain − ref| + floor for 16-bit dtypes, a fixed
-    relative bound for float32/float64 (where `plain` may be None)."""
+    """FlashAttention's rule: factor · max|plain − ref| + floor for the low precisions
+    (16-bit dtypes; round_tf32 for one-pass tf32), a fixed relative bound for float32 and
+    float64 (where `plain` may be None)."""
     finite = np.isfinite(ref)
     scale = max(1.0, float(np.max(np.abs(ref[finite])))) if finite.any() else 1.0
-    dtype = np.dtype(dtype)
+    dtype = _precision(dtype)
     if dtype in FULL_PRECISION_TOL:
         return FULL_PRECISION_TOL[dtype] * scale
     assert plain is not None, f"the {dtype} rule needs the plain low-precision result"
@@ -194,4 +314,15 @@ def assert_close_to_reference(out, ref, plain, dtype, *, factor=2.0, what="outpu
         return
     err = np.max(np.abs(out[finite] - ref[finite]))
     bound = error_bound(ref, plain, dtype, factor=factor)
-    assert err <= bound, f"{what}: max error {err:.3g} > bound {bound:.3g} ({np.dtype(dtype)})"
+    name = getattr(_precision(dtype), "__name__", _precision(dtype))
+    assert err <= bound, f"{what}: max error {err:.3g} > bound {bound:.3g} ({name})"
+
+
+def assert_lse_close(lse, ref_lse, dtype, *, plain=None, precision=None):
+    """lse of inputs in `dtype` against the float64 reference's: stored in the accumulation
+    dtype, −inf exactly where the reference has it, the rest within `error_bound`'s rule
+    for `precision` — by default the accumulation dtype, where the scores are computed;
+    round_tf32 with `plain` = `plain_lse` of tf32 operands for one-pass tf32."""
+    lse = to_host(lse)
+    assert lse.dtype == _dtypes.lse_dtype(dtype), (lse.dtype, dtype)
+    assert_close_to_reference(lse, ref_lse, plain, precision or lse.dtype, what="lse")

@@ -9,20 +9,10 @@ import sys
 
 import pytest
 
+from conftest import have_toolchain
 from cuflash import compile_gate, compiler, tiling
 
-
-def _have_toolchain():
-    try:
-        from cupy.cuda import nvrtc
-        nvrtc.getVersion()
-        compile_gate.ptxas_path()
-        return True
-    except Exception:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+pytestmark = pytest.mark.skipif(not have_toolchain(), reason="NVRTC or ptxas not installed")
 
 
 @pytest.fixture(scope="module")
@@ -199,35 +189,3 @@ def test_check_kernels_rejects_an_unknown_source(capsys):
         compile_gate.check_kernels(["--source", "flash_fwd.cuh"])
     err = capsys.readouterr().err
     assert "'flash_fwd.cuh'" in err and "flash_fwd.cu" in err
-
-
-# -- the forward's shared-memory formula, through ptxas ------------------------------------
-
-SMEM_PROBE = r"""
-#include "attn_tile.cuh"
-// The forward's shared memory is dynamic, so ptxas cannot see it in the kernel itself:
-// this probe declares a quarter of AttnTileTraits::kSmemBytes statically (the whole would
-// exceed the 48 KB limit of static shared memory), which ptxas reports.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
-__global__ void smem_probe(unsigned char* out) {
-    constexpr int kBytes = cuflash::AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                                   NUM_WARPS>::kSmemBytes;
-    static_assert(kBytes % 4 == 0, "the accumulators are 4 or 8 bytes");
-    __shared__ unsigned char s[kBytes / 4];
-    s[threadIdx.x] = (unsigned char)threadIdx.x;
-    __syncthreads();
-    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
-}
-"""
-
-
-def test_forward_smem_formula_matches_ptxas():
-    """tiling.attention_smem_bytes is what the kernel's traits (kSmemBytes) declare."""
-    plans = {p.name_expression: p for p in tiling.all_simt_fwd_plans()}
-    probes = {name.replace(name[:name.index("<")], "smem_probe", 1): p
-              for name, p in plans.items()}
-    rows = compile_gate.run_gate({"smem_probe.cu": list(probes)}, archs=["sm_80"],
-                                 sources={"smem_probe.cu": SMEM_PROBE})
-    for r in rows:
-        assert r.ok, r.error
-        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
