@@ -24,25 +24,20 @@ class KernelFamily:
 
 FLASH_FWD = KernelFamily("flash_fwd", "flash_fwd.cu")                    # FA2 forward
 FLASH_FWD_FA1 = KernelFamily("flash_fwd_fa1", "flash_fwd_fa1.cu")        # FA1 forward
-FLASH_FWD_TC = KernelFamily("flash_fwd_tc", "flash_fwd_tc.cu")           # FA2 forward, mma.sync
-FLASH_FWD_TF32 = KernelFamily("flash_fwd_tf32", "flash_fwd_tc.cu")      # FA2 forward, float32 on tf32 mma
+FLASH_FWD_TC = KernelFamily("flash_fwd_tc", "flash_fwd_tc.cu")           # FA2 forward on mma.sync
 FLASH_BWD_PREPROCESS = KernelFamily("flash_bwd_preprocess", "flash_bwd.cu")  # D = rowsum(dO∘O)
 FLASH_BWD_DKDV = KernelFamily("flash_bwd_dkdv", "flash_bwd.cu")
 FLASH_BWD_DQ = KernelFamily("flash_bwd_dq", "flash_bwd.cu")
 FLASH_BWD_DKDV_TC = KernelFamily("flash_bwd_dkdv_tc", "flash_bwd_tc.cu")  # dK, dV on mma.sync
 FLASH_BWD_DQ_TC = KernelFamily("flash_bwd_dq_tc", "flash_bwd_tc.cu")      # dQ on mma.sync
-FLASH_BWD_DKDV_TF32 = KernelFamily("flash_bwd_dkdv_tf32", "flash_bwd_tc.cu")  # float32 dK, dV on tf32 mma
-FLASH_BWD_DQ_TF32 = KernelFamily("flash_bwd_dq_tf32", "flash_bwd_tc.cu")      # float32 dQ on tf32 mma
 SOFTMAX_ROWS = KernelFamily("softmax_rows", "online_softmax.cu")         # one block per line
 SOFTMAX_COLS = KernelFamily("softmax_cols", "online_softmax.cu")         # one thread per line
 
-FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_FWD_TF32,
-                                FLASH_BWD_PREPROCESS,
+FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_BWD_PREPROCESS,
                                 FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC,
-                                FLASH_BWD_DKDV_TF32, FLASH_BWD_DQ_TF32,
                                 SOFTMAX_ROWS, SOFTMAX_COLS)}
 
 # The public API's `algorithm=` values and the forward family each one runs. "fa2" runs
-# FLASH_FWD_TC (16-bit) or FLASH_FWD_TF32 (float32) instead where tensor cores apply
+# FLASH_FWD_TC (float16, bfloat16; float32 on tf32) instead where tensor cores apply
 # (`tiling.forward_path`).
 FORWARD_ALGORITHMS = {"fa2": FLASH_FWD, "fa1": FLASH_FWD_FA1}

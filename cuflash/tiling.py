@@ -26,7 +26,7 @@ from .plans.simt_fwd import (HEAD_DIM_BUCKETS, SimtFwdPlan, all_simt_fwd_plans,
                              attention_smem_bytes, head_dim_bucket, simt_forward_plan)
 from .plans.softmax import (SOFTMAX_COLS_MIN_Q, SOFTMAX_THREADS, SoftmaxPlan, all_softmax_plans,
                             plan_softmax)
-from .plans.tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, TF32_BWD_KERNELS, TcBwdPlan,
+from .plans.tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, TcBwdPlan,
                            Tf32BwdPlan, all_tc_bwd_plans, all_tf32_bwd_plans,
                            tc_bwd_smem_bytes)
 from .plans.tc_fwd import (TC_DTYPES, TC_HEAD_DIMS, TF32_DTYPE, TF32_HEAD_DIMS, TcPlan,
@@ -41,7 +41,7 @@ __all__ = [
     "bwd_smem_bytes", "simt_backward_plans", "HEAD_DIM_BUCKETS", "SimtFwdPlan",
     "all_simt_fwd_plans", "attention_smem_bytes", "head_dim_bucket", "simt_forward_plan",
     "SOFTMAX_COLS_MIN_Q", "SOFTMAX_THREADS", "SoftmaxPlan", "all_softmax_plans", "plan_softmax",
-    "TC_BWD_HEAD_DIMS", "TC_BWD_KERNELS", "TF32_BWD_KERNELS", "TcBwdPlan", "Tf32BwdPlan",
+    "TC_BWD_HEAD_DIMS", "TC_BWD_KERNELS", "TcBwdPlan", "Tf32BwdPlan",
     "all_tc_bwd_plans", "all_tf32_bwd_plans", "tc_bwd_smem_bytes", "TC_DTYPES", "TC_HEAD_DIMS",
     "TF32_DTYPE", "TF32_HEAD_DIMS", "TcPlan", "Tf32Plan", "all_tc_plans", "all_tf32_plans",
     "tc_smem_bytes",

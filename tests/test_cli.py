@@ -63,7 +63,7 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     first = sm80.splitlines()[1:3]
     # 128 threads × 128 registers = 16384 of 65536: 4 blocks; the tile's 48 KB + 1 KB
     # reserve fits 3× in 164 KB
-    assert "flash_fwd_tc_kernel<__half, 64, 128, 64, 4, 2>" in first[0]
+    assert "flash_fwd_tc_kernel<__half, 64, 128, 64, 4, 2, false>" in first[0]
     assert "3 blocks, 12 warps per SM" in first[0]
     assert "tensor cores" in first[1]
     sm70 = out[out.index("plans on sm_70 (Tesla V100"):out.index("plans on sm_75")]

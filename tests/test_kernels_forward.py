@@ -1,19 +1,24 @@
-"""The forward and softmax CUDA kernels, run on the CPU through the emulator backend.
+"""The SIMT forward kernels (flash_fwd.cu, flash_fwd_fa1.cu) and the softmax kernels
+(online_softmax.cu), run on the CPU through the emulator backend.
 
-Every test calls `emulator_backend()` directly with 4-D (B, H, N, d) inputs and compares
-with the float64 NumPy reference (`cuflash.reference`). Tolerances follow FlashAttention's
-rule (conftest.assert_close_to_reference): for 16-bit dtypes the kernel's max error may be
-at most 2x that of a plain implementation in the same precision, plus a small floor.
-A representative subset runs again in checked mode (no races, no out-of-bounds access).
+The forward runs on an emulated GPU whose planner sees compute capability 7.0 (no tensor
+cores), so every dtype takes the SIMT kernels, and each test asserts the kernel that
+launched. Inputs are 4-D (B, H, N, d), compared with the float64 NumPy reference
+(`cuflash.reference`) by FlashAttention's rule (conftest.assert_close_to_reference): for
+16-bit dtypes the kernel's max error may be at most 2x that of a plain implementation in
+the same precision, plus a small floor. A representative subset runs again in checked mode
+(no races, no out-of-bounds access). Last, every kernel family's shared-memory formula
+against ptxas.
 """
 import numpy as np
 import pytest
 import scipy.special
 
 from cuflash import _dtypes, reference, tiling
-from cuflash.backends import kernels
 
-from conftest import DTYPES, HAS_GXX, assert_close_to_reference, plain_attention
+from conftest import (DTYPES, HAS_GXX, assert_close_to_reference, assert_lse_close,
+                      attention_inputs, emulator_backend, error_bound, have_toolchain,
+                      plain_attention)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -21,33 +26,37 @@ F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 BF16 = _dtypes.BFLOAT16
 
 
-def _backend(checked=False):
-    return kernels.emulator_backend(checked=checked)
+KERNEL = {"fa2": "flash_fwd", "fa1": "flash_fwd_fa1"}
+
+
+def _simt(**options):
+    """The emulator (sm_80, its builds) with a planner that sees compute capability 7.0:
+    no tensor cores, so the SIMT kernels for every dtype and head dim."""
+    return emulator_backend("sm_80", cc=(7, 0), **options)
 
 
 def _inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, Nq, d)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Nk, d)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Nk, d)).astype(dtype)
-    return q, k, v
+    return attention_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=seed)[:3]
+
+
+def _forward(q, k, v, *, algorithm="fa2", checked=False, **kw):
+    """o, lse of the SIMT kernel of `algorithm`, the only kernel launched."""
+    be = _simt(checked=checked)
+    o, lse = be.forward(q, k, v, algorithm=algorithm, **kw)
+    assert [p.kernel for p in be.take_launches()] == [KERNEL[algorithm]]
+    return o, lse
 
 
 def _check_forward(q, k, v, *, causal, algorithm="fa2", checked=False, scale=None):
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    o, lse = _backend(checked).forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm)
-    assert o.shape == q.shape and o.dtype == q.dtype
-    assert lse.shape == q.shape[:-1] and lse.dtype == _dtypes.lse_dtype(q.dtype)
+    o, lse = _forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm, checked=checked)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:-1]
     ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
                                                return_lse=True)
     plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
     assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"O ({algorithm})")
-    # lse is kept in the accumulation precision: tight for every dtype.
-    tol = 1e-10 if q.dtype == F64 else 2e-5
-    fin = np.isfinite(ref_lse)
-    np.testing.assert_array_equal(lse[~fin], ref_lse[~fin])
-    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+    assert_lse_close(lse, ref_lse, q.dtype)
     return o, lse
 
 
@@ -111,7 +120,7 @@ def test_nan_and_inf_rows(algorithm, dtype):
     q[0, 0, 3, 5] = np.nan                 # NaN score row 3 → O row 3 NaN, only it
     q[0, 0, 7, :] = 0
     q[0, 0, 7, 0] = np.inf                 # +inf scores in row 7 → NaN as scipy (inf − inf)
-    o, lse = _backend().forward(q, k, v, causal=False, scale=0.25, algorithm=algorithm)
+    o, lse = _forward(q, k, v, causal=False, scale=0.25, algorithm=algorithm)
     nan_rows = np.isnan(o[0, 0]).any(axis=-1)
     assert nan_rows[3] and nan_rows[7] and nan_rows.sum() == 2
     assert np.isnan(o[0, 0, 3]).all() and np.isnan(o[0, 0, 7]).all()
@@ -127,12 +136,20 @@ def test_nan_and_inf_rows(algorithm, dtype):
 
 @pytest.mark.parametrize("dtype,d", [(F32, 96), (F64, 64), (BF16, 40)], ids=str)
 def test_fa1_matches_fa2(dtype, d):
+    """Both loop orders within the rule of the reference, and of each other: their
+    difference within the bound each one's error is held to."""
     q, k, v = _inputs(1, 2, 1, 113, 70, d, dtype, seed=d)
     o1, l1 = _check_forward(q, k, v, causal=True, algorithm="fa1")
     o2, l2 = _check_forward(q, k, v, causal=True, algorithm="fa2")
-    tol = {8: 1e-12, 4: 1e-6, 2: 1e-2}[np.dtype(dtype).itemsize]
-    np.testing.assert_allclose(o1.astype(np.float64), o2.astype(np.float64), atol=tol, rtol=tol)
-    np.testing.assert_allclose(l1, l2, atol=max(tol, 1e-6), rtol=max(tol, 1e-6))
+    scale = 1.0 / np.sqrt(d)
+    ref_o, ref_lse = reference.naive_attention(q, k, v, causal=True, scale=scale,
+                                               return_lse=True)
+    plain, _ = plain_attention(q, k, v, causal=True, scale=scale, dtype=dtype)
+    diff = np.abs(o1.astype(np.float64) - o2.astype(np.float64))
+    assert np.max(diff) <= error_bound(ref_o, plain, dtype), np.max(diff)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(l1[~fin], l2[~fin])
+    assert np.max(np.abs(l1[fin] - l2[fin])) <= error_bound(ref_lse, None, l1.dtype)
 
 
 # -- strided inputs --------------------------------------------------------------------
@@ -151,39 +168,48 @@ def test_strided_inputs():
 
 # -- online softmax --------------------------------------------------------------------
 
+def _softmax(x, *, kernel=None, checked=False):
+    """softmax over axis 1 of (P, n, Q) x: one launch of a softmax kernel (`kernel` when
+    given)."""
+    be = emulator_backend("sm_80", checked=checked)
+    y = be.softmax(x)
+    (plan,) = be.take_launches()
+    assert plan.kernel == kernel if kernel else plan.kernel.startswith("softmax_"), plan
+    return y
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 17, 1), (2, 203, 5), (1, 113, 64), (4, 1, 3)], ids=str)
 def test_softmax(dtype, shape):
     rng = np.random.default_rng(sum(shape))
     x = (3 * rng.standard_normal(shape)).astype(dtype)
-    y = _backend().softmax(x)
+    y = _softmax(x)
     assert y.shape == x.shape and y.dtype == x.dtype
     ref = scipy.special.softmax(x.astype(np.float64), axis=1)
     plain = np.asarray(scipy.special.softmax(x.astype(np.float32), axis=1)).astype(dtype)
     assert_close_to_reference(y, ref, plain.astype(np.float64), dtype, what="softmax")
 
 
-@pytest.mark.parametrize("Q", [1, 40], ids=["rows-kernel", "cols-kernel"])
-def test_softmax_nan_inf(Q):
+@pytest.mark.parametrize("Q,kernel", [(1, "softmax_rows"), (40, "softmax_cols")],
+                         ids=["rows-kernel", "cols-kernel"])
+def test_softmax_nan_inf(Q, kernel):
     x = np.random.default_rng(1).standard_normal((6, 9, Q)).astype(np.float32)
     x[1, 4] = np.nan
     x[2, 0] = np.inf
     x[3, :] = -np.inf                  # all −inf: scipy gives NaN
     x[4, ::2] = -np.inf                # some −inf: those get 0
     x[5, 3] = x[5, 6] = np.inf         # two +inf: NaN
-    y = _backend().softmax(x)
+    y = _softmax(x, kernel=kernel)
     with np.errstate(invalid="ignore"):
         ref = scipy.special.softmax(x.astype(np.float64), axis=1)
-    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
-    fin = ~np.isnan(ref)
-    np.testing.assert_allclose(y[fin], ref[fin], atol=2e-6)
+    assert_close_to_reference(y, ref, None, F32, what="softmax")
 
 
 def test_softmax_strided():
     x = np.random.default_rng(2).standard_normal((5, 30, 4)).astype(np.float64)
     xt = x.transpose(2, 1, 0)  # (4, 30, 5), axis 1 still the reduced one
-    y = _backend().softmax(xt)
-    np.testing.assert_allclose(y, scipy.special.softmax(xt, axis=1), rtol=1e-12, atol=1e-14)
+    y = _softmax(xt)
+    assert_close_to_reference(y, scipy.special.softmax(xt, axis=1), None, F64, what="softmax")
 
 
 # -- checked mode: no races, no out-of-bounds accesses ---------------------------------
@@ -203,8 +229,9 @@ def test_forward_checked(algorithm, dtype, Nq, Nk, d, Hkv):
 @pytest.mark.parametrize("shape", [(2, 70, 1), (2, 9, 33)], ids=str)
 def test_softmax_checked(shape):
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
-    y = _backend(checked=True).softmax(x)
-    np.testing.assert_allclose(y, scipy.special.softmax(x.astype(np.float64), axis=1), atol=2e-6)
+    y = _softmax(x, checked=True)
+    assert_close_to_reference(y, scipy.special.softmax(x.astype(np.float64), axis=1), None, F32,
+                              what="softmax")
 
 
 # -- every tile plan the library can launch ----------------------------------------------
@@ -213,12 +240,12 @@ def _plan_id(plan):
     return f"{plan.kernel}-{plan.dtype}-D{plan.head_dim_bucket}-{plan.block_m}x{plan.block_n}"
 
 
-@pytest.mark.parametrize("plan", tiling.all_plans(), ids=_plan_id)
+@pytest.mark.parametrize("plan", tiling.all_simt_fwd_plans(), ids=_plan_id)
 def test_every_plan(plan):
     """Each specialization, picked by giving the backend exactly its shared memory, under
     the reversed and a random order of the threads in a block (a missing barrier or a
-    lane reading another's unwritten value shows up in one of them)."""
-    from cuflash import emulator
+    lane reading another's unwritten value shows up in one of them); one split, so each
+    block walks every key tile, the partial last one included."""
     d = max(1, plan.head_dim_bucket - 3)
     alg = "fa1" if plan.kernel == "flash_fwd_fa1" else "fa2"
     q, k, v = _inputs(1, 2, 1, plan.block_m + 5, 2 * plan.block_n + 3, d, np.dtype(plan.dtype))
@@ -226,12 +253,10 @@ def test_every_plan(plan):
     ref_o, ref_lse = reference.naive_attention(q, k, v, causal=True, scale=scale, return_lse=True)
     plain, _ = plain_attention(q, k, v, causal=True, scale=scale, dtype=q.dtype)
     for schedule in ("reversed", "random"):
-        be = kernels.KernelBackend(
-            "emulator", np, emulator.RawModule, device_key=lambda: "cpu",
-            limits=lambda: {"max_smem": plan.smem_bytes, "sm_count": 1, "cc": (7, 5)},
-            module_options=dict(schedule=schedule, seed=plan.block_m + plan.head_dim_bucket))
-        assert be.plan(d, np.dtype(plan.dtype), alg) == plan
-        o, lse = be.forward(q, k, v, causal=True, scale=scale, algorithm=alg)
+        be = _simt(max_smem=plan.smem_bytes, schedule=schedule,
+                   seed=plan.block_m + plan.head_dim_bucket)
+        o, lse = be.forward(q, k, v, causal=True, scale=scale, algorithm=alg, num_splits=1)
+        assert be.take_launches() == [plan]
         assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"{_plan_id(plan)} {schedule}")
 
 
@@ -239,14 +264,82 @@ def test_every_plan(plan):
 
 def test_plans_fit_and_are_listed():
     specs = tiling.specializations()
-    for plan in tiling.all_plans():
+    for plan in tiling.all_simt_fwd_plans():
         assert plan.name_expression in specs[plan.source]
         assert plan.smem_bytes <= 227 * 1024
     # every dtype/bucket has a plan that fits the smallest opt-in limit (sm_75: 64 KB)
     for dt in _dtypes.SUPPORTED:
         for d in (1, 64, 128, 256, 1000):
             for alg in ("fa2", "fa1"):
-                assert tiling.plan_forward(d, dt, max_smem=64 * 1024, algorithm=alg).smem_bytes \
-                    <= 64 * 1024
+                plan = tiling.simt_forward_plan(d, dt, max_smem=64 * 1024, algorithm=alg)
+                assert plan.smem_bytes <= 64 * 1024
     with pytest.raises(ValueError, match="shared memory"):
-        tiling.plan_forward(64, F32, max_smem=16 * 1024)
+        tiling.simt_forward_plan(64, F32, max_smem=16 * 1024)
+
+
+# -- every kernel family's shared-memory formula, through ptxas ------------------------------
+
+SMEM_PROBE = r"""
+#include "{header}"
+// The kernels' shared memory is dynamic, so ptxas cannot see it: this probe declares
+// 1/{part} of {traits}::kSmemBytes statically (the whole may exceed the 48 KB of static
+// shared memory), which ptxas reports.
+template <{params}>
+__global__ void smem_probe(unsigned char* out) {{
+    constexpr int kBytes = cuflash::{traits}<{args}>::kSmemBytes;
+    static_assert(kBytes % {part} == 0, "the probe declares whole bytes");
+    __shared__ unsigned char s[kBytes / {part}];
+    s[threadIdx.x] = (unsigned char)threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
+}}
+"""
+
+
+def _c(plan):
+    return _dtypes.c_type(np.dtype(plan.dtype))
+
+
+# traits struct: (its header, its template parameters, 1/part declared (float32 backward
+# tiles reach 192 KB), the plans it sizes, a plan's traits arguments from its fields)
+SMEM_TRAITS = {
+    "AttnTileTraits": (
+        "attn_tile.cuh", "typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS", 4,
+        lambda: tiling.all_simt_fwd_plans(),
+        lambda p: (_c(p), p.head_dim_bucket, p.block_m, p.block_n, p.num_threads // 32)),
+    "TcTileTraits": (
+        "tc_tile.cuh", "typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, "
+        "int STAGES", 4, lambda: tiling.all_tc_plans(),
+        lambda p: (_c(p), p.head_dim, p.block_m, p.block_n, p.num_warps, p.stages)),
+    "Tf32TileTraits": (
+        "tf32_tile.cuh", "int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, "
+        "bool SPLIT", 4, lambda: tiling.all_tf32_plans(),
+        lambda p: (p.head_dim, p.block_m, p.block_n, p.num_warps, p.stages, p.split)),
+    "TcBwdTraits": (    # the dK/dV kernels keep the row statistics in shared memory
+        "tc_bwd_tile.cuh", "typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, "
+        "int NUM_WARPS, int STAGES, bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, "
+        "bool SPLIT", 8, lambda: tiling.all_tc_bwd_plans() + tiling.all_tf32_bwd_plans(),
+        lambda p: (_c(p), p.head_dim, p.block_rows, p.tile_rows, p.num_warps, p.stages,
+                   p.own_in_regs, p.chunk_cols, p.kernel.startswith("flash_bwd_dkdv"),
+                   getattr(p, "split", False))),
+}
+
+
+@pytest.mark.skipif(not have_toolchain(), reason="NVRTC or ptxas not installed")
+@pytest.mark.parametrize("traits", list(SMEM_TRAITS))
+def test_smem_formula_matches_ptxas(traits):
+    """The planner's shared memory of every plan (tiling's *_smem_bytes) is what the
+    kernel's traits struct declares (kSmemBytes) for the plan's tile, as ptxas counts it."""
+    from cuflash import compile_gate
+    header, params, part, plans, traits_args = SMEM_TRAITS[traits]
+    probes = {"smem_probe<" + ", ".join(str(a).lower() if isinstance(a, bool) else str(a)
+                                        for a in traits_args(p)) + ">": p
+              for p in plans()}
+    source = SMEM_PROBE.format(header=header, traits=traits, params=params, part=part,
+                               args=", ".join(x.split()[-1] for x in params.split(", ")))
+    name = f"{traits}_smem_probe.cu"
+    rows = compile_gate.run_gate({name: list(probes)}, archs=["sm_80"], sources={name: source})
+    assert len(rows) == len(probes)
+    for r in rows:
+        assert r.ok, r.error
+        assert part * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])

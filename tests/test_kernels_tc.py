@@ -1,7 +1,8 @@
 """The tensor-core forward (flash_fwd_tc.cu) in the emulator, on every emulated tensor-core
 arch, against the float64 reference with FlashAttention's tolerance rule
-(conftest.assert_close_to_reference); its swizzle; its dispatch (`tiling.forward_path`);
-its shared-memory formula through ptxas.
+(conftest.assert_close_to_reference), each run asserting the plan that launched; its
+swizzle; its dispatch (`tiling.forward_path`); its machine code. (Its shared-memory
+formula: test_kernels_forward.py's test_smem_formula_matches_ptxas.)
 
 Each specialization is built once per arch it runs on (a g++ build of a few seconds), so
 the matrix below is chosen to build each of them on at least one sm_80+ arch, every
@@ -14,7 +15,8 @@ import pytest
 from cuflash import _dtypes, compiler, emulator, reference, tiling
 from cuflash.backends import kernel_forward, kernels
 
-from conftest import HAS_GXX, assert_close_to_reference, plain_attention
+from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+                      emulator_backend, have_toolchain, plain_attention)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -28,38 +30,27 @@ def _tc_plan(dtype, head_dim, block_m):
 
 def _backend(arch, *, max_smem=None, checked=False, schedule="round-robin"):
     """The emulator on `arch`; `max_smem` below the arch's limit forces a smaller tile."""
-    if max_smem is None and schedule == "round-robin":
-        return kernels.emulator_backend(arch=arch, checked=checked)
-    lim = kernels.emulator_limits(arch)
-    lim["max_smem"] = max_smem or lim["max_smem"]
-    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
-                                 limits=lambda: dict(lim),
-                                 module_options=dict(checked=checked, schedule=schedule, seed=3,
-                                                     arch=arch))
+    return emulator_backend(arch, max_smem=max_smem, checked=checked, schedule=schedule, seed=3)
 
 
 def _inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((B, h, n, d)).astype(dtype)
-                 for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    return attention_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, seed=seed)[:3]
 
 
 def _check(be, q, k, v, *, causal, expect_plan=None):
+    """The forward on `be` (a conftest.emulator_backend) against the reference; returns the
+    plan that launched (`expect_plan` when given), o and lse."""
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d)
-    lim = be.limits()
-    plan, why = tiling.forward_path(d, q.dtype, lim["cc"], kernel_forward.loads_16b_aligned(q, k, v),
-                                    max_smem=lim["max_smem"])
-    if expect_plan is not None:
-        assert plan == expect_plan, why
     o, lse = be.forward(q, k, v, causal=causal, scale=scale, algorithm="fa2")
-    assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == np.float32
+    (plan,) = be.take_launches()
+    if expect_plan is not None:
+        assert plan == expect_plan, plan
+    assert o.shape == q.shape and o.dtype == q.dtype
     ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
     plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
-    assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"O ({why})")
-    fin = np.isfinite(ref_lse)
-    np.testing.assert_array_equal(lse[~fin], ref_lse[~fin])
-    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=2e-5, atol=2e-5)
+    assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"O ({plan})")
+    assert_lse_close(lse, ref_lse, q.dtype)
     return plan, o, lse
 
 
@@ -219,11 +210,10 @@ def test_forward_path_and_its_reasons():
     ]
     for (plan, why), word in fallbacks:
         assert plan.kernel != "flash_fwd_tc" and why.startswith("SIMT") and word in why, why
-    # plan_forward is forward_path's plan; SIMT plans are what they were
-    assert tiling.plan_forward(64, F16, max_smem=big, cc=(8, 0)) == path()[0]
-    assert tiling.plan_forward(64, F16, max_smem=big).kernel == "flash_fwd"
+    # no compute capability: SIMT
+    assert tiling.forward_path(64, F16, max_smem=big)[0].kernel == "flash_fwd"
     # the emulator's default arch (sm_80) takes tensor cores for 16-bit inputs
-    assert tiling.plan_forward(64, BF16, **kernels.emulator_limits()).kernel == "flash_fwd_tc"
+    assert tiling.forward_path(64, BF16, **kernels.emulator_limits())[0].kernel == "flash_fwd_tc"
 
 
 def test_tc_plans_fit_and_are_listed():
@@ -238,51 +228,9 @@ def test_tc_plans_fit_and_are_listed():
                        if p.dtype == dt.name and p.head_dim == D) <= 64 * 1024
 
 
-# -- the shared-memory formula, through ptxas -------------------------------------------------
-
-def _have_toolchain():
-    try:
-        from cupy.cuda import nvrtc
-        from cuflash import compile_gate
-        nvrtc.getVersion()
-        compile_gate.ptxas_path()
-        return True
-    except Exception:
-        return False
-
-
-SMEM_PROBE = r"""
-#include "tc_tile.cuh"
-// The kernel's shared memory is dynamic, so ptxas cannot see it: this probe declares a
-// quarter of TcTileTraits::kSmemBytes statically (the whole may exceed 48 KB).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES>
-__global__ void smem_probe(unsigned char* out) {
-    constexpr int kBytes = cuflash::TcTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-                                                 STAGES>::kSmemBytes;
-    __shared__ unsigned char s[kBytes / 4];
-    s[threadIdx.x] = (unsigned char)threadIdx.x;
-    __syncthreads();
-    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
-}
-"""
-
-
-@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
-def test_smem_formula_matches_ptxas():
-    """tiling.tc_smem_bytes is what TcTileTraits::kSmemBytes declares."""
-    from cuflash import compile_gate
-    probes = {p.name_expression.replace("flash_fwd_tc_kernel", "smem_probe", 1): p
-              for p in tiling.all_tc_plans()}
-    rows = compile_gate.run_gate({"tc_smem_probe.cu": list(probes)}, archs=["sm_80"],
-                                 sources={"tc_smem_probe.cu": SMEM_PROBE})
-    for r in rows:
-        assert r.ok, r.error
-        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
-
-
 # -- the machine code: tensor-core instructions present, local memory absent ----------------
 
-@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+@pytest.mark.skipif(not have_toolchain(), reason="NVRTC or ptxas not installed")
 def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75:
     two m16n8k8 per k16 step; per row tile of the warp), ldmatrix (LDSM), cp.async (LDGSTS,

@@ -1,7 +1,9 @@
 """The tensor-core backward (flash_bwd_tc.cu) in the emulator, on every emulated tensor-core
 arch, against the float64 reference backward with FlashAttention's rule for gradients
 (conftest.assert_close_to_reference with factor 3 over a plain 16-bit backward); its
-dispatch (`tiling.backward_path`); its shared-memory formula through ptxas; its machine code.
+dispatch (`tiling.backward_path`); its machine code. Each run asserts the kernels that
+launched. (Its shared-memory formula: test_kernels_forward.py's
+test_smem_formula_matches_ptxas.)
 
 Each (dtype, head dim, shared memory) picks one dK/dV and one dQ specialization; each is
 built once per arch it runs on (a g++ build of a few seconds), so the matrix runs every
@@ -11,15 +13,14 @@ synchronous copies), and reuses those builds for the features (causal, GQA/MQA, 
 odd sizes, fully masked rows, strides) and for 128 < d <= 256, where the dK/dV blocks own
 128-column chunks of dK, dV.
 """
-import math
-
 import numpy as np
 import pytest
 
-from cuflash import _dtypes, compiler, emulator, reference, tiling
-from cuflash.backends import kernel_backward, kernel_forward, kernels
+from cuflash import _dtypes, compiler, reference, tiling
+from cuflash.backends import kernel_forward, kernels
 
-from conftest import HAS_GXX, assert_close_to_reference, plain_backward
+from conftest import (HAS_GXX, assert_close_to_reference, backward_inputs, emulator_backend,
+                      have_toolchain, plain_backward)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -30,44 +31,30 @@ TC_BWD = set(tiling.TC_BWD_KERNELS)
 def _backend(arch, *, checked=False, schedule="round-robin", max_smem=None):
     """The emulator on `arch`; `max_smem` below the arch's limit makes its plans pick the
     smaller tiles (an sm_80+ run of the tiles sized for sm_75)."""
-    if schedule == "round-robin" and max_smem is None:
-        return kernels.emulator_backend(arch=arch, checked=checked)
-    lim = kernels.emulator_limits(arch)
-    if max_smem is not None:
-        lim["max_smem"] = max_smem
-    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
-                                 limits=lambda: dict(lim),
-                                 module_options=dict(checked=checked, schedule=schedule, seed=5,
-                                                     arch=arch))
+    return emulator_backend(arch, max_smem=max_smem, checked=checked, schedule=schedule, seed=5)
 
 
 def _problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, seed=0):
-    """do, q, k, v, o, lse with o and lse from the float64 forward (rounded), so the errors
-    measured are the backward's own."""
-    rng = np.random.default_rng(seed)
-    q, do = (rng.standard_normal((B, Hq, Nq, d)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((B, Hkv, Nk, d)).astype(dtype) for _ in range(2))
-    scale = 1.0 / math.sqrt(d)
-    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    return [do, q, k, v, o.astype(dtype), lse.astype(np.float32)], scale
+    """[do, q, k, v, o, lse], scale (conftest.backward_inputs): the errors measured are the
+    backward's own."""
+    return backward_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, causal=causal, seed=seed)
 
 
 def _check(be, args, scale, *, causal, expect=None):
-    """The backward on `be`, each gradient within the FlashAttention rule; returns the
-    plans' kernels, dq, dk, dv."""
+    """The backward on `be` (a conftest.emulator_backend), each gradient within the
+    FlashAttention rule; returns the kernels launched after the preprocess (the plans
+    `expect` when given), dq, dk, dv."""
     do, q, k, v, o, lse = args
-    lim = be.limits()
-    plans, why = tiling.backward_path(q.shape[-1], q.dtype, lim["cc"],
-                                      kernel_forward.loads_16b_aligned(q, k, v, do),
-                                      max_smem=lim["max_smem"])
-    if expect is not None:
-        assert plans == expect, why
     grads = be.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+    pre, *plans = be.take_launches()
+    assert pre.kernel == "flash_bwd_preprocess" and len(plans) == 2, plans
+    if expect is not None:
+        assert tuple(plans) == expect, plans
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
     plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=q.dtype)
     for name, out, r, p, like in zip(("dq", "dk", "dv"), grads, ref, plain, (q, k, v)):
         assert out.shape == like.shape and out.dtype == like.dtype, name
-        assert_close_to_reference(out, r, p, q.dtype, factor=3.0, what=f"{name} ({why})")
+        assert_close_to_reference(out, r, p, q.dtype, factor=3.0, what=f"{name} ({plans[0]})")
     return {p.kernel for p in plans}, grads
 
 
@@ -269,62 +256,9 @@ def test_tc_bwd_plans_fit_and_are_listed():
     assert all(b <= t4 for b in smallest.values()), smallest
 
 
-# -- the shared-memory formula, through ptxas -------------------------------------------------
-
-def _have_toolchain():
-    try:
-        from cupy.cuda import nvrtc
-        from cuflash import compile_gate
-        nvrtc.getVersion()
-        compile_gate.ptxas_path()
-        return True
-    except Exception:
-        return False
-
-
-SMEM_PROBE = r"""
-#include "tc_bwd_tile.cuh"
-// The kernels' shared memory is dynamic, so ptxas cannot see it: this probe declares a
-// eighth of TcBwdTraits::kSmemBytes statically (the whole may exceed 48 KB; float32 tiles 192).
-template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT>
-__global__ void smem_probe(unsigned char* out) {
-    constexpr int kBytes = cuflash::TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS,
-                                                STAGES, OWN_IN_REGS, CHUNK_COLS,
-                                                ROW_STATS, SPLIT>::kSmemBytes;
-    static_assert(kBytes % 8 == 0, "an eighth of the bytes");
-    __shared__ unsigned char s[kBytes / 8];
-    s[threadIdx.x] = (unsigned char)threadIdx.x;
-    __syncthreads();
-    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
-}
-"""
-
-
-@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
-def test_smem_formula_matches_ptxas():
-    """tiling.tc_bwd_smem_bytes is what TcBwdTraits::kSmemBytes declares, for both kernels
-    (the dK/dV kernel's row statistics included), 16-bit and float32."""
-    from cuflash import compile_gate
-    probes = {}
-    for p in (*tiling.all_tc_bwd_plans(), *tiling.all_tf32_bwd_plans()):
-        stats = p.kernel in ("flash_bwd_dkdv_tc", "flash_bwd_dkdv_tf32")
-        split = getattr(p, "split", False)
-        args = (_dtypes.c_type(np.dtype(p.dtype)), p.head_dim, p.block_rows, p.tile_rows,
-                p.num_warps, p.stages, p.own_in_regs, p.chunk_cols, stats, split)
-        probes["smem_probe<" + ", ".join(str(a).lower() if isinstance(a, bool) else str(a)
-                                         for a in args) + ">"] = p
-    rows = compile_gate.run_gate({"tc_bwd_smem_probe.cu": list(probes)}, archs=["sm_80"],
-                                 sources={"tc_bwd_smem_probe.cu": SMEM_PROBE})
-    assert len(rows) == len(probes)
-    for r in rows:
-        assert r.ok, r.error
-        assert 8 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])
-
-
 # -- the machine code: tensor-core instructions present, local memory absent ----------------
 
-@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
+@pytest.mark.skipif(not have_toolchain(), reason="NVRTC or ptxas not installed")
 def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     """nvdisasm of every specialization: all of the tile's mma (HMMA; twice as many on sm_75),
     ldmatrix (LDSM), cp.async (LDGSTS, sm_80+) and no local memory; bfloat16 and float32 on

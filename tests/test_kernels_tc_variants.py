@@ -1,10 +1,12 @@
 """Attention variants on the tensor-core kernels in the emulator: the forwards
-(flash_fwd_tc.cu: float16 and bfloat16, and float32 (flash_fwd_tf32_kernel), split and one-pass
+(flash_fwd_tc.cu: float16 and bfloat16, and float32 (flash_fwd_tc_kernel<float>), split and one-pass
 tf32) and the 16-bit backward (flash_bwd_tc.cu). Every option alone and all of them at
 once, against the float64 reference with the tolerance rule of conftest
-(`plain_attention` / `plain_backward` with the variants, for 16-bit inputs); dropout's
-keep decisions against `cuflash.dropout_mask` and the NumPy backend, bit for bit; bias and
-mask in checked mode at ragged sizes.
+(`plain_attention` / `plain_backward` with the variants for 16-bit inputs,
+`plain_tf32_attention` for one-pass tf32, the float32 rule for split tf32), each run
+asserting the kernels that launched; dropout's keep decisions against
+`cuflash.dropout_mask` and the NumPy backend, bit for bit; bias and mask in checked mode
+at ragged sizes.
 
 The options are run-time arguments, so one build per (specialization, arch) serves every
 case here: each configuration below builds one kernel.
@@ -15,10 +17,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dtypes, emulator, reference, tiling, variants
-from cuflash.backends import kernel_backward, kernel_forward, kernels
+from cuflash import _dtypes, reference, tiling, variants
+from cuflash.backends import kernel_backward, kernel_forward
 
-from conftest import HAS_GXX, assert_close_to_reference, plain_attention, plain_backward
+from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+                      emulator_backend, plain_attention, plain_backward, plain_lse,
+                      plain_tf32_attention, round_tf32)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -39,20 +43,11 @@ SHAPE = (2, 4, 2, 50, 170, 40)
 
 
 def _backend(arch, *, checked=False, schedule="round-robin"):
-    if not checked:
-        return kernels.emulator_backend(arch=arch)
-    lim = kernels.emulator_limits(arch)
-    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
-                                 limits=lambda: dict(lim),
-                                 module_options=dict(checked=True, schedule=schedule, seed=5,
-                                                     arch=arch))
+    return emulator_backend(arch, checked=checked, schedule=schedule, seed=5)
 
 
 def _inputs(dtype, shape=SHAPE, seed=0):
-    B, Hq, Hkv, Nq, Nk, d = shape
-    rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((B, h, n, d)).astype(dtype)
-                 for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    return attention_inputs(*shape, dtype, seed=seed)[:3]
 
 
 def _options(names, dtype, shape=SHAPE, seed=1):
@@ -96,57 +91,35 @@ def _variants(opts):
         dropout_p=opts.get("dropout_p", 0.0), seed=opts.get("seed", 0))
 
 
-def _tf32(x):
-    """x rounded to tf32 as cvt.rna.tf32.f32 does (10 fraction bits, ties away from zero)."""
-    bits = np.asarray(x, F32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(F32).astype(np.float64)
-
-
-def _plain_tf32(q, k, v, *, scale, **opts):
-    """A plain one-pass tf32 implementation: S from tf32 operands, the chain and softmax in
-    fp32 (conftest.plain_attention), P̃ (after dropout) and V rounded to tf32 for P V."""
-    _, p = plain_attention(_tf32(q), _tf32(k), v, scale=scale, dtype=F32, **opts)
-    if opts.get("dropout_p"):
-        keep = cuflash.dropout_mask(p.shape, opts["dropout_p"], opts["seed"])
-        p = (p * keep / (1 - opts["dropout_p"])).astype(F32)
-    v = np.repeat(np.asarray(v, np.float64), q.shape[1] // v.shape[1], axis=1)
-    return (_tf32(p) @ _tf32(v)).astype(F32).astype(np.float64)
-
-
 def _run(dtype, arch, split, q, k, v, opts, *, checked=False, schedule="round-robin"):
-    """The tensor-core forward with `opts` on the emulated `arch`, checked against the
-    reference; returns O."""
+    """The tensor-core forward with `opts` on the emulated `arch` (the one kernel launched),
+    checked against the reference; returns O."""
     opts = dict(opts)
     causal = opts.pop("causal", False)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     be = _backend(arch, checked=checked, schedule=schedule)
-    lim = be.limits()
-    plan, why = tiling.forward_path(d, dtype, lim["cc"], kernel_forward.loads_16b_aligned(q, k, v),
-                                    max_smem=lim["max_smem"], allow_tf32=split is False)
-    want = "flash_fwd_tf32" if dtype == F32 else "flash_fwd_tc"
-    assert plan.kernel == want and why.startswith("tensor cores"), why
     o, lse = kernel_forward.forward(be, q, k, v, causal=causal, scale=scale, algorithm="fa2",
                                     variants=_variants(opts), allow_tf32=split is False)
+    (plan,) = be.take_launches()
+    assert plan.kernel == "flash_fwd_tc", plan
+    assert getattr(plan, "split", None) == split, plan
     ref, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
                                              return_lse=True, **opts)
+    scores = {n: x for n, x in opts.items() if n not in ("dropout_p", "seed")}
     if dtype != F32:
         plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **opts)
-        assert_close_to_reference(o, ref, plain, dtype, what=f"O ({why})")
-    elif split:
-        assert_close_to_reference(o, ref, None, F32, what=f"O ({why})")
-    else:
-        fin = np.isfinite(ref)
-        big = max(1.0, float(np.max(np.abs(ref[fin]))))
-        plain = _plain_tf32(q, k, v, causal=causal, scale=scale, **opts)
-        err = np.max(np.abs(np.asarray(o, np.float64)[fin] - ref[fin]))
-        bound = 2 * np.max(np.abs(plain[fin] - ref[fin])) + 1e-5 * big
-        assert err <= bound, f"O ({why}): max error {err:.3g} > bound {bound:.3g}"
-    # lse: the pre-dropout one, in fp32 (one-pass tf32 rounds the scores' operands)
-    tol = 2e-3 if split is False else 2e-5
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    fin = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+        assert_close_to_reference(o, ref, plain, dtype, what=f"O ({plan})")
+        assert_lse_close(lse, ref_lse, dtype)   # the pre-dropout lse, in fp32
+    elif split:   # split tf32 is about fp32-accurate: the float32 rule
+        assert_close_to_reference(o, ref, None, F32, what=f"O ({plan})")
+        assert_lse_close(lse, ref_lse, dtype)
+    else:         # one-pass: scores from tf32 operands, P V from tf32 P and V
+        plain = plain_tf32_attention(q, k, v, causal=causal, scale=scale, **opts)
+        assert_close_to_reference(o, ref, plain, round_tf32, what=f"O ({plan})")
+        assert_lse_close(lse, ref_lse, dtype, precision=round_tf32,
+                         plain=plain_lse(round_tf32(q), round_tf32(k), causal=causal,
+                                         scale=scale, dtype=F32, **scores))
     return o
 
 
@@ -219,20 +192,17 @@ def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="ro
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     be = _backend(arch, checked=checked, schedule=schedule)
-    lim = be.limits()
-    plans, why = tiling.backward_path(d, dtype, lim["cc"],
-                                      kernel_forward.loads_16b_aligned(q, k, v, do),
-                                      max_smem=lim["max_smem"])
-    assert {p.kernel for p in plans} == set(tiling.TC_BWD_KERNELS), why
     o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
                                        **opts)
     o, lse = o.astype(dtype), lse.astype(np.float32)
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
                                      variants=_variants(opts))
+    launched = [p.kernel for p in be.take_launches()]
+    assert launched == ["flash_bwd_preprocess", *tiling.TC_BWD_KERNELS], launched
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
     for name, out, r, pl in zip(("dq", "dk", "dv"), grads, ref, plain):
-        assert_close_to_reference(out, r, pl, dtype, factor=3.0, what=f"{name} ({why})")
+        assert_close_to_reference(out, r, pl, dtype, factor=3.0, what=f"{name} ({arch})")
 
 
 BWD_CONFIGS = [
@@ -273,20 +243,6 @@ def test_backward_variants_with_head_dim_chunks():
 
 # -- dbias on tensor cores ------------------------------------------------------------------
 
-class _Recorder:
-    """A backend that records the kernels it launches."""
-
-    def __init__(self, be):
-        self.be, self.kernels = be, []
-
-    def __getattr__(self, name):
-        return getattr(self.be, name)
-
-    def get_function(self, plan):
-        self.kernels.append(plan.kernel)
-        return self.be.get_function(plan)
-
-
 # bias shapes from (B, Hq, Nq, Nk): the full bias, broadcast over heads and batch, over
 # batch, over query rows (the dK/dV kernel's column sums), over query rows and heads, over
 # keys (the dQ kernel's quad sums)
@@ -314,14 +270,15 @@ def _run_backward_dbias(dtype, arch, layout, names, shape=SHAPE, *, checked=Fals
     opts["bias"] = rng.uniform(-1, 1, DBIAS_LAYOUTS[layout](B, Hq, Nq, Nk)).astype(np.float32)
     causal = opts.pop("causal", False)
     scale = 1.0 / math.sqrt(d)
-    be = _Recorder(_backend(arch, checked=checked, schedule=schedule))
+    be = _backend(arch, checked=checked, schedule=schedule)
     o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
                                        **opts)
     o, lse = o.astype(dtype), lse.astype(np.float32)
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
                                      variants=_variants(opts), return_dbias=True)
-    tc = tiling.TF32_BWD_KERNELS if np.dtype(dtype) == F32 else tiling.TC_BWD_KERNELS
-    assert set(be.kernels) - {"flash_bwd_preprocess"} == set(tc), be.kernels
+    tc = tiling.TC_BWD_KERNELS
+    launched = {p.kernel for p in be.take_launches()}
+    assert launched == {"flash_bwd_preprocess", *tc}, launched
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
                                        return_dbias=True, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)

@@ -1,7 +1,8 @@
-"""The float32 tensor-core forward (flash_fwd_tc.cu's flash_fwd_tf32_kernel) in the emulator on sm_80, sm_86, sm_89
-and sm_90: split tf32 against the SIMT float32 kernel's own error (at most 2x), one-pass tf32
-against a plain tf32 implementation (FlashAttention's rule); its dispatch; the public keyword;
-its shared-memory formula through ptxas.
+"""The float32 tensor-core forward (flash_fwd_tc.cu's flash_fwd_tc_kernel<float>) in the
+emulator on sm_80, sm_86, sm_89 and sm_90, each run asserting the plan that launched:
+split tf32 by the float32 rule, one-pass tf32 by FlashAttention's rule over a plain tf32
+implementation (conftest.error_bound); its dispatch; the public keyword. (Its
+shared-memory formula: test_kernels_forward.py's test_smem_formula_matches_ptxas.)
 
 Each specialization is built once per arch it runs on; the matrix builds each on one sm_80+
 arch and reuses those builds for the features.
@@ -10,10 +11,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import compiler, emulator, reference, tiling
-from cuflash.backends import kernel_forward, kernels
+from cuflash import reference, tiling
+from cuflash.backends import kernels
 
-from conftest import HAS_GXX, round_tf32 as tf32
+from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+                      emulator_backend, error_bound, plain_lse, plain_tf32_attention,
+                      round_tf32)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -25,81 +28,36 @@ def _tf32_plan(split, head_dim, block_m, block_n):
                 and p.block_m == block_m and p.block_n == block_n)
 
 
-def _backend(arch, *, max_smem=None, cc=None, checked=False, schedule="round-robin"):
-    """The emulator on `arch`; `max_smem` below the arch's limit forces a smaller tile, and
-    `cc` = (7, 0) makes the planner pick the SIMT kernel (same arch, same arithmetic)."""
-    if max_smem is None and cc is None and schedule == "round-robin":
-        return kernels.emulator_backend(arch=arch, checked=checked)
-    lim = kernels.emulator_limits(arch)
-    lim["max_smem"] = max_smem or lim["max_smem"]
-    lim["cc"] = cc or lim["cc"]
-    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
-                                 limits=lambda: dict(lim),
-                                 module_options=dict(checked=checked, schedule=schedule, seed=3,
-                                                     arch=arch))
-
-
 def _inputs(B, Hq, Hkv, Nq, Nk, d, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((B, h, n, d)).astype(F32)
-                 for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
-
-
-def plain_tf32_attention(q, k, v, *, causal, scale):
-    """A plain tf32 implementation: S = tf32(Q)·tf32(K)ᵀ and O = tf32(P)·tf32(V), products
-    exact and sums in float64, each of S, P, O stored in fp32."""
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = (scale * (tf32(q) @ np.swapaxes(tf32(k), -1, -2))).astype(F32).astype(np.float64)
-    if causal:
-        nq, nk = q.shape[-2], k.shape[-2]
-        s = np.where(np.arange(nk)[None, :] > np.arange(nq)[:, None] + (nk - nq), -np.inf, s)
-    m = np.max(s, axis=-1, keepdims=True)
-    seen = np.isfinite(m)
-    p = np.exp(s - np.where(seen, m, 0.0))
-    with np.errstate(invalid="ignore"):   # rows that see no key: 0/0, replaced by 0
-        p = np.where(seen, p / np.sum(p, axis=-1, keepdims=True), 0.0).astype(F32)
-    return (tf32(p) @ tf32(v)).astype(F32).astype(np.float64)
-
-
-def _err(o, ref):
-    fin = np.isfinite(ref)
-    np.testing.assert_array_equal(np.asarray(o)[~fin], ref[~fin])
-    return float(np.max(np.abs(np.asarray(o, np.float64)[fin] - ref[fin])))
+    return attention_inputs(B, Hq, Hkv, Nq, Nk, d, F32, seed=seed)[:3]
 
 
 def _check(arch, q, k, v, *, causal, split, expect_plan=None, max_smem=None, checked=False,
            schedule="round-robin"):
-    """Runs the tf32 kernel and checks it: split ≤ 2x the SIMT float32 kernel's error on the
-    same inputs and arch; one-pass ≤ 2x the plain tf32 error + 1e-5 · max(1, |ref|)."""
+    """Runs the tf32 kernel (the one launched: `expect_plan` when given) and checks it by
+    the rule of conftest.error_bound: split, about fp32-accurate, by the float32 rule;
+    one-pass by FlashAttention's rule over the plain one-pass tf32 implementation
+    (conftest.plain_tf32_attention), its lse over that implementation's."""
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d)
-    be = _backend(arch, max_smem=max_smem, checked=checked, schedule=schedule)
-    lim = be.limits()
-    plan, why = tiling.forward_path(d, F32, lim["cc"], kernel_forward.loads_16b_aligned(q, k, v),
-                                    max_smem=lim["max_smem"], allow_tf32=not split)
-    assert plan.kernel == "flash_fwd_tf32" and plan.split == split, why
-    if expect_plan is not None:
-        assert plan == expect_plan, why
+    be = emulator_backend(arch, max_smem=max_smem, checked=checked, schedule=schedule, seed=3)
     o, lse = be.forward(q, k, v, causal=causal, scale=scale, algorithm="fa2", allow_tf32=not split)
-    assert o.shape == q.shape and o.dtype == F32 and lse.dtype == F32
+    (plan,) = be.take_launches()
+    assert plan.kernel == "flash_fwd_tc" and plan.split == split, plan
+    if expect_plan is not None:
+        assert plan == expect_plan, plan
+    assert o.shape == q.shape and o.dtype == F32
     ref, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    err = _err(o, ref)
-    big = max(1.0, float(np.max(np.abs(ref[np.isfinite(ref)]))))
     if split:
-        simt = _backend(arch, cc=(7, 0))
-        assert simt.plan(d, F32).kernel == "flash_fwd"
-        o_simt, _ = simt.forward(q, k, v, causal=causal, scale=scale, algorithm="fa2")
-        bound = 2 * _err(o_simt, ref)
-        lse_tol = 2e-5
+        assert_close_to_reference(o, ref, None, F32, what=f"O ({plan})")
+        assert_lse_close(lse, ref_lse, F32)
     else:
-        bound = 2 * _err(plain_tf32_attention(q, k, v, causal=causal, scale=scale), ref) + 1e-5 * big
-        lse_tol = 2e-3
-    assert err <= bound, f"{why}: max error {err:.3g} > bound {bound:.3g}"
-    fin = np.isfinite(ref_lse)
-    np.testing.assert_array_equal(lse[~fin], ref_lse[~fin])
-    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=lse_tol, atol=lse_tol)
-    return plan, o, lse, err
+        plain = plain_tf32_attention(q, k, v, causal=causal, scale=scale)
+        assert_close_to_reference(o, ref, plain, round_tf32, what=f"O ({plan})")
+        assert_lse_close(lse, ref_lse, F32, precision=round_tf32,
+                         plain=plain_lse(round_tf32(q), round_tf32(k), causal=causal,
+                                         scale=scale, dtype=F32))
+    return plan, o, lse
 
 
 # -- every specialization, on an sm_80+ arch each; all four archs ---------------------------
@@ -113,6 +71,8 @@ SPECS = [
     (False, 128, 64, 32, "sm_89", None),       # 99 KB: the smaller D=128 tile
     (False, 256, 64, 16, "sm_90", None),
     (False, 256, 64, 8, "sm_86", None),
+    (True, 64, 128, 16, "sm_120", None),       # sm_120's own split tiles (plans.tc_fwd)
+    (True, 128, 128, 8, "sm_120", None),
 ]
 
 
@@ -124,7 +84,7 @@ def _spec_id(spec):
 def test_the_matrix_covers_every_specialization_and_arch():
     built = {_tf32_plan(*spec[:4]) for spec in SPECS}
     assert built == set(tiling.all_tf32_plans())
-    assert {s[4] for s in SPECS} == {"sm_80", "sm_86", "sm_89", "sm_90"}
+    assert {s[4] for s in SPECS} == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_120"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
@@ -144,7 +104,7 @@ def test_specialization(spec):
 ])
 def test_features(arch, split, Hq, Hkv, Nq, Nk, d, causal):
     q, k, v = _inputs(1, Hq, Hkv, Nq, Nk, d, seed=Nq * Nk + d)
-    plan, o, lse, _ = _check(arch, q, k, v, causal=causal, split=split)
+    plan, o, lse = _check(arch, q, k, v, causal=causal, split=split)
     if Nq > Nk and causal:
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
@@ -163,16 +123,27 @@ def test_checked(arch, split, D, bm, bn, schedule):
 
 # -- the public API ----------------------------------------------------------------------------
 
-def test_api_split_by_default_one_pass_with_allow_tf32():
+def test_api_split_by_default_one_pass_with_allow_tf32(monkeypatch):
+    """flash_attention on the emulator (sm_80) launches split tf32 by default, within the
+    float32 rule, and one-pass tf32 with allow_tf32=True, within the tf32 rule and beyond
+    the float32 one; NumPy accepts the keyword and stays float32."""
+    launched = []
+    get_function = kernels.KernelBackend.get_function
+    monkeypatch.setattr(kernels.KernelBackend, "get_function",
+                        lambda be, plan: launched.append(plan) or get_function(be, plan))
+    monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_80")
     q, k, v = (x[0] for x in _inputs(1, 2, 2, 40, 70, 64, seed=5))    # (H, N, d)
     ref = reference.naive_attention(q, k, v, causal=True, scale=0.125)
     o_split = cuflash.flash_attention(q, k, v, causal=True, backend="emulator")
+    assert_close_to_reference(o_split, ref, None, F32, what="O (split)")
     o_one = cuflash.flash_attention(q, k, v, causal=True, backend="emulator", allow_tf32=True)
-    e_split, e_one = _err(o_split, ref), _err(o_one, ref)
-    assert e_split < 2e-6 < 2e-5 < e_one < 1e-2, (e_split, e_one)   # fp32-like vs tf32-like
-    # NumPy accepts the keyword and stays exact fp32
+    plain = plain_tf32_attention(q, k, v, causal=True, scale=0.125)
+    assert_close_to_reference(o_one, ref, plain, round_tf32, what="O (one-pass)")
+    assert np.max(np.abs(o_one - ref)) > error_bound(ref, None, F32)   # tf32-like
+    assert [(p.kernel, p.split) for p in launched] == [("flash_fwd_tc", True),
+                                                       ("flash_fwd_tc", False)]
     o_np = cuflash.flash_attention(q, k, v, causal=True, backend="numpy", allow_tf32=True)
-    assert _err(o_np, ref) < 2e-6
+    assert_close_to_reference(o_np, ref, None, F32, what="O (numpy)")
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
@@ -196,7 +167,7 @@ def test_forward_path_for_float32():
         for d in (4, 60, 64, 68, 128, 132, 256):
             for allow in (False, True):
                 plan, why = path(d, cc, allow_tf32=allow)
-                assert plan.kernel == "flash_fwd_tf32" and d <= plan.head_dim, why
+                assert plan.kernel == "flash_fwd_tc" and d <= plan.head_dim, why
                 assert plan.split is (not allow) and "tensor cores" in why
                 assert ("one-pass" if allow else "split") in why
     fallbacks = [
@@ -216,47 +187,5 @@ def test_forward_path_for_float32():
         for D in tiling.TF32_HEAD_DIMS:
             assert min(p.smem_bytes for p in tiling.all_tf32_plans()
                        if p.split == split and p.head_dim == D) <= 99 * 1024
-    names = [n for n in tiling.specializations()["flash_fwd_tc.cu"] if "tf32" in n]
+    names = [n for n in tiling.specializations()["flash_fwd_tc.cu"] if "<float," in n]
     assert sorted(names) == sorted(p.name_expression for p in tiling.all_tf32_plans())
-
-
-# -- the shared-memory formula, through ptxas --------------------------------------------------
-
-def _have_toolchain():
-    try:
-        from cupy.cuda import nvrtc
-        from cuflash import compile_gate
-        nvrtc.getVersion()
-        compile_gate.ptxas_path()
-        return True
-    except Exception:
-        return False
-
-
-SMEM_PROBE = r"""
-#include "tf32_tile.cuh"
-// The kernel's shared memory is dynamic, so ptxas cannot see it: this probe declares a
-// quarter of Tf32TileTraits::kSmemBytes statically (the whole may exceed 48 KB).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
-__global__ void smem_probe(unsigned char* out) {
-    constexpr int kBytes = cuflash::Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES,
-                                                   SPLIT>::kSmemBytes;
-    __shared__ unsigned char s[kBytes / 4];
-    s[threadIdx.x] = (unsigned char)threadIdx.x;
-    __syncthreads();
-    out[threadIdx.x] = s[sizeof(s) - 1 - threadIdx.x];
-}
-"""
-
-
-@pytest.mark.skipif(not _have_toolchain(), reason="NVRTC or ptxas not installed")
-def test_smem_formula_matches_ptxas():
-    """tiling.tf32_smem_bytes is what Tf32TileTraits::kSmemBytes declares."""
-    from cuflash import compile_gate
-    probes = {p.name_expression.replace("flash_fwd_tf32_kernel", "smem_probe", 1): p
-              for p in tiling.all_tf32_plans()}
-    rows = compile_gate.run_gate({"tf32_smem_probe.cu": list(probes)}, archs=["sm_80"],
-                                 sources={"tf32_smem_probe.cu": SMEM_PROBE})
-    for r in rows:
-        assert r.ok, r.error
-        assert 4 * r.smem == probes[r.kernel].smem_bytes, str(probes[r.kernel])

@@ -1,114 +1,81 @@
-"""The float32 tensor-core backward (flash_bwd_tc.cu's flash_bwd_*_tf32_kernel) in the
-emulator on sm_80, sm_86, sm_89 and sm_90, against the float64 reference backward:
+"""The float32 tensor-core backward (flash_bwd_tc.cu's flash_bwd_*_tc_kernel<float>) in the
+emulator on sm_80, sm_86, sm_89 and sm_90, against the float64 reference backward, each
+run asserting the kernels that launched; the rule is conftest.error_bound's:
 
-* split tf32 (the default) against the SIMT float32 backward's own error on the same
-  inputs: root-mean-square and maximum error each at most 4x. hi + lo keeps 22 of an fp32
-  operand's 24 significant bits (11 each), so a split product errs up to 4x fp32's
-  rounding; the forward's 2x holds for most gradients here too (the matrix's median ratio
-  is about 1.3), not for all: a decode step's dQ (d = 4) reaches 2.1x in rms, a dK whose
-  rows cancel in dS = P ∘ (dP − D) 3.8x at its maximum;
-* one-pass tf32 (allow_tf32=True) by FlashAttention's rule applied to tf32: at most 3x the
-  error of a plain implementation whose every intermediate is stored in tf32, plus
-  1e-5 · max(1, |ref|) (conftest.plain_backward with round_tf32).
+* split tf32 (the default): hi + lo keeps 22 of an fp32 operand's 24 significant bits,
+  about fp32 accuracy, so the float32 rule (a fixed bound relative to max(1, |ref|));
+* one-pass tf32 (allow_tf32=True): FlashAttention's rule for gradients applied to tf32, at
+  most 3x the error of a plain implementation whose every intermediate is stored in tf32,
+  plus 1e-5 · max(1, |ref|) (conftest.plain_backward with round_tf32).
 
 Each (split, head dim, shared memory) picks one dK/dV and one dQ specialization; the
 matrix runs every specialization on an sm_80+ arch, then reuses those builds for the
 features, checked mode and the public keyword.
 """
-import math
-
 import numpy as np
 import pytest
 
 import cuflash
-from cuflash import emulator, reference, tiling
-from cuflash.backends import kernel_forward, kernels
+from cuflash import reference, tiling
+from cuflash.backends import kernels
 
-from conftest import HAS_GXX, plain_backward, round_tf32
+from conftest import (HAS_GXX, assert_close_to_reference, backward_inputs, emulator_backend,
+                      error_bound, plain_backward, round_tf32)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
 F32 = np.dtype(np.float32)
-TF32_BWD = set(tiling.TF32_BWD_KERNELS)
+TF32_BWD = set(tiling.TC_BWD_KERNELS)
 
 
 def _backend(arch, *, checked=False, schedule="round-robin"):
-    if schedule == "round-robin":
-        return kernels.emulator_backend(arch=arch, checked=checked)
-    lim = kernels.emulator_limits(arch)
-    return kernels.KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
-                                 limits=lambda: dict(lim),
-                                 module_options=dict(checked=checked, schedule=schedule, seed=7,
-                                                     arch=arch))
+    return emulator_backend(arch, checked=checked, schedule=schedule, seed=7)
 
 
 def _problem(B, Hq, Hkv, Nq, Nk, d, causal, seed=0):
-    """do, q, k, v, o, lse with o and lse from the float64 forward (rounded to float32)."""
-    rng = np.random.default_rng(seed)
-    q, do = (rng.standard_normal((B, Hq, Nq, d)).astype(F32) for _ in range(2))
-    k, v = (rng.standard_normal((B, Hkv, Nk, d)).astype(F32) for _ in range(2))
-    scale = 1.0 / math.sqrt(d)
-    o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    return [do, q, k, v, o.astype(F32), lse.astype(F32)], scale
-
-
-def _errors(out, ref):
-    """(max, rms) of out − ref over the finite reference entries, which must be finite."""
-    out = np.asarray(out, np.float64)
-    assert np.isfinite(out).all() and np.isfinite(ref).all()
-    e = out - ref
-    return float(np.max(np.abs(e))), float(np.sqrt(np.mean(e * e)))
+    """[do, q, k, v, o, lse], scale (conftest.backward_inputs, float32)."""
+    return backward_inputs(B, Hq, Hkv, Nq, Nk, d, F32, causal=causal, seed=seed)
 
 
 def _check(arch, args, scale, *, causal, split, expect=None, checked=False,
            schedule="round-robin"):
-    """The tf32 backward on `arch`, checked as the module docstring says; returns dq, dk, dv."""
+    """The tf32 backward on `arch` (its two kernels launched after the preprocess: the
+    plans `expect` when given), checked as the module docstring says; returns dq, dk, dv."""
     do, q, k, v, o, lse = args
     be = _backend(arch, checked=checked, schedule=schedule)
-    lim = be.limits()
-    plans, why = tiling.backward_path(q.shape[-1], F32, lim["cc"],
-                                      kernel_forward.loads_16b_aligned(q, k, v, do),
-                                      max_smem=lim["max_smem"], allow_tf32=not split)
-    assert {p.kernel for p in plans} == TF32_BWD and all(p.split == split for p in plans), why
-    if expect is not None:
-        assert plans == expect, why
     grads = be.backward(do, q, k, v, o, lse, causal=causal, scale=scale,
                         **({} if split else {"allow_tf32": True}))
+    pre, *plans = be.take_launches()
+    assert pre.kernel == "flash_bwd_preprocess", pre
+    assert {p.kernel for p in plans} == TF32_BWD and all(p.split == split for p in plans), plans
+    if expect is not None:
+        assert tuple(plans) == expect, plans
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
-    if split:
-        simt = _backend("sm_75")   # no tf32 on sm_75: the SIMT float32 kernels
-        assert not {p.kernel for p in tiling.backward_path(
-            q.shape[-1], F32, (7, 5), max_smem=lim["max_smem"])[0]} & TF32_BWD
-        others = simt.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
-    else:
-        others = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
-                                dtype=round_tf32)
-    for name, out, r, other, like in zip(("dq", "dk", "dv"), grads, ref, others, (q, k, v)):
+    plain = (None,) * 3 if split else plain_backward(do, q, k, v, o, lse, causal=causal,
+                                                     scale=scale, dtype=round_tf32)
+    for name, out, r, p, like in zip(("dq", "dk", "dv"), grads, ref, plain, (q, k, v)):
         assert out.shape == like.shape and out.dtype == F32, name
-        (err, rms), (o_err, o_rms) = _errors(out, r), _errors(other, r)
-        if split:
-            assert rms <= 4 * o_rms and err <= 4 * o_err, (
-                f"{name} ({why}): rms {rms:.3g}, max {err:.3g}; SIMT float32 rms {o_rms:.3g}, "
-                f"max {o_err:.3g}")
-        else:
-            bound = 3 * o_err + 1e-5 * max(1.0, float(np.max(np.abs(r))))
-            assert err <= bound, f"{name} ({why}): max {err:.3g} > {bound:.3g}"
+        assert np.isfinite(out).all(), name
+        assert_close_to_reference(out, r, p, F32 if split else round_tf32, factor=3.0,
+                                  what=f"{name} ({plans[0]})")
     return grads
 
 
 def _plans(split, D, arch):
     """The (dK/dV, dQ) plans for bucket D on `arch`: each kernel's first candidate that fits."""
-    max_smem = kernels.emulator_limits(arch)["max_smem"]
-    return tuple(next(p for p in tiling.all_tf32_bwd_plans()
+    limits = kernels.emulator_limits(arch)
+    max_smem = limits["max_smem"]
+    return tuple(next(p for p in tiling.all_tf32_bwd_plans(limits["cc"])
                       if p.kernel == k and p.split == split and p.head_dim == D
                       and p.smem_bytes <= max_smem)
-                 for k in tiling.TF32_BWD_KERNELS)
+                 for k in tiling.TC_BWD_KERNELS)
 
 
 # -- every specialization, on the archs it targets --------------------------------------------
 SPECS = [(True, 64, "sm_80"), (True, 128, "sm_86"), (True, 256, "sm_90"), (True, 256, "sm_89"),
          (False, 64, "sm_89"), (False, 128, "sm_90"), (False, 256, "sm_90"),
-         (False, 256, "sm_80"), (False, 256, "sm_86")]
+         (False, 256, "sm_80"), (False, 256, "sm_86"),
+         (True, 64, "sm_120"), (True, 128, "sm_120"), (True, 256, "sm_120")]   # sm_120's tiles
 
 
 def _spec_id(spec):
@@ -119,7 +86,7 @@ def _spec_id(spec):
 def test_the_matrix_covers_every_specialization_and_arch():
     built = {p for split, D, arch in SPECS for p in _plans(split, D, arch)}
     assert built == set(tiling.all_tf32_bwd_plans())
-    assert {arch for *_, arch in SPECS} == {"sm_80", "sm_86", "sm_89", "sm_90"}
+    assert {arch for *_, arch in SPECS} == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_120"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
@@ -168,18 +135,34 @@ def test_checked(arch, split, D, schedule):
 
 # -- the public API ----------------------------------------------------------------------------
 
-def test_api_backward_split_by_default_one_pass_with_allow_tf32():
+def test_api_backward_split_by_default_one_pass_with_allow_tf32(monkeypatch):
+    """flash_attention_backward on the emulator (sm_80) launches split tf32 by default,
+    within the float32 rule, and one-pass tf32 with allow_tf32=True, within the tf32 rule
+    and beyond the float32 one; NumPy accepts the keyword and stays float32."""
+    launched = []
+    get_function = kernels.KernelBackend.get_function
+    monkeypatch.setattr(kernels.KernelBackend, "get_function",
+                        lambda be, plan: launched.append(plan) or get_function(be, plan))
+    monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_80")
     (do, q, k, v, o, lse), scale = _problem(1, 2, 2, 40, 70, 64, True, seed=5)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale)
-    errs = {}
+    plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=round_tf32)
+    tf32_like = False
     for allow in (False, True):
         grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=True,
                                                  backend="emulator", allow_tf32=allow)
-        errs[allow] = max(_errors(g, r)[0] for g, r in zip(grads, ref))
-    assert errs[False] < 1e-5 < 1e-4 < errs[True] < 1e-2, errs   # fp32-like vs tf32-like
+        assert [p.split for p in launched[1:]] == [not allow] * 2, launched
+        assert {p.kernel for p in launched[1:]} == TF32_BWD, launched
+        launched.clear()
+        for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
+            assert_close_to_reference(g, r, p, round_tf32 if allow else F32, factor=3.0,
+                                      what=f"{name} (allow_tf32={allow})")
+            tf32_like |= allow and np.max(np.abs(g - r)) > error_bound(r, None, F32)
+    assert tf32_like
     grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, causal=True, backend="numpy",
-                                             allow_tf32=True)   # accepted, exact fp32
-    assert max(_errors(g, r)[0] for g, r in zip(grads, ref)) < 1e-5
+                                             allow_tf32=True)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close_to_reference(g, r, None, F32, what=f"{name} (numpy)")
 
 
 # -- dispatch ---------------------------------------------------------------------------------
@@ -195,7 +178,7 @@ def test_backward_path_for_float32():
         for d in (4, 64, 100, 128, 132, 200, 256):
             for allow in (False, True):
                 plans, why = path(d, cc, allow_tf32=allow)
-                assert [p.kernel for p in plans] == list(tiling.TF32_BWD_KERNELS), why
+                assert [p.kernel for p in plans] == list(tiling.TC_BWD_KERNELS), why
                 assert all(p.split != allow and d <= p.head_dim for p in plans), why
                 assert "tf32" in why and ("one-pass" in why) == allow, why
                 assert ("head-dim chunks of 128" in why) == (d > 128), why

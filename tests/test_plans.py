@@ -58,7 +58,7 @@ SMEM_CASES = {
                       head_dim=128),
         (2 * 64 * 128 + 2 * 2 * 32 * 128) * 2),
     "TcBwdTraits-tf32-dkdv": (
-        lambda: _find(tiling.all_tf32_bwd_plans(), kernel="flash_bwd_dkdv_tf32", split=True,
+        lambda: _find(tiling.all_tf32_bwd_plans(), kernel="flash_bwd_dkdv_tc", split=True,
                       head_dim=128, chunk_cols=128),
         (2 * 64 * 128 + 2 * 2 * 8 * 128) * 4 + 2 * 2 * 8 * 4),
 }

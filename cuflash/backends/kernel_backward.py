@@ -17,10 +17,9 @@ reproducible. The tile plans come from `tiling.backward_path`; inputs are as
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
 256; float32 on sm_80+, d a multiple of 4 up to 256; 16-byte aligned q, k, v, dO),
 launches 2 and 3 are the `flash_bwd_tc.cu` kernels instead (`flash_bwd_dkdv_tc_kernel`,
-`flash_bwd_dq_tc_kernel`; for float32 the `_tf32_kernel`s:
-dynamic shared memory, no chunk argument; a chunked plan, d > 128 for dK/dV, has
-`plan.num_d_chunks(d)` blocks per row block, a count the kernel derives from d); the
-preprocess is shared.
+`flash_bwd_dq_tc_kernel`, float32 included: dynamic shared memory, no chunk argument; a
+chunked plan, d > 128 for dK/dV, has `plan.num_d_chunks(d)` blocks per row block, a count
+the kernel derives from d); the preprocess is shared.
 
 Attention variants run on every kernel (run-time arguments, `kernel_variants`). With
 `return_dbias` the dQ kernel also writes dbias; where the bias is broadcast over heads or
@@ -37,7 +36,8 @@ import numpy as np
 from .. import _dtypes, tiling
 from .kernel_forward import loads_16b_aligned
 from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
-from .marshal import check_grid_yz, elem_strides, i32, prepare
+from .marshal import (check_grid_yz, dkdv_args, dq_args, elem_strides, i32, prepare,
+                      preprocess_args)
 
 
 def backward_plans(backend, do, q, k, v, *, allow_tf32=False):
@@ -92,8 +92,8 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     varlen = (None, None, np.int64(Hq * rows_q), np.int64(rows_q))  # CUFLASH_VARLEN_PARAMS
     if segments is not None:
         varlen = (segments.cu_q, segments.cu_k, np.int64(0), np.int64(rows_q))
-    # The kernels fold log2(e) into the scale themselves (common.cuh).
-    flags = (acc.type(scale), np.int32(bool(causal)), np.int32(num_d_chunks))
+    common = dict(sizes=sizes, scale=acc.type(scale), causal=causal, num_d_chunks=num_d_chunks,
+                  varlen=varlen)
 
     # Variants: the score chain's run-time arguments (every kernel), and dbias's launch
     # (the dQ blocks loop over the heads and batches sharing a bias row; a bias without its
@@ -102,35 +102,36 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
         xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
-    dkdv_extra = (cols, np.int32(by_cols), *varlen)
-    dq_dbias = (dbias, *dbias_st, np.int32(return_dbias and not by_cols))
     # SIMT: one dQ launch whose blocks loop over them; tensor cores: one launch per (head,
     # batch) pair, in stream order (a loop in the block spilled), its offsets head0, batch0
     if tc:
-        dq_launches = [(*dq_dbias, np.int32(h0), np.int32(b0), *varlen)
-                       for b0 in range(batch_per_block) for h0 in range(heads_per_block)]
+        dq_launches = [(h0, b0) for b0 in range(batch_per_block) for h0 in range(heads_per_block)]
     else:
-        dq_launches = [(*dq_dbias, np.int32(heads_per_block), np.int32(batch_per_block),
-                        *varlen)]
+        dq_launches = [(heads_per_block, batch_per_block)]
 
     # 1. D = rowsum(dO ∘ O)
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
-                              (do, o, Dvec, sizes[0], i32(rows_q, "rows"), sizes[4],
-                               np.int64(rows), *elem_strides(do)[:3], *elem_strides(o)[:3]))
-    # The tensor-core kernels take no chunk count, and their tiles are dynamic shared memory.
-    kflags = flags[:2] if tc else flags
+                              preprocess_args(do, o, Dvec, heads=sizes[0], rows=rows_q,
+                                              d=sizes[4]),
+                              shared_mem=pre.dynamic_smem_bytes)
     # 2. dK, dV
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
-                                 (q, k, v, do, lse, Dvec, dk, dv, *sizes, *strides_in,
-                                  *s3(dk), *s3(dv), *kflags, *dkdv_extra, *vflags),
-                                 shared_mem=p_dkdv.smem_bytes if tc else 0)
+                                 dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
+                                           strides=(*strides_in, *s3(dk), *s3(dv)),
+                                           dbias_cols=cols, want_dbias_cols=by_cols,
+                                           variants=vflags, **common),
+                                 shared_mem=p_dkdv.dynamic_smem_bytes)
     # 3. dQ
-    for dq_extra in dq_launches:
+    for heads, batches in dq_launches:
         backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
                                    (p_dq.num_threads,),
-                                   (q, k, v, do, lse, Dvec, dq, *sizes, *strides_in, *s3(dq),
-                                    *kflags, *dq_extra, *vflags),
-                                   shared_mem=p_dq.smem_bytes if tc else 0)
+                                   dq_args(p_dq, q, k, v, do, lse, Dvec, dq,
+                                           strides=(*strides_in, *s3(dq)), dbias=dbias,
+                                           dbias_strides=dbias_st,
+                                           want_dbias=return_dbias and not by_cols,
+                                           heads=heads, batches=batches, variants=vflags,
+                                           **common),
+                                   shared_mem=p_dq.dynamic_smem_bytes)
     if return_dbias:
         if by_cols:
             dbias = dbias_from_cols(cols, variants.bias.shape)

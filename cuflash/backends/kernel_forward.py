@@ -10,7 +10,7 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 * FA2 on tensor cores (`flash_fwd_tc_kernel`, `flash_fwd_tc.cu`): the default for FA2
   where `tiling.forward_path` allows it (float16/bfloat16, sm_75/sm_80+, d a multiple of
   8 up to 256, 16-byte aligned rows); one block per (query block, head, batch).
-* float32 FA2 on tensor cores (`flash_fwd_tf32_kernel`, `flash_fwd_tc.cu`): the same
+* float32 FA2 on tensor cores (`flash_fwd_tc_kernel<float, ...>`): the same
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 
@@ -33,9 +33,9 @@ import numpy as np
 
 from .. import _dtypes, tiling
 from ..merge import merge_states
-from ..families import FLASH_FWD_TC, FLASH_FWD_TF32, FORWARD_ALGORITHMS
+from ..families import FLASH_FWD_TC, FORWARD_ALGORITHMS
 from .kernel_variants import variant_args
-from .marshal import elem_strides, i32, prepare
+from .marshal import elem_strides, fa1_forward_args, forward_args, i32, prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +94,18 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
         for a, packed in enumerate((segments.cu_q, segments.cu_k, segments.cu_k, segments.cu_q)):
             if packed is not None:
                 strides[3 * a] = np.int64(0)
-    # The kernels fold log2(e) into the scale themselves (common.cuh).
-    flags = (acc.type(scale), np.int32(bool(causal)))
     if plan.kernel not in SPLITTABLE:
         grid = num_d_chunks * Hq * B  # FA1: O, ℓ, m in global memory, per head-dim chunk
         o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
         l_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
         m_buf = xp.empty((num_d_chunks, B, Hq, Nq), dtype=acc)
-        args = (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(B, "batch"), *sizes, *strides,
-                *flags, np.int32(num_d_chunks), *variant_args(xp, variants, acc))
+        args = fa1_forward_args(q, k, v, o, lse, o_acc, l_buf, m_buf, batch=B, sizes=sizes,
+                                strides=strides, scale=acc.type(scale), causal=causal,
+                                num_d_chunks=num_d_chunks,
+                                variants=variant_args(xp, variants, acc))
         i32(grid, "grid size (blocks = head-dim chunks x heads x batch)")
-        backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
+        backend.get_function(plan)((grid,), (plan.num_threads,), args,
+                                   shared_mem=plan.dynamic_smem_bytes)
         return o, lse
 
     num_m_blocks = -(-max_q // plan.block_m)
@@ -118,12 +119,14 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
         lse_out = xp.empty((num_splits, *lse.shape), dtype=acc)
     else:
         o_part, lse_out = None, lse
-    args = (q, k, v, o, lse_out, *sizes, *strides, *flags, np.int32(num_m_blocks))
-    if plan.kernel == FORWARD_ALGORITHMS["fa2"].name:  # SIMT: head-dim chunks
-        args += (np.int32(num_d_chunks),)
-    args += (*layout_args(xp, segments, lse, num_splits, o_part, page_size=k.shape[2]),
-             *variant_args(xp, variants, acc))
-    backend.get_function(plan)((grid,), (plan.num_threads,), args, shared_mem=plan.smem_bytes)
+    args = forward_args(plan, q, k, v, o, lse_out, sizes=sizes, strides=strides,
+                        scale=acc.type(scale), causal=causal, num_m_blocks=num_m_blocks,
+                        num_d_chunks=num_d_chunks,
+                        layout=layout_args(xp, segments, lse, num_splits, o_part,
+                                           page_size=k.shape[2]),
+                        variants=variant_args(xp, variants, acc))
+    backend.get_function(plan)((grid,), (plan.num_threads,), args,
+                               shared_mem=plan.dynamic_smem_bytes)
     if num_splits > 1:
         o[...], lse[...] = merge_states(o_part, lse_out)
     return o, lse
@@ -131,7 +134,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
 
 # The FA2 kernels: one block per (query block, head-dim chunk, split, head, batch), with
 # the layout parameters of seqlens.cuh.
-SPLITTABLE = (FORWARD_ALGORITHMS["fa2"].name, FLASH_FWD_TC.name, FLASH_FWD_TF32.name)
+SPLITTABLE = (FORWARD_ALGORITHMS["fa2"].name, FLASH_FWD_TC.name)
 
 
 def layout_args(xp, segments, lse, num_splits, o_part, page_size):

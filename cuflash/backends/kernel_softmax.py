@@ -7,7 +7,7 @@ line (`tiling.plan_softmax`).
 from __future__ import annotations
 
 from .. import tiling
-from .marshal import elem_strides, i32
+from .marshal import i32, softmax_args
 
 
 def softmax(backend, x):
@@ -25,6 +25,6 @@ def softmax(backend, x):
         grid = lines                            # one block per line
     i32(grid, "grid size (softmax lines)")
     backend.get_function(plan)((grid,), (plan.num_threads,),
-                               (x, y, i32(P, "P"), i32(n, "n"), i32(Q, "Q"),
-                                *elem_strides(x), *elem_strides(y)))
+                               softmax_args(x, y, P=P, n=n, Q=Q),
+                               shared_mem=plan.dynamic_smem_bytes)
     return y

@@ -3,10 +3,17 @@
 Kernel parameters are device pointers (arrays), `int` sizes, `long long` element strides
 and accumulation-type scalars; CuPy and the emulator both take NumPy scalars of the exact
 C types (np.int32, np.int64, np.float32/np.float64).
+
+One builder per kernel pass (`forward_args`, `fa1_forward_args`, `preprocess_args`,
+`dkdv_args`, `dq_args`, `softmax_args`) gives a launch's arguments in its kernel's
+parameter order, named; where the SIMT and tensor-core kernels of a pass differ, the
+builder decides from the plan.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC, FLASH_FWD_TC
 
 _INT32_MAX = 2**31 - 1
 _GRID_YZ_MAX = 65535
@@ -38,3 +45,60 @@ def prepare(xp, a):
     if (a.shape[-1] > 1 and st[-1] != a.itemsize) or any(s < 0 for s in st):
         return xp.ascontiguousarray(a)
     return a
+
+
+# -- the builders, one per pass. `sizes` is (Hq, group, Nq, Nk, d) as int32, `strides` the
+# (batch, head, row) element strides of each array in the kernel's order, `scale` the
+# accumulation type's (the kernels fold log2 e in themselves: common.cuh), `variants`
+# kernel_variants.variant_args's tuple.
+
+def forward_args(plan, q, k, v, o, lse, *, sizes, strides, scale, causal, num_m_blocks,
+                 num_d_chunks, layout, variants) -> tuple:
+    """FA2's forward, flash_fwd_kernel or flash_fwd_tc_kernel: only the SIMT kernel takes
+    a head-dim chunk count (the tensor-core kernel holds d <= HEAD_DIM in one block).
+    `layout`: kernel_forward.layout_args's tuple."""
+    chunks = () if plan.kernel == FLASH_FWD_TC.name else (np.int32(num_d_chunks),)
+    return (q, k, v, o, lse, *sizes, *strides, scale, np.int32(bool(causal)),
+            np.int32(num_m_blocks), *chunks, *layout, *variants)
+
+
+def fa1_forward_args(q, k, v, o, lse, o_acc, l_buf, m_buf, *, batch, sizes, strides, scale,
+                     causal, num_d_chunks, variants) -> tuple:
+    """FA1's forward (flash_fwd_fa1_kernel): O, ℓ and m in global memory."""
+    return (q, k, v, o, lse, o_acc, l_buf, m_buf, i32(batch, "batch"), *sizes, *strides,
+            scale, np.int32(bool(causal)), np.int32(num_d_chunks), *variants)
+
+
+def preprocess_args(do, o, delta, *, heads, rows, d) -> tuple:
+    """The backward's D = rowsum(dO ∘ O) (flash_bwd_preprocess_kernel) over (B, H, rows, d)
+    dO and O."""
+    total = i32(delta.size, "batch x heads x Nq")
+    return (do, o, delta, heads, i32(rows, "rows"), d, np.int64(total),
+            *elem_strides(do)[:3], *elem_strides(o)[:3])
+
+
+def dkdv_args(plan, q, k, v, do, lse, delta, dk, dv, *, sizes, strides, scale, causal,
+              num_d_chunks, dbias_cols, want_dbias_cols, varlen, variants) -> tuple:
+    """dK, dV (flash_bwd_dkdv_kernel or flash_bwd_dkdv_tc_kernel): only the SIMT kernel
+    takes a head-dim chunk count (a tensor-core plan counts its chunks from d)."""
+    chunks = () if plan.kernel == FLASH_BWD_DKDV_TC.name else (np.int32(num_d_chunks),)
+    return (q, k, v, do, lse, delta, dk, dv, *sizes, *strides, scale,
+            np.int32(bool(causal)), *chunks, dbias_cols, np.int32(want_dbias_cols), *varlen,
+            *variants)
+
+
+def dq_args(plan, q, k, v, do, lse, delta, dq, *, sizes, strides, scale, causal,
+            num_d_chunks, dbias, dbias_strides, want_dbias, heads, batches, varlen,
+            variants) -> tuple:
+    """dQ (flash_bwd_dq_kernel or flash_bwd_dq_tc_kernel). `heads`, `batches`: the heads
+    and batch rows sharing a dbias row — the SIMT kernel's blocks loop over them, the
+    tensor-core kernel takes one launch each and these are its offsets (head0, batch0)."""
+    chunks = () if plan.kernel == FLASH_BWD_DQ_TC.name else (np.int32(num_d_chunks),)
+    return (q, k, v, do, lse, delta, dq, *sizes, *strides, scale, np.int32(bool(causal)),
+            *chunks, dbias, *dbias_strides, np.int32(want_dbias), np.int32(heads),
+            np.int32(batches), *varlen, *variants)
+
+
+def softmax_args(x, y, *, P, n, Q) -> tuple:
+    """softmax_rows_kernel / softmax_cols_kernel over axis 1 of (P, n, Q) x into y."""
+    return (x, y, i32(P, "P"), i32(n, "n"), i32(Q, "Q"), *elem_strides(x), *elem_strides(y))

@@ -1,5 +1,5 @@
 // flash_bwd_tc.cu — FlashAttention-2 backward on tensor cores: f16 on sm_75+, bf16 on sm_80+
-// (flash_bwd_*_tc_kernel), float32 on tf32 mma on sm_80+ (flash_bwd_*_tf32_kernel: split
+// (flash_bwd_*_tc_kernel), float32 on tf32 mma on sm_80+ (the same kernels, SPLIT: split
 // tf32 by default, one-pass with allow_tf32=True, as the float32 forward). One algorithm for
 // all three: only the products differ (gemm_own_rows, gemm_c_tile in tc_gemm.cuh).
 //
@@ -396,8 +396,10 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 // batch in blockIdx (x, y, z); CHUNK_COLS = HEAD_DIM: one chunk, blockIdx.x the row block.
 // minBlocksPerSM = 1, as flash_fwd_tc.cu: ptxas may take the registers it needs (up to
 // 255) rather than aim at an occupancy that spills.
+// T = float: float32 tiles on tf32 mma (sm_80+), SPLIT: 3xTF32 (about fp32 accuracy), else
+// one-pass tf32 (allow_tf32=True); 16-bit T has one kind of product (SPLIT is false).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, const T* __restrict__ dO,
@@ -414,7 +416,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          int want_dbias_cols, CUFLASH_VARLEN_PARAMS,
                          CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           CHUNK_COLS, /*ROW_STATS=*/true>;
+                           CHUNK_COLS, /*ROW_STATS=*/true, SPLIT>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
                               q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
@@ -427,7 +429,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        const T* __restrict__ v, const T* __restrict__ dO,
@@ -443,76 +445,12 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        long long dbias_sc, int want_dbias, int head0, int batch0,
                        CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           CHUNK_COLS, /*ROW_STATS=*/false>;
+                           CHUNK_COLS, /*ROW_STATS=*/false, SPLIT>;
     if constexpr (TensorCores<T>::value) {
         // dbias broadcast over heads (batch): the heads (batch rows) that share a row of
         // dbias are not spread over the grid's y (z) but take one launch each, at offset
         // head0 (batch0), in stream order: each element has one writer and a fixed order.
         // (A loop over them inside the block, as flash_bwd.cu's, spilled at D = 128, 256.)
-        flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
-                            k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
-                            dq_sr, scale, causal, dbias, dbias_sb, dbias_sh, dbias_sr, dbias_sc,
-                            want_dbias, blockIdx.y + head0, (long long)blockIdx.z + batch0,
-                            CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
-    } else {
-        __trap();
-    }
-}
-
-// float32 on tf32 tensor cores (sm_80+): the same kernels with float tiles and m16n8k8 .tf32
-// products; SPLIT: 3xTF32 (about fp32 accuracy), else one-pass tf32 (allow_tf32=True).
-// T is float (the name expression's first argument, as for every family).
-template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_bwd_dkdv_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                           const T* __restrict__ v, const T* __restrict__ dO,
-                           const float* __restrict__ lse, const float* __restrict__ Delta,
-                           T* __restrict__ dk, T* __restrict__ dv,
-                           int Hq, int group, int Nq, int Nk, int d,
-                           long long q_sb, long long q_sh, long long q_sr,
-                           long long k_sb, long long k_sh, long long k_sr,
-                           long long v_sb, long long v_sh, long long v_sr,
-                           long long do_sb, long long do_sh, long long do_sr,
-                           long long dk_sb, long long dk_sh, long long dk_sr,
-                           long long dv_sb, long long dv_sh, long long dv_sr,
-                           float scale, int causal, float* __restrict__ dbias_cols,
-                           int want_dbias_cols, CUFLASH_VARLEN_PARAMS,
-                           CUFLASH_VARIANT_PARAMS(T)) {
-    static_assert(sizeof(T) == 4, "flash_bwd_dkdv_tf32 runs float32 inputs");
-    using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           CHUNK_COLS, /*ROW_STATS=*/true, SPLIT>;
-    if constexpr (TensorCoresTf32<T>::value) {
-        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
-                              q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
-                              dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
-                              dbias_cols, want_dbias_cols, CUFLASH_VARIANTS(T), win_left,
-                              win_right, CUFLASH_VARLEN);
-    } else {
-        __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
-    }
-}
-
-template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_bwd_dq_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                         const T* __restrict__ v, const T* __restrict__ dO,
-                         const float* __restrict__ lse, const float* __restrict__ Delta,
-                         T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
-                         long long q_sb, long long q_sh, long long q_sr,
-                         long long k_sb, long long k_sh, long long k_sr,
-                         long long v_sb, long long v_sh, long long v_sr,
-                         long long do_sb, long long do_sh, long long do_sr,
-                         long long dq_sb, long long dq_sh, long long dq_sr,
-                         float scale, int causal, float* __restrict__ dbias,
-                         long long dbias_sb, long long dbias_sh, long long dbias_sr,
-                         long long dbias_sc, int want_dbias, int head0, int batch0,
-                         CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
-    static_assert(sizeof(T) == 4, "flash_bwd_dq_tf32 runs float32 inputs");
-    using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           CHUNK_COLS, /*ROW_STATS=*/false, SPLIT>;
-    if constexpr (TensorCoresTf32<T>::value) {
         flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
                             k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
                             dq_sr, scale, causal, dbias, dbias_sb, dbias_sh, dbias_sr, dbias_sc,

@@ -1,7 +1,7 @@
-// flash_fwd_tc.cu — FlashAttention-2 forward on tensor cores: f16 on sm_75+, bf16 on sm_80+
-// (flash_fwd_tc_kernel), float32 on tf32 mma on sm_80+ (flash_fwd_tf32_kernel: split tf32,
-// 3 mma per product, about fp32 accuracy, by default; one-pass tf32 with allow_tf32=True,
-// 10-bit mantissas like fp16's). One algorithm for all three: only the products differ
+// flash_fwd_tc.cu — FlashAttention-2 forward on tensor cores (flash_fwd_tc_kernel): f16 on
+// sm_75+, bf16 on sm_80+, float32 on tf32 mma on sm_80+ (SPLIT: split tf32, 3 mma per
+// product, about fp32 accuracy, by default; one-pass tf32 with allow_tf32=True, 10-bit
+// mantissas like fp16's). One algorithm for all three: only the products differ
 // (tc_gemm.cuh), and the traits (tc_tile.cuh, tf32_tile.cuh).
 //
 // The algorithm of flash_fwd.cu (FA2, Algorithm 1), with the tile math on mma.sync:
@@ -260,10 +260,22 @@ __device__ __forceinline__ void flash_fwd_tc(
     }
 }
 
+// The traits of T: 16-bit tiles on f16/bf16 mma (one kind of product: SPLIT is false), or
+// float32 tiles on tf32 mma (SPLIT: 3xTF32, about fp32 accuracy; else one-pass tf32).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
+struct FwdTraits {
+    static_assert(!SPLIT, "split tf32 is a float32 mode");
+    using type = TcTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES>;
+};
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
+struct FwdTraits<float, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT> {
+    using type = Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>;
+};
+
 // A block of NUM_WARPS · 32 threads per (query block, head, batch), flattened into
 // blockIdx.x. minBlocksPerSM = 1: ptxas may take the registers it needs (up to 255) rather
 // than aim at an occupancy that spills.
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_fwd_tc_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     T* __restrict__ o, float* __restrict__ lse,
@@ -274,37 +286,12 @@ flash_fwd_tc_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     long long o_sb, long long o_sh, long long o_sr,
                     float scale, int causal, int num_m_blocks, CUFLASH_SEQLENS_PARAMS(float),
                     CUFLASH_VARIANT_PARAMS(T)) {
-    using Tr = TcTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES>;
+    using Tr = typename FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>::type;
     if constexpr (TensorCores<T>::value) {
         flash_fwd_tc<Tr>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr,
                          v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal, num_m_blocks,
                          CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T), win_left, win_right);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
-    }
-}
-
-// float32 on tf32 tensor cores (sm_80+): the same kernel with float tiles and m16n8k8 .tf32
-// products; SPLIT: 3xTF32, else one-pass tf32. T is float (the name expression's first
-// argument, as for every family).
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_fwd_tf32_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      T* __restrict__ o, float* __restrict__ lse,
-                      int Hq, int group, int Nq, int Nk, int d,
-                      long long q_sb, long long q_sh, long long q_sr,
-                      long long k_sb, long long k_sh, long long k_sr,
-                      long long v_sb, long long v_sh, long long v_sr,
-                      long long o_sb, long long o_sh, long long o_sr,
-                      float scale, int causal, int num_m_blocks,
-                      CUFLASH_SEQLENS_PARAMS(float), CUFLASH_VARIANT_PARAMS(T)) {
-    static_assert(sizeof(T) == 4, "flash_fwd_tf32 runs float32 inputs");
-    using Tr = Tf32TileTraits<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>;
-    if constexpr (TensorCoresTf32<T>::value) {
-        flash_fwd_tc<Tr>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr,
-                         v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal, num_m_blocks,
-                         CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T), win_left, win_right);
-    } else {
-        __trap();  // no tf32 tensor cores below sm_80: the launch path never picks it
     }
 }

@@ -33,6 +33,7 @@ namespace cuflash {
 template <typename T> struct TensorCores { static constexpr bool value = false; };
 template <> struct TensorCores<__half> { static constexpr bool value = CUFLASH_ARCH >= 750; };
 template <> struct TensorCores<__nv_bfloat16> { static constexpr bool value = CUFLASH_ARCH >= 800; };
+template <> struct TensorCores<float> { static constexpr bool value = CUFLASH_ARCH >= 800; };  // tf32
 
 // ---------------------------------------------------------------------------------
 // Fragments of mma.m16n8k16 (f16/bf16 inputs, f32 accumulators), drawn once.
@@ -221,8 +222,6 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
 //   C, D:    as m16n8k16 above (c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g + 8][2t, 2t+1])
 // FragA and FragB carry them (4 and 2 .b32 registers, the same counts).
 // ---------------------------------------------------------------------------------
-template <typename T> struct TensorCoresTf32 { static constexpr bool value = false; };
-template <> struct TensorCoresTf32<float> { static constexpr bool value = CUFLASH_ARCH >= 800; };
 
 // D = A·B + D, tf32 inputs (sm_80+), A 16x8 and B 8x8 in the tf32 layout above.
 __device__ __forceinline__ void mma_m16n8k8_tf32(FragC& d, const FragA& a, const FragB& b) {

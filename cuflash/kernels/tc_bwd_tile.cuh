@@ -48,7 +48,7 @@ namespace cuflash {
 
 // T: __half or __nv_bfloat16 (k16 steps), or float (k8 steps of tf32; SPLIT: 3xTF32).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT = false>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT>
 struct TcBwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockRows = BLOCK_ROWS;       // own rows: Bc keys | Br queries

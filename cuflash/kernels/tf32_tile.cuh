@@ -1,5 +1,5 @@
-// tf32_tile.cuh — float32 on tensor cores: the forward's traits (flash_fwd_tf32_kernel in
-// flash_fwd_tc.cu), and the fragment loads and products of every float32 kernel (through
+// tf32_tile.cuh — float32 on tensor cores: the forward's traits (flash_fwd_tc_kernel<float>
+// in flash_fwd_tc.cu), and the fragment loads and products of every float32 kernel (through
 // tc_gemm.cuh): split tf32 (3xTF32, about fp32 accuracy) or one-pass tf32.
 //
 // The layout of tc_tile.cuh with 4-byte elements: warp w owns query rows 16w..16w+15,

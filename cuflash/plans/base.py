@@ -61,6 +61,12 @@ class Plan:
         return self.element.accum_bytes
 
     @property
+    def dynamic_smem_bytes(self) -> int:
+        """The launch's dynamic shared memory: `smem_bytes` where the kernel takes its
+        tiles that way, else 0 (static arrays, or none)."""
+        return self.smem_bytes if self.dynamic_smem else 0
+
+    @property
     def source(self) -> str:
         return FAMILIES[self.kernel].source
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from .base import ELEMENTS, dtype_name
 from .simt_bwd import simt_backward_plans
 from .simt_fwd import simt_forward_plan
-from .tc_bwd import TC_BWD_HEAD_DIMS, tc_bwd_candidates, tc_bwd_kernels
+from .tc_bwd import TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, tc_bwd_candidates
 from .tc_fwd import TC_HEAD_DIMS, TF32_DTYPE, TF32_HEAD_DIMS, tc_fwd_candidates
 
 # The first compute capability whose mma.sync takes each type (mma.cuh's TensorCores<T>):
@@ -130,7 +130,7 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
         return simt(), why
     D = next(b for b in head_dims if d <= b)
     fits = tuple(_first_fit(tc_bwd_candidates(kernel, name, D, split=not allow_tf32, cc=cc),
-                            max_smem) for kernel in tc_bwd_kernels(name))
+                            max_smem) for kernel in TC_BWD_KERNELS)
     if None in fits:
         return simt(), _no_tile_fits(name, D, max_smem, "backward ")
     chunks = "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"

@@ -14,8 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..families import (FLASH_BWD_DKDV_TC, FLASH_BWD_DKDV_TF32, FLASH_BWD_DQ_TC,
-                        FLASH_BWD_DQ_TF32)
+from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC
 from .base import Plan, flag
 from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, sm120, tf32_mode
 
@@ -59,20 +58,20 @@ TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 # 16-row Q tiles (spills 156 bytes), D=256 with 4 warps (253 registers, no margin);
 # one-pass dQ D=64 with Q_i, dO_i in registers (spills 76 bytes).
 _TF32_BWD_CANDIDATES = {
-    (FLASH_BWD_DKDV_TF32.name, 64, True): ((64, 16, 4, 2, False, 64),),
-    (FLASH_BWD_DKDV_TF32.name, 128, True): ((64, 8, 4, 2, False, 128),),
-    (FLASH_BWD_DKDV_TF32.name, 256, True): ((32, 8, 2, 2, False, 128),),
-    (FLASH_BWD_DQ_TF32.name, 64, True): ((64, 16, 4, 2, False, 64),),
-    (FLASH_BWD_DQ_TF32.name, 128, True): ((64, 8, 4, 2, False, 128),),
-    (FLASH_BWD_DQ_TF32.name, 256, True): ((64, 8, 4, 2, False, 128), (32, 8, 2, 2, False, 128)),
-    (FLASH_BWD_DKDV_TF32.name, 64, False): ((64, 32, 4, 2, False, 64),),
-    (FLASH_BWD_DKDV_TF32.name, 128, False): ((64, 8, 4, 2, False, 128),),
-    (FLASH_BWD_DKDV_TF32.name, 256, False): ((64, 16, 4, 2, False, 128),
+    (FLASH_BWD_DKDV_TC.name, 64, True): ((64, 16, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 128, True): ((64, 8, 4, 2, False, 128),),
+    (FLASH_BWD_DKDV_TC.name, 256, True): ((32, 8, 2, 2, False, 128),),
+    (FLASH_BWD_DQ_TC.name, 64, True): ((64, 16, 4, 2, False, 64),),
+    (FLASH_BWD_DQ_TC.name, 128, True): ((64, 8, 4, 2, False, 128),),
+    (FLASH_BWD_DQ_TC.name, 256, True): ((64, 8, 4, 2, False, 128), (32, 8, 2, 2, False, 128)),
+    (FLASH_BWD_DKDV_TC.name, 64, False): ((64, 32, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 128, False): ((64, 8, 4, 2, False, 128),),
+    (FLASH_BWD_DKDV_TC.name, 256, False): ((64, 16, 4, 2, False, 128),
                                              (32, 16, 2, 2, False, 128),
                                              (16, 16, 1, 2, False, 128)),
-    (FLASH_BWD_DQ_TF32.name, 64, False): ((64, 32, 4, 2, False, 64),),
-    (FLASH_BWD_DQ_TF32.name, 128, False): ((64, 16, 4, 2, False, 128),),
-    (FLASH_BWD_DQ_TF32.name, 256, False): ((64, 16, 4, 2, False, 128),
+    (FLASH_BWD_DQ_TC.name, 64, False): ((64, 32, 4, 2, False, 64),),
+    (FLASH_BWD_DQ_TC.name, 128, False): ((64, 16, 4, 2, False, 128),),
+    (FLASH_BWD_DQ_TC.name, 256, False): ((64, 16, 4, 2, False, 128),
                                            (32, 8, 2, 2, False, 128)),
 }
 # Consumer Blackwell (sm_120, cc 12.x) replaces four split lists: its ptxas (CUDA 12.9)
@@ -80,13 +79,11 @@ _TF32_BWD_CANDIDATES = {
 # as it does with fewer rows per block or tile; 64-column output chunks (half the
 # accumulators) do not spill (dK/dV 253, 255, 255 registers; dQ 202).
 _TF32_BWD_CANDIDATES_SM120 = {
-    (FLASH_BWD_DKDV_TF32.name, 64, True): ((64, 8, 4, 2, False, 64),),
-    (FLASH_BWD_DKDV_TF32.name, 128, True): ((64, 8, 4, 2, False, 64),),
-    (FLASH_BWD_DKDV_TF32.name, 256, True): ((32, 8, 2, 2, False, 64),),
-    (FLASH_BWD_DQ_TF32.name, 256, True): ((32, 8, 2, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 64, True): ((64, 8, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 128, True): ((64, 8, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 256, True): ((32, 8, 2, 2, False, 64),),
+    (FLASH_BWD_DQ_TC.name, 256, True): ((32, 8, 2, 2, False, 64),),
 }
-TF32_BWD_KERNELS = (FLASH_BWD_DKDV_TF32.name, FLASH_BWD_DQ_TF32.name)
-_DKDV_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DKDV_TF32.name)
 
 
 def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: int,
@@ -99,7 +96,7 @@ def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: i
     row stats   2 · stages · tile_rows        lse_i, D_i in float32 (dK/dV only)
     """
     tiles = (2 * block_rows * head_dim + 2 * stages * tile_rows * head_dim) * elem_bytes
-    stats = 2 * stages * tile_rows * 4 if kernel in _DKDV_KERNELS else 0
+    stats = 2 * stages * tile_rows * 4 if kernel == FLASH_BWD_DKDV_TC.name else 0
     return tiles + stats
 
 
@@ -107,11 +104,12 @@ def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: i
 class TcBwdPlan(Plan):
     """One launchable specialization of a tensor-core backward kernel; the fields after
     `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_ROWS,
-    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS, CHUNK_COLS in flash_bwd_tc.cu)."""
+    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS, CHUNK_COLS, then SPLIT in flash_bwd_tc.cu)."""
 
     dynamic_smem = True
+    _split_flag = False    # SPLIT: 16-bit types have one kind of product (Tf32BwdPlan: its field)
 
-    kernel: str            # one of TC_BWD_KERNELS (TF32_BWD_KERNELS: Tf32BwdPlan)
+    kernel: str            # one of TC_BWD_KERNELS
     dtype: str             # "float16" or "bfloat16" ("float32": Tf32BwdPlan)
     head_dim: int          # HEAD_DIM: runs any d <= head_dim whose rows are 16-byte chunks
     block_rows: int        # rows the block owns (Bc keys | Br queries) = 16 · num_warps
@@ -156,21 +154,22 @@ class TcBwdPlan(Plan):
 
     def _template_args(self) -> tuple:
         return (self.head_dim, self.block_rows, self.tile_rows, self.num_warps, self.stages,
-                flag(self.own_in_regs), self.chunk_cols)
+                flag(self.own_in_regs), self.chunk_cols, flag(self._split_flag))
 
 
 @dataclasses.dataclass(frozen=True)
 class Tf32BwdPlan(TcBwdPlan):
-    """A float32 tensor-core backward specialization: `TcBwdPlan`'s template parameters,
-    then SPLIT (flash_bwd_*_tf32_kernel in flash_bwd_tc.cu)."""
+    """A float32 tensor-core backward specialization (flash_bwd_*_tc_kernel<float, ...>):
+    split or one-pass tf32 products."""
 
     split: bool            # True: split tf32 (3 mma per product); False: one-pass tf32
 
     def __str__(self) -> str:
         return f"{super().__str__()} {tf32_mode(self.split)}"
 
-    def _template_args(self) -> tuple:
-        return (*super()._template_args(), flag(self.split))
+    @property
+    def _split_flag(self) -> bool:
+        return self.split
 
 
 def tc_bwd_candidates(kernel: str, dtype: str, head_dim: int, *, split: bool,
@@ -186,11 +185,6 @@ def tc_bwd_candidates(kernel: str, dtype: str, head_dim: int, *, split: bool,
     return [TcBwdPlan(kernel, dtype, head_dim, *c) for c in _TC_BWD_CANDIDATES[(kernel, head_dim)]]
 
 
-def tc_bwd_kernels(dtype: str) -> tuple[str, str]:
-    """The (dK/dV, dQ) tensor-core backward kernels for `dtype`."""
-    return TF32_BWD_KERNELS if dtype == TF32_DTYPE else TC_BWD_KERNELS
-
-
 @functools.cache
 def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
     """Every 16-bit tensor-core backward specialization (for the gate)."""
@@ -203,6 +197,6 @@ def all_tf32_bwd_plans(cc=None) -> tuple[Tf32BwdPlan, ...]:
     """Every float32 tensor-core backward specialization a device of compute capability
     `cc` can launch (for the gate); None: of any device, sm_120's last."""
     plans = (p for c in ((None, (12, 0)) if cc is None else (cc,))
-             for split in (True, False) for D in TF32_HEAD_DIMS for kernel in TF32_BWD_KERNELS
+             for split in (True, False) for D in TF32_HEAD_DIMS for kernel in TC_BWD_KERNELS
              for p in tc_bwd_candidates(kernel, TF32_DTYPE, D, split=split, cc=c))
     return tuple(dict.fromkeys(plans))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..families import FLASH_FWD_TC, FLASH_FWD_TF32
+from ..families import FLASH_FWD_TC
 from .base import Plan, flag
 
 TC_DTYPES = ("float16", "bfloat16")
@@ -50,10 +50,12 @@ _TF32_CANDIDATES = {
 }
 # Consumer Blackwell (sm_120, cc 12.x) replaces two split lists: its ptxas (CUDA 12.9)
 # spills D=64 128x32 (40 bytes) and D=128 128x16 (172) at 255 registers, where sm_80 to
-# sm_100 do not; half the keys per tile fit (252 and 255 registers, no spill).
+# sm_100 do not; half the keys per tile fit (252 and 255 registers, no spill). At D=128,
+# CUDA 13.5's ptxas still spills 128x8 with a 2-stage ring (4 bytes); a 3-stage ring
+# (88 KB) does not, with either toolkit.
 _TF32_CANDIDATES_SM120 = {
     (64, True): ((128, 16, 8, 2),),
-    (128, True): ((128, 8, 8, 2),),
+    (128, True): ((128, 8, 8, 3),),
 }
 
 
@@ -78,11 +80,12 @@ def tc_smem_bytes(elem_bytes: int, head_dim: int, block_m: int, block_n: int,
 class TcPlan(Plan):
     """One launchable specialization of the tensor-core forward; the fields after `dtype`
     are the kernel's template parameters, in order (HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-    STAGES in flash_fwd_tc.cu)."""
+    STAGES, then SPLIT in flash_fwd_tc.cu)."""
 
     dynamic_smem = True
+    _split_flag = False    # SPLIT: 16-bit types have one kind of product (Tf32Plan: its field)
 
-    kernel: str            # "flash_fwd_tc" ("flash_fwd_tf32": Tf32Plan)
+    kernel: str            # "flash_fwd_tc"
     dtype: str             # "float16" or "bfloat16" ("float32": Tf32Plan)
     head_dim: int          # HEAD_DIM: runs any d <= head_dim whose rows are 16-byte chunks
     block_m: int           # Br = 16 · row_tiles · num_warps
@@ -118,13 +121,13 @@ class TcPlan(Plan):
     @property
     def name_expression(self) -> str:
         return self._instantiate(self.head_dim, self.block_m, self.block_n, self.num_warps,
-                                 self.stages)
+                                 self.stages, flag(self._split_flag))
 
 
 @dataclasses.dataclass(frozen=True)
 class Tf32Plan(TcPlan):
-    """A float32 tensor-core forward specialization: `TcPlan`'s template parameters, then
-    SPLIT (flash_fwd_tf32_kernel in flash_fwd_tc.cu). One 16-row mma tile per warp."""
+    """A float32 tensor-core forward specialization (flash_fwd_tc_kernel<float, ...>): split
+    or one-pass tf32 products. One 16-row mma tile per warp."""
 
     split: bool            # True: split tf32 (3 mma per product); False: one-pass tf32
 
@@ -132,9 +135,8 @@ class Tf32Plan(TcPlan):
         return f"{self.kernel} {self.dtype} {tf32_mode(self.split)} {self._tile()}"
 
     @property
-    def name_expression(self) -> str:
-        return self._instantiate(self.head_dim, self.block_m, self.block_n, self.num_warps,
-                                 self.stages, flag(self.split))
+    def _split_flag(self) -> bool:
+        return self.split
 
 
 def tf32_mode(split: bool) -> str:
@@ -152,7 +154,7 @@ def tc_fwd_candidates(dtype: str, head_dim: int, *, split: bool, cc=None) -> lis
     best first; `split` picks float32's split or one-pass tf32 (16-bit types have one)."""
     if dtype == TF32_DTYPE:
         table = {**_TF32_CANDIDATES, **_TF32_CANDIDATES_SM120} if sm120(cc) else _TF32_CANDIDATES
-        return [Tf32Plan(FLASH_FWD_TF32.name, dtype, head_dim, *c, split)
+        return [Tf32Plan(FLASH_FWD_TC.name, dtype, head_dim, *c, split)
                 for c in table[(head_dim, split)]]
     return [TcPlan(FLASH_FWD_TC.name, dtype, head_dim, *c) for c in _TC_CANDIDATES[head_dim]]
 
