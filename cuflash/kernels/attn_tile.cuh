@@ -15,7 +15,7 @@
 //   sV [BLOCK_N][D + 1]   V_j
 //   sP [BLOCK_M][BLOCK_N + 1]  P̃_ij
 // The +1 pad puts the 8 different K rows a warp reads at one k in 8 different banks.
-// cuflash/tiling.py:attention_smem_bytes mirrors kSmemBytes term for term.
+// cuflash/plans/simt_fwd.py:attention_smem_bytes mirrors kSmemBytes term for term.
 #pragma once
 
 #include "common.cuh"

@@ -14,7 +14,7 @@
 //   row stats   2 x [TILE_ROWS]      lse_i·log2 e, D_i of the streamed rows (dK/dV only)
 //   scores      2 x [TILE_ROWS x block rows]  Σ S_ij, Σ dP_ij over the head-dim chunks
 //                                    visited so far (CHUNKED only)
-// cuflash/tiling.py:bwd_smem_bytes mirrors kSmemBytes term for term (and the compile
+// cuflash/plans/simt_bwd.py:bwd_smem_bytes mirrors kSmemBytes term for term (and the compile
 // gate checks both against ptxas).
 #pragma once
 

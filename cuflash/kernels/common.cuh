@@ -9,8 +9,8 @@
 //   * warp_reduce_max/sum   butterfly reductions with __shfl_xor_sync
 //   * OnlineSoftmax         the running state (m_i, ℓ_i) of one softmax row, with the
 //                           three phases of the papers' Algorithm 1: init, update,
-//                           finalize (→ 1/ℓ for O, and lse); used by both forward
-//                           kernels and by online_softmax.cu
+//                           finalize (→ 1/ℓ for O, and lse); used by the forward
+//                           kernels (online_softmax.cu keeps its own, in natural units)
 //
 // Everything is plain SIMT C++ (no inline PTX) so the CPU emulator runs it unchanged.
 #pragma once

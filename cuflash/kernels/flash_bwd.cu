@@ -45,8 +45,8 @@
 // chip. Without CHUNKED the chunk loop runs once and folds away at compile time.
 //
 // __launch_bounds__ minBlocksPerSM (bwd_min_blocks): none (0) for the one-chunk float
-// kernels up to D = 128, which then take ~120 registers, two blocks per SM (a hint of 1
-// raised them to 128-140 on sm_80: one block per SM); 1 for the chunked ones, as in
+// kernels up to D = 128 (169-170 registers on sm_80 with CUDA 12.9: one block of 256
+// threads per SM); 1 for the chunked ones, as in
 // flash_fwd.cu (with the bare thread count ptxas capped sm_70's 16-bit chunked dK/dV
 // kernel at 128 registers and spilled), for D = 256 (146-169 registers: one block per SM
 // either way; CUDA 13's ptxas capped sm_75's 16-bit dQ kernel at 128 and spilled), and for

@@ -28,7 +28,8 @@
 //     accumulator registers, so a block accumulates only its CHUNK_COLS (128) columns of
 //     dV_j and dK_j; Sᵀ and dPᵀ still run over the full head dim (computed once per chunk)
 //   dQ: one block per (Q block of BLOCK_ROWS queries, head-dim chunk, query head, batch);
-//     every dQ plan has one chunk (at D = 256 Q_i, dO_i stay in shared memory)
+//     16-bit dQ plans have one chunk (at D = 256 Q_i, dO_i stay in shared memory);
+//     float32 at D = 256 takes chunks of 128 (64 on sm_120)
 //     prologue   Q_i, dO_i → A fragments; lse_i, D_i of the thread's rows g, g + 8
 //     main loop  for each K_j, V_j tile below the diagonal (the same ring)
 //                  S = Q_i K_jᵀ, dP = dO_i V_jᵀ, P, dS as above, dQ_i += dS K_j

@@ -36,7 +36,7 @@
 //                                               epilogue's staging of dK_j, dV_j | dQ_i)
 //   ring pair    2 x [STAGES][TILE_ROWS][D]     Q_i, dO_i |  K_j, V_j
 //   row stats    2 x [STAGES][TILE_ROWS] float  lse_i, D_i (dK/dV kernel only)
-// cuflash/tiling.py:tc_bwd_smem_bytes mirrors kSmemBytes term for term.
+// cuflash/plans/tc_bwd.py:tc_bwd_smem_bytes mirrors kSmemBytes term for term.
 #pragma once
 
 #include "common.cuh"

@@ -21,7 +21,7 @@
 //   sQ [BLOCK_M][D]            Q_i (later: staging of the O tile for 16-byte stores)
 //   sK [STAGES][BLOCK_N][D]    the K_j ring of the cp.async pipeline
 //   sV [STAGES][BLOCK_N][D]    the V_j ring
-// cuflash/tiling.py:tc_smem_bytes mirrors kSmemBytes term for term.
+// cuflash/plans/tc_fwd.py:tc_smem_bytes mirrors kSmemBytes term for term.
 #pragma once
 
 #include "common.cuh"
