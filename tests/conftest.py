@@ -326,3 +326,18 @@ def assert_lse_close(lse, ref_lse, dtype, *, plain=None, precision=None):
     lse = to_host(lse)
     assert lse.dtype == _dtypes.lse_dtype(dtype), (lse.dtype, dtype)
     assert_close_to_reference(lse, ref_lse, plain, precision or lse.dtype, what="lse")
+
+
+def packed(rng, lengths_q, lengths_k, hq, hkv, d, dtype=np.float32):
+    """Varlen inputs: q (hq, Σ lengths_q, d), k and v (hkv, Σ lengths_k, d) uniform in
+    [-1, 1), and their cu_seqlens."""
+    cq, ck = (np.r_[0, np.cumsum(n)].astype(np.int32) for n in (lengths_q, lengths_k))
+    q = rng.uniform(-1, 1, (hq, cq[-1], d)).astype(dtype)
+    k = rng.uniform(-1, 1, (hkv, ck[-1], d)).astype(dtype)
+    v = rng.uniform(-1, 1, (hkv, ck[-1], d)).astype(dtype)
+    return q, k, v, cq, ck
+
+
+def seqs(cu):
+    """The row slices of the packed sequences of cu_seqlens `cu`."""
+    return [slice(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]

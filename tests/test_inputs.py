@@ -6,19 +6,7 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from conftest import assert_close_to_reference, to_backend, to_host
-
-
-def packed(rng, lengths_q, lengths_k, hq, hkv, d, dtype):
-    cq, ck = (np.r_[0, np.cumsum(n)].astype(np.int32) for n in (lengths_q, lengths_k))
-    q = rng.uniform(-1, 1, (hq, cq[-1], d)).astype(dtype)
-    k = rng.uniform(-1, 1, (hkv, ck[-1], d)).astype(dtype)
-    v = rng.uniform(-1, 1, (hkv, ck[-1], d)).astype(dtype)
-    return q, k, v, cq, ck
-
-
-def seqs(cu):
-    return [slice(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+from conftest import assert_close_to_reference, packed, seqs, to_backend, to_host
 
 
 # -- index arguments: any integer array-like within int32 -------------------------------

@@ -9,7 +9,8 @@ import pytest
 import cuflash
 from cuflash import _dtypes, reference
 from cuflash.serving import kvcache as kvc
-from conftest import assert_close_to_reference, plain_attention, to_backend, to_host
+from conftest import (assert_close_to_reference, packed, plain_attention, seqs, to_backend,
+                      to_host)
 
 
 def ref_attention(q, k, v, **kw):
@@ -20,19 +21,6 @@ def ref_attention(q, k, v, **kw):
     if k.shape[-2] == 0:
         return np.zeros(q.shape), np.full(q.shape[:-1], -np.inf)
     return reference.naive_attention(q, k, v, return_lse=True, **kw)
-
-
-def packed(rng, lengths_q, lengths_k, hq, hkv, d, dtype=np.float32):
-    cq = np.r_[0, np.cumsum(lengths_q)].astype(np.int32)
-    ck = np.r_[0, np.cumsum(lengths_k)].astype(np.int32)
-    q = rng.uniform(-1, 1, (hq, cq[-1], d)).astype(dtype)
-    k = rng.uniform(-1, 1, (hkv, ck[-1], d)).astype(dtype)
-    v = rng.uniform(-1, 1, (hkv, ck[-1], d)).astype(dtype)
-    return q, k, v, cq, ck
-
-
-def seqs(cu):
-    return [slice(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
 
 
 # -- merge_states ---------------------------------------------------------------------
