@@ -267,3 +267,52 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
         assert n["LDSM"] >= ldsm, (r.kernel, r.arch, n)
         assert (n["LDGSTS"] > 0) == (r.arch != "sm_75"), (r.kernel, r.arch, n)
         assert n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
+
+
+# -- the lean main loop (float16, D = 64: key tiles of 64, kLean) -----------------------------
+
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lean_loop_reads_a_paged_cache(page, causal):
+    """The lean loop's copies step their pointers through the block table at each page's
+    end: pages of one and of two key tiles, out of order, lengths ending inside a tile, one
+    block over all of a row's keys (num_splits=1)."""
+    import cuflash
+    rng = np.random.default_rng(page + causal)
+    B, hq, hkv, d, max_pages = 2, 2, 1, 64, 5
+    num_blocks = B * max_pages + 2
+    table = rng.permutation(num_blocks)[:B * max_pages].reshape(B, max_pages).astype(np.int32)
+    kc, vc = (rng.uniform(-1, 1, (num_blocks, hkv, page, d)).astype(np.float16)
+              for _ in range(2))
+    lens = np.array([4 * page + 17, 2 * page], np.int32)
+    q = rng.uniform(-1, 1, (B, hq, 3, d)).astype(np.float16)
+    o, lse = cuflash.flash_attention_with_kvcache(q, kc, vc, lens, block_table=table,
+                                                  causal=causal, num_splits=1,
+                                                  return_lse=True, backend="emulator")
+    for b in range(B):
+        pos = np.arange(lens[b])
+        k, v = (c[table[b, pos // page], :, pos % page].transpose(1, 0, 2)[None]
+                for c in (kc, vc))
+        ref_o, ref_lse = reference.naive_attention(q[b:b + 1], k, v, causal=causal,
+                                                   return_lse=True)
+        plain, _ = plain_attention(q[b:b + 1], k, v, causal=causal, scale=d ** -0.5,
+                                   dtype=q.dtype)
+        assert_close_to_reference(o[b:b + 1], ref_o, plain, q.dtype, what=f"O, row {b}")
+        assert_lse_close(lse[b:b + 1], ref_lse, q.dtype)
+
+
+def test_lean_loop_scores_up_to_the_documented_limit():
+    """The steady state folds the scale into its exponent after the row max (docs/api.md,
+    Numerical limits: scores below 1e7): scores of ±5e6 give the float64 reference's
+    answer, each row nearly all on its largest key."""
+    rng = np.random.default_rng(11)
+    q, k, v = _inputs(1, 2, 2, 128, 256, 64, F16, seed=11)
+    q = (np.sign(q) * 8).astype(F16)                  # |q·k| up to 8·64·max|k|
+    scale = 5e6 / np.abs(q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)).max()
+    be = _backend("sm_80")
+    o, lse = be.forward(q, k, v, causal=False, scale=scale, algorithm="fa2")
+    (plan,) = be.take_launches()
+    assert plan.kernel == "flash_fwd_tc" and plan.block_n == 64, plan
+    ref_o, ref_lse = reference.naive_attention(q, k, v, scale=scale, return_lse=True)
+    np.testing.assert_allclose(o.astype(np.float64), ref_o, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)

@@ -20,6 +20,12 @@
 
 namespace cuflash {
 
+// A compile-time flag as a value, to pick a lambda's code path (`if constexpr
+// (decltype(tag)::value)`): one body written once, instantiated per path.
+template <bool B> struct Bool {
+    static constexpr bool value = B;
+};
+
 // ---------------------------------------------------------------------------------
 // Types and conversions
 // ---------------------------------------------------------------------------------

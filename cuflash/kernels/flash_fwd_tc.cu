@@ -43,6 +43,60 @@
 
 using namespace cuflash;
 
+// The general iteration's softmax on S = Q_i K_jᵀ (raw products, tile keys n0 ..): the
+// scores in log2 units, masked (−inf: P̃ = 0 exactly) or through the variants' chain; the
+// online softmax's update (α into alpha_*, acc *= α for two row tiles; the caller rescales
+// one after this, see flash_fwd_tc); P̃ = exp2(S − m_new) in place, dropped out for P̃ V.
+template <class Tr, int R, typename T>
+__device__ __forceinline__ void softmax_general(
+    FragC (&s)[R][Tr::kSTiles], FragC (&acc)[R][Tr::kOTiles], OnlineSoftmax<float> (&row_top)[R],
+    OnlineSoftmax<float> (&row_bottom)[R], float (&alpha_top)[R], float (&alpha_bottom)[R],
+    Variants<T>& var, const CausalMask& mask, float scale, float scale_log2, int m0, int n0,
+    int r_top, int t, int b, int h, int Nq, int Nk) {
+    constexpr int BN = Tr::kBlockN;
+    // S · scale·log2 e, masked (−inf: P̃ = 0 exactly), or the variants' chain
+    if (var.scores()) {  // the chain runs on the natural score scale·qk, then log2 units
+        var.bind(b, h, Nq, Nk);  // here, not before the loop: short-lived registers
+        variant_scores(s, var, mask, scale, r_top, n0 + 2 * t);
+    } else {
+        const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = r_top + 16 * r;
+#pragma unroll
+            for (int i = 0; i < Tr::kSTiles; ++i) {
+                s[r][i].c0 *= scale_log2;
+                s[r][i].c1 *= scale_log2;
+                s[r][i].c2 *= scale_log2;
+                s[r][i].c3 *= scale_log2;
+                if (needs_mask) {
+                    const int c = n0 + i * 8 + 2 * t;
+                    if (mask.masked(row, c)) s[r][i].c0 = neg_inf<float>();
+                    if (mask.masked(row, c + 1)) s[r][i].c1 = neg_inf<float>();
+                    if (mask.masked(row + 8, c)) s[r][i].c2 = neg_inf<float>();
+                    if (mask.masked(row + 8, c + 1)) s[r][i].c3 = neg_inf<float>();
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+        tile_row_max(s[r], max_top, max_bottom);
+        alpha_top[r] = row_top[r].update(row_max_quad(max_top));  // also ℓ_i *= α
+        alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom));
+        if constexpr (R > 1) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
+        float sum_top = 0.f, sum_bottom = 0.f;  // S → P̃ = exp2(S − m_new)
+        exp2_rows(s[r], row_top[r].shift(), row_bottom[r].shift(), sum_top, sum_bottom);
+        row_top[r].l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
+        row_bottom[r].l_i += sum_bottom;
+    }
+    if (var.dropout()) {  // P̃ V only
+        var.bind(b, h, Nq, Nk);
+        dropout_fragments(s, var, r_top, n0 + 2 * t);
+    }
+}
+
 template <class Tr, typename T>
 __device__ __forceinline__ void flash_fwd_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
@@ -52,6 +106,11 @@ __device__ __forceinline__ void flash_fwd_tc(
     float scale, int causal, int num_m_blocks, const Seqlens& seq, float* __restrict__ o_part,
     Variants<T> var, int win_left, int win_right) {
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
+    // The lean main loop (16-bit tiles, see TcTileTraits::kLean): a plain steady state
+    // peeled from the general iterations, copies and fragment loads addressed once
+    // (TileCopy, FragAddrs). Otherwise one general loop recomputing its addresses.
+    constexpr bool kLean = Tr::kLean;
+    static_assert(!kLean || !Tr::kTf32, "the lean loop's fragment loads are ldmatrix (16-bit)");
 
     // Block → (m_block, split, h, b); query blocks last-first (the causal tail, as
     // flash_fwd.cu). Varlen / KV-cache lengths and split-KV: seqlens.cuh.
@@ -69,22 +128,12 @@ __device__ __forceinline__ void flash_fwd_tc(
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
     const long long q_row0 = seq.start_q(b);
     const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    const T* k_h = k + h_kv * k_sh;  // key tiles: seq.key_tile (padded, packed or paged)
-    const T* v_h = v + h_kv * v_sh;
-
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + Tr::kSmemQ;
     T* sV = sK + Tr::kSmemK;
-    constexpr int kSlot = BN * Tr::kHeadDim;  // elements of one ring slot
-    // Copy key tile jt (K_j and V_j, keys jt·BN ..) into ring slot `slot`.
-    auto copy_kv = [&](int jt, int slot) {
-        const int n0 = jt * BN;
-        copy_tile_async<Tr, BN>(sK + slot * kSlot, seq.key_tile(k_h, k_sb, k_sr, b, n0), k_sr,
-                                0, Nk - n0, d);
-        copy_tile_async<Tr, BN>(sV + slot * kSlot, seq.key_tile(v_h, v_sb, v_sr, b, n0), v_sr,
-                                0, Nk - n0, d);
-    };
+    const unsigned s_k = smem_addr(sK), s_v = smem_addr(sV);  // the rings, as addresses
+    constexpr unsigned kSlotBytes = BN * Tr::kHeadDim * sizeof(T);  // one ring slot
 
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;  // the warp's first row in the block
@@ -99,20 +148,95 @@ __device__ __forceinline__ void flash_fwd_tc(
     seq.clip_to_split(split, Nk, BN, n_begin, n_end);
     const int t_begin = n_begin / BN, t_end = (n_end + BN - 1) / BN;  // key tiles to visit
     const float scale_log2 = softmax_scale_log2(scale);
+    // The steady state: tiles [t_lo, t_hi) that every row sees whole, in a call with no
+    // variant (and a positive scale: those fold it into the exponent, after the row max).
+    // The tiles before and after them take the general iteration (masks, variants).
+    int t_lo = t_end, t_hi = t_end;
+    if (kLean && !var.scores() && !var.dropout() && scale > 0.f)
+        mask.full_tiles(m0, min(m0 + BM, Nq), BN, t_begin, t_end, t_lo, t_hi);
+
+    // K_j, V_j (lean): each thread keeps its own pointers into the next tile to copy
+    // (TileCopy::thread_rows) and steps them one tile at a time; in a paged cache, at a
+    // page's end, to the next page of the block table (a key tile never straddles two
+    // pages: seqlens.cuh). Otherwise each tile's rows come from seq.key_tile.
+    const T* k_h = k + h_kv * k_sh;
+    const T* v_h = v + h_kv * v_sh;
+    using KCopy = TileCopy<Tr, BN, T, /*K_LAYOUT=*/kLean>;
+    using VCopy = TileCopy<Tr, BN, T>;
+    const KCopy k_copy(k_sr, d);
+    const VCopy v_copy(v_sr, d);
+    const int n_first = t_begin < t_end ? t_begin * BN : 0;  // (a block with no tile: any)
+    const T* k_next = k_copy.thread_rows(seq.key_tile(k_h, k_sb, k_sr, b, n_first));
+    const T* v_next = v_copy.thread_rows(seq.key_tile(v_h, v_sb, v_sr, b, n_first));
+    // a paged cache's block-table entry of the next tile's page, and that tile's first row
+    // in it: shared by the block, kept in shared memory (registers are scarce in the loop)
+    __shared__ int page_state[2];
+    if (kLean && seq.block_table) {
+        if (threadIdx.x == 0) {
+            page_state[0] = b * seq.table_stride + n_first / seq.page_size;
+            page_state[1] = n_first % seq.page_size;
+        }
+        __syncthreads();
+    }
+    // Tiles jt < t_plain copy without a test: every row and column in range, not paged.
+    const int t_plain = (seq.block_table || d != Tr::kHeadDim) ? 0 : Nk / BN;
+    // Copy key tile jt (K_j and V_j, keys jt·BN ..; always the next one) into the ring
+    // slot at byte `slot`.
+    auto copy_kv = [&](int jt, unsigned slot) {
+        const int n0 = jt * BN;
+        if constexpr (kLean && KCopy::kFits && VCopy::kFits) {
+            if (jt < t_plain) {
+                k_copy.template full<true>(s_k + slot, k_next);
+                v_copy.template full<true>(s_v + slot, v_next);
+            } else {
+                if (seq.block_table) {  // every thread reads the state, then thread 0
+                    const int entry = page_state[0], row = page_state[1];  // updates it
+                    __syncthreads();
+                    if (row == seq.page_size) {  // on to the next page
+                        const long long turn =
+                            seq.block_table[entry + 1] - seq.block_table[entry];
+                        k_next += turn * k_sb - (long long)seq.page_size * k_sr;
+                        v_next += turn * v_sb - (long long)seq.page_size * v_sr;
+                    }
+                    if (threadIdx.x == 0) {
+                        page_state[0] = entry + (row == seq.page_size);
+                        page_state[1] = (row == seq.page_size ? 0 : row) + BN;
+                    }
+                    __syncthreads();
+                }
+                if (n0 + BN <= Nk) {
+                    k_copy.full(s_k + slot, k_next);
+                    v_copy.full(s_v + slot, v_next);
+                } else {
+                    k_copy.edge(s_k + slot, k_next, Nk - n0, k);
+                    v_copy.edge(s_v + slot, v_next, Nk - n0, v);
+                }
+            }
+            k_next += BN * k_sr;
+            v_next += BN * v_sr;
+        } else {
+            copy_tile_async<Tr, BN>(sK + slot / sizeof(T), seq.key_tile(k_h, k_sb, k_sr, b, n0),
+                                    k_sr, 0, Nk - n0, d);
+            copy_tile_async<Tr, BN>(sV + slot / sizeof(T), seq.key_tile(v_h, v_sb, v_sr, b, n0),
+                                    v_sr, 0, Nk - n0, d);
+        }
+    };
 
     // -- prologue: Q_i (group 0), then the first STAGES − 1 tiles (one group each);
-    // tile j lives in ring slot (j − t_begin) % STAGES
+    // tile t_begin + i lives in ring slot i % STAGES
     copy_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (t_begin + st < t_end) copy_kv(t_begin + st, st);
+        if (t_begin + st < t_end) copy_kv(t_begin + st, st * kSlotBytes);
         cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();  // Q_i has landed (this thread's part)
     __syncthreads();
     typename Tr::OwnFrag qf[R][Tr::kQFrags];
     load_own_fragments<Tr>(qf, sQ, warp_row0, lane);
+    const unsigned s_q = smem_addr(sQ) + warp_row0 * Tr::kHeadDim * sizeof(T);  // the warp's rows
+    const FragAddrs<Tr> at(lane);
 
     // rows g and g + 8 of each row tile; ℓ here is this thread's partial row sum (the quad
     // sums it at the end)
@@ -126,76 +250,100 @@ __device__ __forceinline__ void flash_fwd_tc(
         for (int j = 0; j < Tr::kOTiles; ++j) acc[r][j] = FragC{0.f, 0.f, 0.f, 0.f};
     }
 
-    // -- main loop over K_j, V_j
-    for (int j = t_begin; j < t_end; ++j) {
-        cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
-        __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
-        {
-            const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
-            if (jn < t_end) copy_kv(jn, (jn - t_begin) % STAGES);
-            cp_async_commit();
-        }
-        const T* sKj = sK + ((j - t_begin) % STAGES) * kSlot;
-        const T* sVj = sV + ((j - t_begin) % STAGES) * kSlot;
-        const int n0 = j * BN;
-
-        // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
-        FragC s[R][Tr::kSTiles];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int i = 0; i < Tr::kSTiles; ++i) s[r][i] = FragC{0.f, 0.f, 0.f, 0.f};
-        gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
-        if (var.scores()) {  // the chain runs on the natural score scale·qk, then log2 units
-            var.bind(b, h, Nq, Nk);  // here, not before the loop: short-lived registers
-            variant_scores(s, var, mask, scale, r_top, n0 + 2 * t);
-        } else {
-            const bool needs_mask = mask.tile_needs_mask(m0, n0, BN);
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int row = r_top + 16 * r;
-#pragma unroll
-                for (int i = 0; i < Tr::kSTiles; ++i) {
-                    s[r][i].c0 *= scale_log2;
-                    s[r][i].c1 *= scale_log2;
-                    s[r][i].c2 *= scale_log2;
-                    s[r][i].c3 *= scale_log2;
-                    if (needs_mask) {
-                        const int c = n0 + i * 8 + 2 * t;
-                        if (mask.masked(row, c)) s[r][i].c0 = neg_inf<float>();
-                        if (mask.masked(row, c + 1)) s[r][i].c1 = neg_inf<float>();
-                        if (mask.masked(row + 8, c)) s[r][i].c2 = neg_inf<float>();
-                        if (mask.masked(row + 8, c + 1)) s[r][i].c3 = neg_inf<float>();
-                    }
-                }
+    if constexpr (kLean) {
+        // -- one iteration of the main loop, on tile j in ring slot `slot`: plain (the steady
+        // state: no mask, no variant) or general
+        unsigned slot = 0;
+        auto iteration = [&](int j, auto plain_tag) {
+            constexpr bool kPlain = decltype(plain_tag)::value;
+            cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
+            __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
+            {
+                const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
+                if (jn < t_end)
+                    copy_kv(jn, slot == 0 ? (STAGES - 1) * kSlotBytes : slot - kSlotBytes);
+                cp_async_commit();
             }
-        }
+            const int n0 = j * BN;
 
-        // -- update m_i and l_i: m_new = max(m_i, rowmax S), α = exp2(m_i − m_new); acc *= α.
-        // Where acc *= α goes is ptxas's register allocation, not the algorithm's: with two
-        // row tiles right after α (after the dropout branch, D = 128 spilled on sm_75), with
-        // one after the dropout branch (before it, split tf32 D = 256 spilled).
-        float alpha_top[R], alpha_bottom[R];
+            // -- compute qk: S = Q_i K_jᵀ
+            FragC s[R][Tr::kSTiles];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
-            tile_row_max(s[r], max_top, max_bottom);
-            alpha_top[r] = row_top[r].update(row_max_quad(max_top));  // also ℓ_i *= α
-            alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom));
-            if constexpr (R > 1) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
-            float sum_top = 0.f, sum_bottom = 0.f;  // S → P̃ = exp2(S − m_new)
-            exp2_rows(s[r], row_top[r].shift(), row_bottom[r].shift(), sum_top, sum_bottom);
-            row_top[r].l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
-            row_bottom[r].l_i += sum_bottom;
-        }
-        if (var.dropout()) {  // P̃ V only
-            var.bind(b, h, Nq, Nk);
-            dropout_fragments(s, var, r_top, n0 + 2 * t);
-        }
-        if constexpr (R == 1) rescale_acc(acc[0], alpha_top[0], alpha_bottom[0]);
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < Tr::kSTiles; ++i) s[r][i] = FragC{0.f, 0.f, 0.f, 0.f};
+            gemm_qk_fwd<Tr>(s, qf, s_q, s_k + slot, at);
 
-        // -- acc += P̃ V_j
-        gemm_c_tile<Tr>(acc, s, sVj, lane);
+            // -- update m_i and ℓ_i: m_new = max(m_i, rowmax S), α = exp2(m_i − m_new);
+            // acc *= α. Where acc *= α goes is ptxas's register allocation, not the
+            // algorithm's: with two row tiles right after α (after the dropout branch,
+            // D = 128 spilled on sm_75), with one after the dropout branch (before it, split
+            // tf32 D = 256 spilled).
+            float alpha_top[R], alpha_bottom[R];
+            if constexpr (kPlain) {  // S raw: the row max of S, scaled; P̃ = exp2(S·c − c·max)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+                    tile_row_max(s[r], max_top, max_bottom);
+                    alpha_top[r] = row_top[r].update(row_max_quad(max_top) * scale_log2);
+                    alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom) * scale_log2);
+                    if constexpr (R > 1) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
+                    float sum_top = 0.f, sum_bottom = 0.f;
+                    exp2_rows_scaled(s[r], scale_log2, row_top[r].shift(), row_bottom[r].shift(),
+                                     sum_top, sum_bottom);
+                    row_top[r].l_i += sum_top;
+                    row_bottom[r].l_i += sum_bottom;
+                }
+            } else {
+                softmax_general<Tr>(s, acc, row_top, row_bottom, alpha_top, alpha_bottom, var, mask,
+                                    scale, scale_log2, m0, n0, r_top, t, b, h, Nq, Nk);
+            }
+            if constexpr (R == 1) rescale_acc(acc[0], alpha_top[0], alpha_bottom[0]);
+
+            // -- acc += P̃ V_j
+            FragA pa[R][Tr::kPVSteps];
+            pack_p<Tr>(pa, s);
+            gemm_pv_fwd<Tr>(acc, pa, s_v + slot, at);
+            slot = slot + kSlotBytes == STAGES * kSlotBytes ? 0u : slot + kSlotBytes;
+        };
+
+        // -- main loop over K_j, V_j: the general iterations before the steady state (a
+        // window's left edge), the steady state, and the general ones after it (the causal
+        // diagonal, the sequence's last partial tile)
+
+        int j = t_begin;
+        for (; j < t_lo; ++j) iteration(j, Bool<false>{});
+        for (; j < t_hi; ++j) iteration(j, Bool<true>{});
+        for (; j < t_end; ++j) iteration(j, Bool<false>{});
+    } else {  // one general loop; its addresses computed per tile (tc_gemm.cuh's products)
+        constexpr int kSlot = BN * Tr::kHeadDim;  // elements of one ring slot
+        for (int j = t_begin; j < t_end; ++j) {
+            cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
+            __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
+            {
+                const int jn = j + STAGES - 1;  // refill the slot tile j − 1 used
+                if (jn < t_end) copy_kv(jn, (jn - t_begin) % STAGES * kSlotBytes);
+                cp_async_commit();
+            }
+            const T* sKj = sK + ((j - t_begin) % STAGES) * kSlot;
+            const T* sVj = sV + ((j - t_begin) % STAGES) * kSlot;
+            const int n0 = j * BN;
+
+            // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
+            FragC s[R][Tr::kSTiles];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int i = 0; i < Tr::kSTiles; ++i) s[r][i] = FragC{0.f, 0.f, 0.f, 0.f};
+            gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
+            float alpha_top[R], alpha_bottom[R];
+            softmax_general<Tr>(s, acc, row_top, row_bottom, alpha_top, alpha_bottom, var, mask,
+                                scale, scale_log2, m0, n0, r_top, t, b, h, Nq, Nk);
+            if constexpr (R == 1) rescale_acc(acc[0], alpha_top[0], alpha_bottom[0]);
+
+            // -- acc += P̃ V_j
+            gemm_c_tile<Tr>(acc, s, sVj, lane);
+        }
     }
 
     // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i

@@ -66,6 +66,21 @@ struct CausalMask {
         return r >= 0 && (n0 + block_n - 1 > m0 + (Nk - Nq) + r);      // crosses the diagonal
     }
 
+    // The key tiles [lo, hi) of [t_begin, t_end) that every row of [m0, m1) sees whole
+    // (no partial tile, no diagonal, no window edge crosses them): the forward runs them
+    // without the per-element test. Empty (lo = hi) when there are none.
+    __device__ __forceinline__ void full_tiles(int m0, int m1, int block_n, int t_begin,
+                                               int t_end, int& lo, int& hi) const {
+        int key_lo = 0, key_hi = Nk;  // keys every row of the block sees
+        if (left >= 0) key_lo = m1 - 1 + (Nk - Nq) - left;
+        const int r = reach_right();
+        if (r >= 0 && m0 + (Nk - Nq) + r + 1 < key_hi) key_hi = m0 + (Nk - Nq) + r + 1;
+        lo = key_lo <= 0 ? 0 : (key_lo + block_n - 1) / block_n;
+        hi = key_hi <= 0 ? 0 : key_hi / block_n;
+        lo = lo < t_begin ? t_begin : (lo > t_end ? t_end : lo);
+        hi = hi < lo ? lo : (hi > t_end ? t_end : hi);
+    }
+
     __device__ __forceinline__ bool masked(int i, int j) const {
         const int r = reach_right();
         return j >= Nk || (r >= 0 && j > i + (Nk - Nq) + r) ||

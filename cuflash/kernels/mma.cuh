@@ -121,24 +121,36 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
+// `row` as a shared-memory address (smem_addr): the forward computes its addresses as
+// 32-bit offsets once, before its main loop, and passes them on as they are.
 __device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
-                                            const void* row) {
+                                            unsigned row) {
 #if CUFLASH_ARCH >= 750
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_addr(row)));
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(row));
 #else
     __trap();
 #endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2,
-                                                  unsigned& r3, const void* row) {
+                                                  unsigned& r3, unsigned row) {
 #if CUFLASH_ARCH >= 750
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_addr(row)));
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(row));
 #else
     __trap();
 #endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                                            const void* row) {
+    ldmatrix_x4(r0, r1, r2, r3, smem_addr(row));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2,
+                                                  unsigned& r3, const void* row) {
+    ldmatrix_x4_trans(r0, r1, r2, r3, smem_addr(row));
 }
 
 // ---------------------------------------------------------------------------------
@@ -147,15 +159,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, un
 // tile is read once per block. Below sm_80 the copy is a plain synchronous 16-byte load
 // and store, and commit/wait do nothing.
 // ---------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+// The same to a shared-memory address, reading src_size (16 or 0) bytes.
+__device__ __forceinline__ void cp_async_16(unsigned smem_dst, const void* gmem_src,
+                                            unsigned src_size) {
 #if CUFLASH_ARCH >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(valid ? 16u : 0u) : "memory");
+                 :: "r"(smem_dst), "l"(gmem_src), "r"(src_size) : "memory");
 #else
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (valid) x = *reinterpret_cast<const uint4*>(gmem_src);
-    *reinterpret_cast<uint4*>(smem_dst) = x;
+    if (src_size) x = *reinterpret_cast<const uint4*>(gmem_src);
+    *reinterpret_cast<uint4*>(__cvta_shared_to_generic(smem_dst)) = x;
 #endif
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+    cp_async_16(smem_addr(smem_dst), gmem_src, valid ? 16u : 0u);
 }
 
 // 4 bytes global → shared (a float of the backward's row statistics, whose rows are not

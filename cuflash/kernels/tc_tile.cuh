@@ -33,6 +33,7 @@ namespace cuflash {
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES>
 struct TcTileTraits {
+    using Elem = T;
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockM = BLOCK_M;
     static constexpr int kBlockN = BLOCK_N;
@@ -47,7 +48,15 @@ struct TcTileTraits {
     static constexpr int kPVSteps = BLOCK_N / 16;      // k16 steps of P̃ V
     static constexpr int kOTiles = HEAD_DIM / 8;       // n-tiles of O
     // Q_i's A fragments held in registers: kRowTiles · D / 4 registers, up to 32
-    static constexpr bool kQInRegs = kRowTiles * HEAD_DIM <= 128;
+    // The forward's lean main loop (flash_fwd_tc.cu). Two row tiles at D = 128 hold O's
+    // 128 registers beside S's: there its extra per-thread state (addresses fixed before
+    // the loop, a peeled steady state) made ptxas spill (36-372 bytes, sm_80), so that
+    // tile keeps the general loop, recomputing its addresses; so does D = 256 on sm_75
+    // (16 bytes: without cp.async its copies pass through registers).
+    static constexpr bool kLean = !(kRowTiles == 2 && HEAD_DIM == 128) &&
+                                  !(HEAD_DIM == 256 && CUFLASH_ARCH < 800);
+    static constexpr bool kQInRegs = kLean ? kRowTiles * HEAD_DIM <= (kRowTiles == 1 ? 128 : 64)
+                                           : kRowTiles * HEAD_DIM <= 128;
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
     static constexpr bool kTf32 = false;               // 16-bit operands (tf32_tile.cuh: float)
     static constexpr bool kSplit = false;
@@ -78,6 +87,20 @@ __device__ __forceinline__ int swizzle(int row, int chunk) { return chunk ^ (row
 template <class Tr> __device__ __forceinline__ int tile_offset(int row, int col) {
     constexpr int C = Tr::kChunkElems;
     return row * Tr::kHeadDim + swizzle(row, col / C) * C + col % C;
+}
+
+// The forward's K_j tiles trade chunks within every 16-row group: the odd chunks of rows
+// 0-7 and the even chunks of rows 8-15 swap places (then the swizzle as everywhere). An
+// ldmatrix.x4 addressed as for Q and V (FragAddrs) then returns K's B fragments in the
+// register order the mma takes (b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1), so K needs no
+// addresses of its own (see FragAddrs).
+template <class Tr> __device__ __forceinline__ int k_tile_offset(int row, int col) {
+    constexpr int C = Tr::kChunkElems;
+    int chunk = col / C;
+    const bool odd = chunk & 1, low = (row & 8) == 0;
+    if (low && odd) row += 8, chunk -= 1;
+    else if (!low && !odd) row -= 8, chunk += 1;
+    return row * Tr::kHeadDim + swizzle(row, chunk) * C + col % C;
 }
 
 // Rows [row0, row0 + ROWS) x columns [0, D) of a (rows x d) matrix with row stride `ld`
@@ -112,6 +135,76 @@ __device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __re
         for (int i = threadIdx.x; i < kChunks; i += NT) copy_chunk(i);
     }
 }
+
+constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
+// A streamed tile's copy with its addressing fixed before the main loop (the forward's K_j
+// and V_j): with kThreads a multiple of kChunksPerRow, thread x copies chunk column
+// x % CPR of rows x / CPR + it·kRowStep. Its global addresses are then its own pointer
+// into the tile (`thread_rows`, advanced one tile at a time by the caller) plus it row
+// steps, and its shared ones a few per-thread offsets (the swizzle depends on the row mod
+// 8: kPeriod of them) plus immediates. A full tile costs one cp.async and one address add
+// per chunk; only an edge tile tests its rows (zero-filling those past n_rows, as
+// copy_tile_async does).
+template <class Tr, int ROWS, typename T, bool K_LAYOUT = false> struct TileCopy {
+    static constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems, NT = Tr::kThreads;
+    static constexpr int kRowStep = NT / CPR;
+    static constexpr int kIters = ROWS / kRowStep;
+    // rows after which a thread's shared offsets repeat: the swizzle's 8 (K_LAYOUT: 16)
+    static constexpr int kRepeat = K_LAYOUT ? 16 : 8;
+    static constexpr int kPeriod = kRepeat / gcd(kRowStep, kRepeat);
+    static constexpr int kOffsets = kPeriod < kIters ? kPeriod : kIters;
+    // this addressing applies (else the caller copies with copy_tile_async)
+    static constexpr bool kFits = NT % CPR == 0 && ROWS % kRowStep == 0 && kIters <= 8 &&
+                                  kPeriod <= 4;
+
+    unsigned s_off[kOffsets];  // bytes from the tile's start, rows row .. row + kPeriod − 1
+    long long g_off, g_step;   // elements: the thread's first chunk in a tile, one row step
+    unsigned src_size;         // 16, or 0 for a chunk past column d (zero-filled)
+
+    __device__ __forceinline__ TileCopy(long long ld, int d) {
+        const int c = threadIdx.x % CPR, row = threadIdx.x / CPR;
+        const bool col_ok = c * C < d;
+        src_size = col_ok ? 16u : 0u;
+        g_off = (long long)row * ld + (col_ok ? c * C : 0);  // a zero-filled chunk: row start
+        g_step = (long long)kRowStep * ld;
+#pragma unroll
+        for (int i = 0; i < kOffsets; ++i)
+            s_off[i] = (K_LAYOUT ? k_tile_offset<Tr>(row + i * kRowStep, c * C)
+                                 : tile_offset<Tr>(row + i * kRowStep, c * C)) *
+                       (unsigned)sizeof(T);
+    }
+
+    // The thread's first chunk of the tile whose row 0 is at g_tile.
+    __device__ __forceinline__ const T* thread_rows(const T* g_tile) const {
+        return g_tile + g_off;
+    }
+    __device__ __forceinline__ unsigned s_at(unsigned s_tile, int it) const {
+        constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
+        return s_tile + s_off[it % kOffsets] + (it / kOffsets) * kOffsets * kRowStep * kRowBytes;
+    }
+
+    // Every row of the tile is in range; g: thread_rows of the tile. `whole`: so is every
+    // column (d = HEAD_DIM), and no chunk tests it.
+    template <bool whole = false>
+    __device__ __forceinline__ void full(unsigned s_tile, const T* g) const {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it)
+            cp_async_16(s_at(s_tile, it), g + it * g_step, whole ? 16u : src_size);
+    }
+
+    // Rows >= n_rows zero-filled; g: thread_rows of the tile. A zero-filled chunk reads
+    // nothing but still names a valid address: `any`, e.g. the matrix's first element.
+    __device__ __forceinline__ void edge(unsigned s_tile, const T* g, int n_rows,
+                                         const T* any) const {
+        const int first = threadIdx.x / CPR;  // row, recomputed: a register less in the loop
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const bool in = first + it * kRowStep < n_rows;
+            cp_async_16(s_at(s_tile, it), in ? g + it * g_step : any, in ? src_size : 0u);
+        }
+    }
+};
 
 // The A fragment of k16 step kk of the warp's 16 x D slice of Q_i (one ldmatrix.x4): lanes
 // 0-15 address rows 0-15 at the step's first 8 columns, lanes 16-31 the same rows 8 columns
@@ -201,6 +294,88 @@ __device__ __forceinline__ void gemm_pv_tc(FragC (&acc)[R][Tr::kOTiles], const F
     }
 }
 
+// The ldmatrix row addresses of the forward's products, fixed before the main loop. In
+// every ldmatrix.x4 of Q_i, K_j and V_j here, lanes 0-15 address rows 0-15 of a 16-row step
+// at its first 8 columns and lanes 16-31 the same rows 8 columns on (K_j's tile is laid
+// out for it: k_tile_offset). A lane's row mod 8 is then the same in every step, so its
+// address for column step m is one of four per-thread offsets, plus immediates: (m / 4)·128
+// bytes (a whole swizzle period, 8 chunks) and 16 rows per row step. One set serves all
+// three tiles.
+template <class Tr> struct FragAddrs {
+    static constexpr unsigned kRowBytes = Tr::kHeadDim * 2;
+    unsigned base[4];  // from a tile's start
+    __device__ __forceinline__ explicit FragAddrs(int lane) {
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            base[m] = (lane % 16) * kRowBytes + ((2 * m + lane / 16) ^ (lane & 7)) * 16;
+    }
+    // rows 16·row_step + 0..15, columns 16·col_step + 0..15 of the tile at `tile`
+    __device__ __forceinline__ unsigned at(unsigned tile, int row_step, int col_step) const {
+        return tile + base[col_step % 4] + (col_step / 4) * 128 + row_step * 16 * kRowBytes;
+    }
+};
+
+// s += Q_i K_jᵀ as gemm_qk_tc, addressed by FragAddrs: K_j's tile at s_k, Q_i's (when its
+// fragments are not in registers) at s_q, the warp's rows.
+template <class Tr, int R>
+__device__ __forceinline__ void gemm_qk_fwd(FragC (&s)[R][Tr::kSTiles],
+                                            const FragA (&qf)[R][Tr::kQFrags], unsigned s_q,
+                                            unsigned s_k, const FragAddrs<Tr>& at) {
+    using T = typename Tr::Elem;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKSteps; ++kk) {
+        FragA a[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if constexpr (Tr::kQInRegs) a[r] = qf[r][kk];
+            else ldmatrix_x4(a[r].a0, a[r].a1, a[r].a2, a[r].a3, at.at(s_q, r, kk));
+        }
+#pragma unroll
+        for (int np = 0; np < Tr::kSTiles / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, at.at(s_k, np, kk));
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                mma_k16<T>(s[r][2 * np], a[r], b_lo);
+                mma_k16<T>(s[r][2 * np + 1], a[r], b_hi);
+            }
+        }
+    }
+}
+
+// P̃ as the A fragments of every k16 step of P̃ V_j, packed to 16 bits as soon as it is
+// final: its float registers (S's) are free again before the product.
+template <class Tr, int R>
+__device__ __forceinline__ void pack_p(FragA (&pa)[R][Tr::kPVSteps],
+                                       const FragC (&p)[R][Tr::kSTiles]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int kk = 0; kk < Tr::kPVSteps; ++kk)
+            pa[r][kk] = p_fragment<typename Tr::Elem>(p[r][2 * kk], p[r][2 * kk + 1]);
+}
+
+// acc += P̃ V_j as gemm_pv_tc, from pack_p's fragments, V_j's tile at s_v.
+template <class Tr, int R>
+__device__ __forceinline__ void gemm_pv_fwd(FragC (&acc)[R][Tr::kOTiles],
+                                            const FragA (&pa)[R][Tr::kPVSteps], unsigned s_v,
+                                            const FragAddrs<Tr>& at) {
+    using T = typename Tr::Elem;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
+#pragma unroll
+        for (int np = 0; np < Tr::kOTiles / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, at.at(s_v, kk, np));
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                mma_k16<T>(acc[r][2 * np], pa[r][kk], b_lo);
+                mma_k16<T>(acc[r][2 * np + 1], pa[r][kk], b_hi);
+            }
+        }
+    }
+}
+
 // -- the online softmax on fragments: a thread's values of row g are c0, c1 of every
 // n-tile, of row g + 8 c2, c3; the other columns of those rows are in the quad.
 
@@ -228,6 +403,24 @@ __device__ __forceinline__ void exp2_rows(FragC (&s)[N], float shift_top, float 
         s[j].c1 = fast_exp2(s[j].c1 - shift_top);
         s[j].c2 = fast_exp2(s[j].c2 - shift_bottom);
         s[j].c3 = fast_exp2(s[j].c3 - shift_bottom);
+        sum_top += s[j].c0 + s[j].c1;
+        sum_bottom += s[j].c2 + s[j].c3;
+    }
+}
+
+// The same from raw products S = Q Kᵀ: P̃ = exp2(S·c − shift), c = scale·log2 e, one FFMA
+// and one exp2 per score (the plain path: the row max is taken of S itself, and shift =
+// c·max is the same for every score of the row, so its rounding cancels in O and lse).
+template <int N>
+__device__ __forceinline__ void exp2_rows_scaled(FragC (&s)[N], float c, float shift_top,
+                                                 float shift_bottom, float& sum_top,
+                                                 float& sum_bottom) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        s[j].c0 = fast_exp2(fmaf(s[j].c0, c, -shift_top));
+        s[j].c1 = fast_exp2(fmaf(s[j].c1, c, -shift_top));
+        s[j].c2 = fast_exp2(fmaf(s[j].c2, c, -shift_bottom));
+        s[j].c3 = fast_exp2(fmaf(s[j].c3, c, -shift_bottom));
         sum_top += s[j].c0 + s[j].c1;
         sum_bottom += s[j].c2 + s[j].c3;
     }

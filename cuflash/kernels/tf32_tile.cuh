@@ -59,6 +59,9 @@ struct Tf32TileTraits {
     // Q_i's fp32 A fragments in registers (kKSteps · 4) for one-pass D ≤ 64; above, and
     // beside split tf32's hi/lo temporaries, they made ptxas spill: re-read from shared
     // memory, one k8 step at a time (a rolled loop).
+    // flash_fwd_tc.cu's lean main loop (see TcTileTraits): its per-thread state spilled
+    // beside split tf32's hi/lo parts (D = 128, 256) and one-pass D = 256
+    static constexpr bool kLean = false;
     static constexpr bool kQInRegs = HEAD_DIM <= 64 && !SPLIT;
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
     static constexpr bool kTf32 = true;
