@@ -1,8 +1,12 @@
 """The compile gate: every kernel specialization cuflash can launch, built for every
 architecture in `ARCHS` that the installed NVRTC targets (the compiler CuPy uses at run
 time) and assembled by `ptxas -v`; a specialization that fails to compile or spills any
-bytes to local memory fails the gate. Needs no GPU, and no ml_dtypes: NVRTC knows
-bfloat16 as `__nv_bfloat16`, so the gate builds the bfloat16 kernels regardless.
+bytes to local memory fails the gate. Disassembled (nvdisasm), each tensor-core
+specialization also carries the static cost of its main loop's steady-state iteration
+(`sass_cost`), and fails when that iteration shows fewer exp2 than its tile has scores:
+a softmax left in a rolled loop, which the count cannot see. Needs no GPU, and no
+ml_dtypes: NVRTC knows bfloat16 as `__nv_bfloat16`, so the gate builds the bfloat16
+kernels regardless.
 
 `python -m cuflash check-kernels` calls `check_kernels()`, which prints the table.
 
@@ -38,12 +42,13 @@ import sys
 import tempfile
 import time
 
-from . import compiler
+from . import compiler, sass_cost
+from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC, FLASH_FWD_TC
 
 # The options CuPy's RawModule adds to the caller's (see the module docstring).
 CUPY_APPENDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 # The architectures the gate proves: compiler.GATE_ARCHS and Blackwell, which runs the
 # sm_80/sm_90 mma.sync plans (B200 sm_100 with 227 KB of shared memory per block, the
@@ -68,6 +73,11 @@ class Row:
     spill_loads: int = -1
     error: str = ""
     sass: dict | None = None   # opcode counts (SASS_OPCODES) when built with sass=True
+    cost: sass_cost.LoopCost | None = None   # the main loop's, for COSTED kernels with sass
+
+    def __post_init__(self):
+        if isinstance(self.cost, dict):   # read back from the JSON cache
+            object.__setattr__(self, "cost", sass_cost.LoopCost(**self.cost))
 
     @property
     def local_memory(self):
@@ -75,9 +85,24 @@ class Row:
         return None if self.sass is None else self.sass["LDL"] + self.sass["STL"]
 
     @property
+    def exp2_needed(self):
+        """The MUFU.EX2 the main loop's iteration must show (`sass_cost.exp2_needed` of the
+        kernel's plan), None where no cost was counted or no loop was found."""
+        plan = _plans().get(self.kernel)
+        if self.cost is None or not self.cost.found or plan is None:
+            return None
+        return sass_cost.exp2_needed(plan)
+
+    @property
+    def rolled_softmax(self):
+        """Whether the iteration shows fewer exp2 than its tile's scores."""
+        need = self.exp2_needed
+        return need is not None and self.cost.mufu_ex2 < need
+
+    @property
     def ok(self):
         return (not self.error and self.spill_stores == 0 and self.spill_loads == 0
-                and not self.local_memory)
+                and not self.local_memory and not self.rolled_softmax)
 
     @property
     def status(self):
@@ -87,7 +112,16 @@ class Row:
             return "SPILL"
         if self.local_memory:
             return "LOCAL MEMORY"
+        if self.rolled_softmax:
+            return (f"ROLLED SOFTMAX ({self.cost.mufu_ex2} MUFU.EX2 per iteration, "
+                    f"{self.exp2_needed} scores per thread)")
         return "ok"
+
+
+@functools.cache
+def _plans():
+    from . import tiling
+    return tiling.every_plan()
 
 
 def ptxas_path():
@@ -117,6 +151,9 @@ def ptxas_path():
 # Instructions counted in the disassembly (nvdisasm) of a sass=True build: tensor-core
 # mma, ldmatrix, cp.async, and local memory (which must stay absent).
 SASS_OPCODES = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL")
+
+# The kernels whose main loop's static cost a sass=True build counts: the tensor-core ones.
+COSTED = tuple(f.function for f in (FLASH_FWD_TC, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC))
 
 
 def nvdisasm_path():
@@ -155,11 +192,16 @@ _SASS_FUNCTION = re.compile(r"^//-+ \.text\.(\S+) -+$", re.M)
 _SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
+def sass_functions(text):
+    """{mangled name: its part of nvdisasm's listing}."""
+    parts = _SASS_FUNCTION.split(text)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def parse_sass(text):
     """{mangled name: {opcode: count}} of nvdisasm's listing, for SASS_OPCODES."""
     out = {}
-    parts = _SASS_FUNCTION.split(text)
-    for name, body in zip(parts[1::2], parts[2::2]):
+    for name, body in sass_functions(text).items():
         ops = _SASS_OPCODE.findall(body)
         out[name] = {op: ops.count(op) for op in SASS_OPCODES}
     return out
@@ -214,7 +256,7 @@ def parse_ptxas(log):
 def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
                 options=None, sass=False):
     """One NVRTC program with all `name_expressions`, for `arch`, then ptxas -v (and, with
-    `sass`, nvdisasm of the cubin: `Row.sass`).
+    `sass`, nvdisasm of the cubin: `Row.sass`, and `Row.cost` of the COSTED kernels).
 
     Returns a list of Row (one per name expression). Runs in a worker process.
     """
@@ -255,7 +297,7 @@ def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
             return [Row(source_name, n, arch, error=f"ptxas failed:\n{log}") for n in name_expressions]
-        counts = {}
+        counts, listings = {}, {}
         sass = sass and nvdisasm_reads(arch)
         if sass:
             dis = subprocess.run([nvdisasm_path() or "nvdisasm", "-c", str(pathlib.Path(tmp) / "k.cubin")],
@@ -264,13 +306,16 @@ def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",
                 return [Row(source_name, n, arch, error=f"nvdisasm failed:\n{dis.stderr}")
                         for n in name_expressions]
             counts = parse_sass(dis.stdout)
+            listings = sass_functions(dis.stdout)
     info = parse_ptxas(log)
     for n in name_expressions:
         k = info.get(lowered[n])
         if k is None:
             rows.append(Row(source_name, n, arch, error=f"no ptxas report for {lowered[n]}"))
-        else:
-            rows.append(Row(source_name, n, arch, **k, sass=counts.get(lowered[n]) if sass else None))
+            continue
+        costed = sass and n.partition("<")[0] in COSTED and lowered[n] in listings
+        rows.append(Row(source_name, n, arch, **k, sass=counts.get(lowered[n]) if sass else None,
+                        cost=sass_cost.loop_cost(listings[lowered[n]]) if costed else None))
     return rows
 
 
@@ -421,7 +466,7 @@ def blocks_per_sm(row):
     for on `row.arch` (tiling.occupancy), or None for a kernel that is not a plan."""
     from . import tiling
     from .emulator import archs
-    plan = tiling.every_plan().get(row.kernel)
+    plan = _plans().get(row.kernel)
     if plan is None or row.arch not in archs.ARCHS or row.registers < 0:
         return None
     smem = row.smem + (plan.smem_bytes if plan.dynamic_smem else 0)
@@ -429,21 +474,34 @@ def blocks_per_sm(row):
                             smem_bytes=smem, registers=row.registers)
 
 
+# The main loop's columns: one steady-state iteration per warp (sass_cost.LoopCost).
+COST_COLUMNS = ("loop", "loop HMMA", "EX2", "int/addr", "instr/HMMA")
+
+
+def cost_cells(cost):
+    """The COST_COLUMNS of a build: "-" where no cost was counted or no loop found."""
+    if cost is None or not cost.found:
+        return ("-",) * len(COST_COLUMNS)
+    per = "-" if cost.per_hmma is None else f"{cost.per_hmma:.2f}"
+    return (str(cost.total), str(cost.hmma), str(cost.mufu_ex2),
+            str(cost.counts["int/addr"]), per)
+
+
 def format_table(rows):
     """One line per build: registers, shared memory, spills, the disassembly's counts
-    (where disassembled) and the predicted blocks and warps per SM."""
-    from . import tiling
-    plans = tiling.every_plan()
+    (where disassembled), the main loop's cost (tensor-core kernels) and the predicted
+    blocks and warps per SM."""
+    plans = _plans()
     head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", *SASS_OPCODES,
-            "blocks/SM", "warps/SM", "status")
+            *COST_COLUMNS, "blocks/SM", "warps/SM", "status")
     body = []
     for r in rows:
         counts = [str(r.sass[op]) if r.sass else "-" for op in SASS_OPCODES]
         blocks = blocks_per_sm(r)
         warps = "-" if blocks is None else str(blocks * -(-plans[r.kernel].num_threads // 32))
         body.append((r.kernel, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
-                     str(r.spill_loads), *counts, "-" if blocks is None else str(blocks),
-                     warps, r.status))
+                     str(r.spill_loads), *counts, *cost_cells(r.cost),
+                     "-" if blocks is None else str(blocks), warps, r.status))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head) - 1)]
     lines = []
     for x in [head] + body:
@@ -481,13 +539,18 @@ def gate_archs(requested=None):
 def check_kernels(argv=None) -> int:
     """Print the gate's table; return 0 when every specialization compiles spill-free on
     every requested arch the installed NVRTC can target (the others are listed as
-    skipped, with the reason)."""
+    skipped, with the reason), and, disassembled, every tensor-core main loop shows an
+    exp2 per score."""
     ap = argparse.ArgumentParser(
         prog="python -m cuflash check-kernels",
         description="Compile every kernel specialization cuflash can launch with NVRTC and "
                     "assemble it with ptxas -v for each architecture: registers, shared "
-                    "memory, spills, and the disassembly's tensor-core and local-memory "
-                    "instructions. Exits 1 when one fails or spills. Needs no GPU.")
+                    "memory, spills, the disassembly's tensor-core and local-memory "
+                    "instructions, and the static cost of each tensor-core main loop's "
+                    "steady-state iteration (instructions, HMMA, MUFU.EX2, integer/address, "
+                    "instructions per HMMA). Exits 1 when one fails, spills, or its main "
+                    "loop has fewer exp2 than scores (a softmax in a rolled loop). Needs "
+                    "no GPU.")
     ap.add_argument("--arch", action="append", metavar="sm_XY",
                     help="an architecture to build for, repeatable (default: each of "
                          + ", ".join(ARCHS) + " that the installed NVRTC targets)")
@@ -501,8 +564,8 @@ def check_kernels(argv=None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=None,
                     help="parallel compilations (default: the usable CPUs, at most 8)")
     ap.add_argument("--no-sass", action="store_true",
-                    help="skip the disassembly (HMMA/LDSM/LDGSTS/LDL/STL counts; default: "
-                         "disassemble where nvdisasm is installed)")
+                    help="skip the disassembly (HMMA/LDSM/LDGSTS/LDL/STL counts and the main "
+                         "loops' cost; default: disassemble where nvdisasm is installed)")
     args = ap.parse_args(argv)
     sources = sorted(collect_specializations())
     unknown = sorted(set(args.source or ()) - set(sources))
@@ -519,7 +582,7 @@ def check_kernels(argv=None) -> int:
     bad = [r for r in rows if not r.ok]
     n_kernels = len({(r.source, r.kernel) for r in rows})
     print(f"\n{len(rows)} builds ({n_kernels} specializations x {len(archs)} archs) in "
-          f"{time.perf_counter() - t0:.1f} s: {len(bad)} failed or spilled")
+          f"{time.perf_counter() - t0:.1f} s: {len(bad)} failed")
     for arch, why in skipped.items():
         print(f"skipped {arch}: {why}")
     if not sass:

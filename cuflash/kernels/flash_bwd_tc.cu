@@ -46,11 +46,15 @@
 // Attention variants (window, softcap, ALiBi, bias, mask, dropout): flash_bwd.cu's chain
 // (recompute_p_ds_variants) on the fragments in one rolled loop per tile (p_ds_variants,
 // tc_bwd_tile.cuh); the window skips query tiles (dK/dV: row_end) and key tiles (dQ:
-// key_begin) outside it. A plain call runs p_ds. dbias = dS (before softcap's factor)
-// summed over the bias's broadcast axes, as flash_bwd.cu, with one writer per element:
-// the dQ kernel adds each thread's own elements (a bias broadcast over heads or batch:
-// one launch per head or batch row sharing it, in stream order); for a bias broadcast
-// over query rows the dK/dV kernel adds each tile's column sums Σ_i dS_ij of its keys.
+// key_begin) outside it. A plain call (no score variant, no dropout: causal and the
+// window are masks) runs a main loop of its own with p_ds in line: the iteration is one
+// lambda, instantiated for each loop (Bool<plain>), so the plain loop never tests the
+// variants and its exp2 per score is in straight-line code. dbias = dS (before softcap's
+// factor) summed over the bias's broadcast axes, as flash_bwd.cu, with one writer per
+// element: the dQ kernel adds each thread's own elements (a bias broadcast over heads or
+// batch: one launch per head or batch row sharing it, in stream order); for a bias
+// broadcast over query rows the dK/dV kernel adds each tile's column sums Σ_i dS_ij of
+// its keys.
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -151,8 +155,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         dv_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
     }
 
-    // -- main loop over the group's query heads and their Q_i, dO_i tiles
-    for (int i = 0; i < n_tiles; ++i) {
+    // -- one iteration of the main loop, on tile i: plain (no variants, no dropout: P and dS
+    // in line) or with the variants' chain
+    auto iteration = [&](int i, auto plain) {
         cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies)
         __syncthreads();              // ... everyone's; and everyone is done with tile i − 1
         issue(i + STAGES - 1);        // into the slot tile i − 1 used
@@ -176,7 +181,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
         // D_i are per column (query), from the tile's row statistics
         const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
-        if (!plain) {  // element e: key row key_top + 8·(e % 4 / 2), query column c
+        if (!is_plain(plain)) {  // element e: key row key_top + 8·(e % 4 / 2), query column c
             const int h = h_kv * group + i / m_tiles;
             var.bind((int)b, h, Nq, Nk);  // short-lived registers
             float sum_top = 0.f, sum_bottom = 0.f;  // the thread's Σ_i dS_ij of its two keys
@@ -203,24 +208,30 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 if (t == 0 && key_bottom < Nk) cols[key_bottom] += sum_bottom;
             }
         } else {
+            // A padding query (i >= Nq) is hidden like a padding key. Where the hidden
+            // elements get P = dS = 0 decides spills, ptxas being at its register limit:
+            // after p_ds (hide) in the plain loop, in p_ds in the one loop of split tf32
+            // with chunks (swapped, fp16 D = 64 spilled on sm_75 and split D = 256 on sm_100).
+            constexpr bool kInline = !Tr::kPlainLoop;
             const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
+            const Seen top = queries_seeing(mask, key_top);
+            const Seen bottom = queries_seeing(mask, key_bottom);
 #pragma unroll
             for (int j = 0; j < Tr::kSTiles; ++j) {
                 const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
                 const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
                 const float d0 = sDi[c], d1 = sDi[c + 1];
                 const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
-                bool m00 = false, m01 = false, m10 = false, m11 = false;
-                if (needs_mask) {  // a padding query (i >= Nq) is masked like a padding key
-                    m00 = i0 >= Nq || mask.masked(i0, key_top);
-                    m01 = i1 >= Nq || mask.masked(i1, key_top);
-                    m10 = i0 >= Nq || mask.masked(i0, key_bottom);
-                    m11 = i1 >= Nq || mask.masked(i1, key_bottom);
-                }
-                p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, m00);
-                p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, m01);
-                p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, m10);
-                p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, m11);
+                const bool inline_mask = kInline && needs_mask;
+                p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, inline_mask && top.hides(i0));
+                p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, inline_mask && top.hides(i1));
+                p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, inline_mask && bottom.hides(i0));
+                p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, inline_mask && bottom.hides(i1));
+            }
+            if (!kInline && needs_mask) {
+#pragma unroll
+                for (int j = 0; j < Tr::kSTiles; ++j)
+                    hide(s[j], dp[j], top, bottom, m0 + j * 8 + 2 * t);
             }
         }
 
@@ -228,7 +239,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         // block's chunk of the columns of dO_i, Q_i)
         gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
         gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
-    }
+    };
+
+    // -- main loop over the group's query heads and their Q_i, dO_i tiles; a plain call's
+    // loop of its own: no test of the variants in its iterations
+    if constexpr (!Tr::kPlainLoop)
+        for (int i = 0; i < n_tiles; ++i) iteration(i, plain);
+    else if (plain)
+        for (int i = 0; i < n_tiles; ++i) iteration(i, Bool<true>{});
+    else
+        for (int i = 0; i < n_tiles; ++i) iteration(i, Bool<false>{});
 
     // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
     // rows of sK, sV
@@ -327,8 +347,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 #pragma unroll
     for (int j = 0; j < Tr::kOTiles; ++j) dq_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
 
-    // -- main loop over K_j, V_j
-    for (int j = 0; j < n_tiles; ++j) {
+    // -- one iteration of the main loop, on tile j: plain or with the variants' chain
+    auto iteration = [&](int j, auto plain) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         issue(j + STAGES - 1);
@@ -347,7 +367,7 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
         gemm_own_rows<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
 
         // -- P = exp2(S·scale·log2 e − lse_i·log2 e), dS = P ∘ (dP − D_i)
-        if (!plain) {  // element e: query row r_top + 8·(e % 4 / 2), key column c
+        if (!is_plain(plain)) {  // element e: query row r_top + 8·(e % 4 / 2), key column c
             var.bind((int)b, h, Nq, Nk);  // here, not before the loop: short-lived registers
             p_ds_variants(s, dp, scale, var, [&](int e, int& qi, int& kj, float& lse2, float& Di,
                                                   bool& hidden) {
@@ -372,10 +392,14 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 #pragma unroll
             for (int i = 0; i < Tr::kSTiles; ++i) {
                 const int c = n0 + i * 8 + 2 * t;
-                const bool m00 = needs_mask && mask.masked(r_top, c);
-                const bool m01 = needs_mask && mask.masked(r_top, c + 1);
-                const bool m10 = needs_mask && mask.masked(r_bottom, c);
-                const bool m11 = needs_mask && mask.masked(r_bottom, c + 1);
+                bool m00 = false, m01 = false, m10 = false, m11 = false;
+                if (needs_mask) {
+                    const Seen top = keys_seen(mask, r_top), bottom = keys_seen(mask, r_bottom);
+                    m00 = top.hides(c);
+                    m01 = top.hides(c + 1);
+                    m10 = bottom.hides(c);
+                    m11 = bottom.hides(c + 1);
+                }
                 p_ds(s[i].c0, dp[i].c0, scale_log2, lse2_top, d_top, m00);
                 p_ds(s[i].c1, dp[i].c1, scale_log2, lse2_top, d_top, m01);
                 p_ds(s[i].c2, dp[i].c2, scale_log2, lse2_bottom, d_bottom, m10);
@@ -385,7 +409,15 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 
         // -- dQ_i += dS K_j  (dS as A fragments; the chunk of K_j's columns)
         gemm_c_tile<Tr>(dq_acc, dp, sKj, lane, col0);
-    }
+    };
+
+    // -- main loop over K_j, V_j (a plain call's loop of its own)
+    if constexpr (!Tr::kPlainLoop)
+        for (int j = 0; j < n_tiles; ++j) iteration(j, plain);
+    else if (plain)
+        for (int j = 0; j < n_tiles; ++j) iteration(j, Bool<true>{});
+    else
+        for (int j = 0; j < n_tiles; ++j) iteration(j, Bool<false>{});
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
     // (the sequence's first row read again here, not held in a register through the loop)

@@ -40,11 +40,18 @@
 #pragma once
 
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 #include "tc_gemm.cuh"
 #include "bwd_tile.cuh"
 
 namespace cuflash {
+
+// Whether a main-loop iteration is plain (no variants, no dropout): a Bool (common.cuh),
+// one body instantiated for each loop, so the plain loop has no branch on the variants;
+// or a bool, tested in the iteration (one loop for both, Tr::kPlainLoop false).
+template <bool B> __device__ __forceinline__ constexpr bool is_plain(Bool<B>) { return B; }
+__device__ __forceinline__ bool is_plain(bool plain) { return plain; }
 
 // T: __half or __nv_bfloat16 (k16 steps), or float (k8 steps of tf32; SPLIT: 3xTF32).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
@@ -69,6 +76,11 @@ struct TcBwdTraits {
     static constexpr int kOTiles = CHUNK_COLS / 8;      // n-tiles of dK, dV, dQ (one chunk)
     static constexpr bool kQInRegs = OWN_IN_REGS;       // own A fragments in registers
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
+    // Whether a plain call runs a main loop of its own. Split tf32 with head-dim chunks
+    // keeps one loop testing the variants in each iteration: with 128 accumulator
+    // registers and the split's operands, two loops spill (dK/dV, sm_100), and its plain
+    // path is the cheaper of the two already.
+    static constexpr bool kPlainLoop = !(SPLIT && kChunked);
     using OwnFrag = typename OwnFragment<T>::type;
     static constexpr int kSmemOwn = BLOCK_ROWS * HEAD_DIM;           // elements, each of 2
     static constexpr int kSmemRing = STAGES * TILE_ROWS * HEAD_DIM;  // elements, each of 2
@@ -106,18 +118,54 @@ __device__ __forceinline__ void copy_stats_async(float* __restrict__ s, const fl
     }
 }
 
+// The columns a row of a masked tile sees, one interval [lo, hi): the per-element test is
+// then two compares, where CausalMask::masked's chain of || is a chain of branches. A
+// window edge past every row or key (up to INT_MAX) is taken as unbounded, not added:
+// no overflow.
+struct Seen {
+    int lo, hi;
+    __device__ __forceinline__ bool hides(int x) const { return (x < lo) | (x >= hi); }
+};
+
+// The keys query row i sees: masked(i, j) ⇔ j ∉ [lo, hi).
+__device__ __forceinline__ Seen keys_seen(const CausalMask& m, int i) {
+    const int diag = i + (m.Nk - m.Nq), r = m.reach_right();  // row i's diagonal key
+    return {m.left >= 0 && m.left < diag ? diag - m.left : 0,
+            r >= 0 && r < m.Nk - 1 - diag ? diag + r + 1 : m.Nk};
+}
+
+// The queries that see key j, padding queries (i ≥ Nq) left out: masked(i, j) || i ≥ Nq
+// ⇔ i ∉ [lo, hi); none for a padding key (j ≥ Nk).
+__device__ __forceinline__ Seen queries_seeing(const CausalMask& m, int j) {
+    const int diag = j - (m.Nk - m.Nq), r = m.reach_right();  // key j's diagonal row
+    const int hi = m.left >= 0 && m.left < m.Nq - 1 - diag ? diag + m.left + 1 : m.Nq;
+    return {r >= 0 && r < diag ? diag - r : 0, j < m.Nk ? hi : 0};
+}
+
 // One element of Algorithm 2, lines 11-14, on a C-fragment register pair (s, dp):
 //   P = exp2(S · scale·log2 e − lse · log2 e)   (lse2 = lse_log2(lse): +inf for a row that
 //                                                saw no key, so P = 0 rather than NaN)
 //   dS = P ∘ (dP − D)
 // in place: s becomes P, dp becomes dS. A masked element (causal, a padding key or query)
-// gets P = dS = 0.
+// gets P = dS = 0; or every element runs unmasked and `hide` zeroes the masked ones.
 __device__ __forceinline__ void p_ds(float& s, float& dp, float scale_log2, float lse2, float Di,
                                      bool masked) {
     float p = fast_exp2(s * scale_log2 - lse2);
     if (masked) p = 0.f;
     dp = p * (dp - Di);
     s = p;
+}
+
+// P = dS = 0 where one n-tile of fragments is masked (causal, the window, padding): rows g
+// and g + 8 see the columns `top` and `bottom`, the thread's are x0, x0 + 1. A select, not
+// a product: p_ds's P may be inf there (the row's lse does not cover a key it does not
+// see), its dS NaN.
+__device__ __forceinline__ void hide(FragC& s, FragC& dp, const Seen& top, const Seen& bottom,
+                                     int x0) {
+    if (top.hides(x0)) s.c0 = dp.c0 = 0.f;
+    if (top.hides(x0 + 1)) s.c1 = dp.c1 = 0.f;
+    if (bottom.hides(x0)) s.c2 = dp.c2 = 0.f;
+    if (bottom.hides(x0 + 1)) s.c3 = dp.c3 = 0.f;
 }
 
 // p_ds with attention variants: every element through flash_bwd.cu's chain
