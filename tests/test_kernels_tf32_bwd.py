@@ -75,7 +75,8 @@ def _plans(split, D, arch):
 SPECS = [(True, 64, "sm_80"), (True, 128, "sm_86"), (True, 256, "sm_90"), (True, 256, "sm_89"),
          (False, 64, "sm_89"), (False, 128, "sm_90"), (False, 256, "sm_90"),
          (False, 256, "sm_80"), (False, 256, "sm_86"),
-         (True, 64, "sm_120"), (True, 128, "sm_120"), (True, 256, "sm_120")]   # sm_120's tiles
+         (True, 64, "sm_120"), (True, 128, "sm_120"), (True, 256, "sm_120"),   # sm_120's tiles
+         (True, 128, "sm_100"), (True, 256, "sm_100")]                         # sm_100's
 
 
 def _spec_id(spec):
@@ -86,7 +87,8 @@ def _spec_id(spec):
 def test_the_matrix_covers_every_specialization_and_arch():
     built = {p for split, D, arch in SPECS for p in _plans(split, D, arch)}
     assert built == set(tiling.all_tf32_bwd_plans())
-    assert {arch for *_, arch in SPECS} == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_120"}
+    assert {arch for *_, arch in SPECS} == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100",
+                                            "sm_120"}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_spec_id)

@@ -50,8 +50,8 @@ SMEM_CASES = {
         (2 * 16 * 256 + 2 * 16 * 16) * 4),
     # TcBwdTraits: own pair [64][64], ring pair [2][64][64] in float16, lse_i, D_i [2][64]
     "TcBwdTraits-dkdv": (
-        lambda: _find(tiling.all_tc_bwd_plans(), kernel="flash_bwd_dkdv_tc", dtype="float16",
-                      head_dim=64),
+        lambda: _find(tiling.all_tc_bwd_plans((8, 0)), kernel="flash_bwd_dkdv_tc",
+                      dtype="float16", head_dim=64),
         (2 * 64 * 64 + 2 * 2 * 64 * 64) * 2 + 2 * 2 * 64 * 4),
     "TcBwdTraits-dq": (
         lambda: _find(tiling.all_tc_bwd_plans(), kernel="flash_bwd_dq_tc", dtype="float16",

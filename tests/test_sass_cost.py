@@ -155,8 +155,9 @@ def test_no_loop_holding_an_mma():
 
 # -- the exp2 a tile needs, and the refusal --------------------------------------------------
 
-def _plan(kernel, dtype, head_dim, **fields):
-    plans = [p for p in tiling.every_plan().values() if p.kernel == kernel
+def _plan(kernel, dtype, head_dim, cc=None, **fields):
+    """The one plan of these fields a device of compute capability `cc` (None: any) has."""
+    plans = [p for p in tiling.every_plan(cc).values() if p.kernel == kernel
              and p.dtype == dtype and p.head_dim == head_dim
              and all(getattr(p, k) == v for k, v in fields.items())]
     assert len(plans) == 1, plans
@@ -179,7 +180,12 @@ EXP2_PER_THREAD = [
 @pytest.mark.parametrize("key, need", EXP2_PER_THREAD, ids=lambda x: "-".join(map(str, x))
                          if isinstance(x, tuple) else str(x))
 def test_exp2_needed(key, need):
-    assert sass_cost.exp2_needed(_plan(*key)) == need
+    assert sass_cost.exp2_needed(_plan(*key, cc=(8, 0))) == need
+
+
+def test_exp2_needed_sm75():
+    # sm_75's own dK/dV tile at D = 64: 64 keys × 32 queries, 128 threads
+    assert sass_cost.exp2_needed(_plan("flash_bwd_dkdv_tc", "float16", 64, cc=(7, 5))) == 16
 
 
 def test_exp2_needed_float32():

@@ -31,13 +31,11 @@ sums of dS instead, summed over the other broadcast axes here: `dbias_launch`,
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .. import _dtypes, tiling
 from .kernel_forward import loads_16b_aligned
 from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
-from .marshal import (check_grid_yz, dkdv_args, dq_args, elem_strides, i32, prepare,
-                      preprocess_args)
+from .marshal import (LAYOUT, check_grid_yz, dkdv_args, dq_args, i32, prepare,
+                      preprocess_args, record, strides)
 
 
 def backward_plans(backend, do, q, k, v, *, allow_tf32=False):
@@ -84,14 +82,13 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
     sizes = (i32(Hq, "query heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
-    def s3(a):  # (batch, head, row) element strides; packed rows carry the batch offset
-        st = elem_strides(a)[:3]
-        return (np.int64(0), *st[1:]) if segments is not None else st
+    def s3(a):  # Strides records; packed rows carry the batch offset
+        return strides(a, packed=segments is not None)
 
-    strides_in = (*s3(q), *s3(k), *s3(v), *s3(do))
-    varlen = (None, None, np.int64(Hq * rows_q), np.int64(rows_q))  # CUFLASH_VARLEN_PARAMS
-    if segments is not None:
-        varlen = (segments.cu_q, segments.cu_k, np.int64(0), np.int64(rows_q))
+    strides_in = (s3(q), s3(k), s3(v), s3(do))
+    # CUFLASH_VARLEN_PARAMS: the packed sequences, the layout of lse and D (no cache, no split)
+    layout = record(LAYOUT, 0, 0, 0 if segments is not None else Hq * rows_q, rows_q, 0, 1)
+    varlen = (None, None, layout) if segments is None else (segments.cu_q, segments.cu_k, layout)
     common = dict(sizes=sizes, scale=acc.type(scale), causal=causal, num_d_chunks=num_d_chunks,
                   varlen=varlen)
 
@@ -117,7 +114,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # 2. dK, dV
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
-                                           strides=(*strides_in, *s3(dk), *s3(dv)),
+                                           strides=(*strides_in, s3(dk), s3(dv)),
                                            dbias_cols=cols, want_dbias_cols=by_cols,
                                            variants=vflags, **common),
                                  shared_mem=p_dkdv.dynamic_smem_bytes)
@@ -126,7 +123,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
         backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
                                    (p_dq.num_threads,),
                                    dq_args(p_dq, q, k, v, do, lse, Dvec, dq,
-                                           strides=(*strides_in, *s3(dq)), dbias=dbias,
+                                           strides=(*strides_in, s3(dq)), dbias=dbias,
                                            dbias_strides=dbias_st,
                                            want_dbias=return_dbias and not by_cols,
                                            heads=heads, batches=batches, variants=vflags,

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from .. import _dtypes, tiling
 from ..merge import merge_states
 from ..families import FLASH_FWD_TC, FORWARD_ALGORITHMS
+from . import marshal
 from .kernel_variants import variant_args
-from .marshal import elem_strides, fa1_forward_args, forward_args, i32, prepare
+from .marshal import fa1_forward_args, forward_args, i32, prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +88,10 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
 
     sizes = (i32(Hq, "heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
-    strides = [s for a in (q, k, v, o) for s in elem_strides(a)[:3]]  # batch, head, row
-    if segments is not None:  # packed sequences: rows carry the batch offset (seqlens.cuh)
-        for a, packed in enumerate((segments.cu_q, segments.cu_k, segments.cu_k, segments.cu_q)):
-            if packed is not None:
-                strides[3 * a] = np.int64(0)
+    # packed sequences: rows carry the batch offset (seqlens.cuh)
+    cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
+    strides = [marshal.strides(a, packed=cu[i] is not None)
+               for a, i in ((q, 0), (k, 1), (v, 1), (o, 0))]
     if plan.kernel not in SPLITTABLE:
         grid = num_d_chunks * Hq * B  # FA1: O, ℓ, m in global memory, per head-dim chunk
         o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
@@ -139,16 +137,17 @@ SPLITTABLE = (FORWARD_ALGORITHMS["fa2"].name, FLASH_FWD_TC.name)
 
 def layout_args(xp, segments, lse, num_splits, o_part, page_size):
     """The CUFLASH_SEQLENS_PARAMS of kernels/seqlens.cuh, in order: cu_seqlens_q,
-    cu_seqlens_k, seqused_k, block_table (null where absent), its row stride and the page
-    size, the lse strides (batch, head, split; the batch stride is 0 for a packed varlen
-    lse, whose rows carry the offset), num_splits and o_part (null without split). None
-    is a null pointer, on CuPy and the emulator."""
+    cu_seqlens_k, seqused_k, block_table (null where absent), the SeqLayout record (the
+    table's row stride and the page size, the lse strides — batch, head, split; the batch
+    stride is 0 for a packed varlen lse, whose rows carry the offset — and num_splits),
+    and o_part (null without split). None is a null pointer, on CuPy and the emulator."""
     seg = segments or Segments(batch=lse.shape[0], max_q=lse.shape[2], max_k=0)
     lse_sb = 0 if seg.cu_q is not None else lse.shape[1] * lse.shape[2]
     table = seg.block_table
     paging = (0, 0) if table is None else (table.shape[1], page_size)
-    return (seg.cu_q, seg.cu_k, seg.used_k, table, *map(np.int32, paging), np.int64(lse_sb),
-            np.int64(lse.shape[2]), np.int64(lse.size), np.int32(num_splits), o_part)
+    layout = marshal.record(marshal.LAYOUT, *paging, lse_sb, lse.shape[2], lse.size,
+                            num_splits)
+    return seg.cu_q, seg.cu_k, seg.used_k, table, layout, o_part
 
 
 def _data_ptr(a) -> int:

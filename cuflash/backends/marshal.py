@@ -1,8 +1,11 @@
 """Kernel arguments from arrays: what every launch of the CUDA kernels shares.
 
-Kernel parameters are device pointers (arrays), `int` sizes, `long long` element strides
-and accumulation-type scalars; CuPy and the emulator both take NumPy scalars of the exact
-C types (np.int32, np.int64, np.float32/np.float64).
+Kernel parameters are device pointers (arrays), `int` sizes, accumulation-type scalars and
+small records (an array's strides, the sequence layout's scalars);
+CuPy and the emulator both take NumPy scalars of the exact C types (np.int32, np.int64,
+np.float32/np.float64) and a record as a NumPy structured scalar whose dtype has the C
+struct's fields, offsets and size (`align=True`). Arrays never go inside a record: as
+arguments of their own the emulator checks every access against them.
 
 One builder per kernel pass (`forward_args`, `fa1_forward_args`, `preprocess_args`,
 `dkdv_args`, `dq_args`, `softmax_args`) gives a launch's arguments in its kernel's
@@ -22,6 +25,29 @@ _GRID_YZ_MAX = 65535
 def elem_strides(a) -> tuple[np.int64, ...]:
     """Element strides of every axis of `a`, as the kernels' `long long` parameters."""
     return tuple(np.int64(s // a.itemsize) for s in a.strides)
+
+
+def record(dtype: np.dtype, *values) -> np.void:
+    """A record argument: `values` in the field order of `dtype` (a C struct's layout)."""
+    return np.array(tuple(values), dtype=dtype)[()]
+
+
+# common.cuh's Strides: the (batch, head, row) element strides of a (B, H, N, d) array.
+STRIDES = np.dtype([("b", np.int64), ("h", np.int64), ("r", np.int64)], align=True)
+
+
+def strides(a, *, packed=False) -> np.void:
+    """`a`'s Strides record; `packed` (sequences packed along the rows, which carry the
+    batch offset: seqlens.cuh): a batch stride of 0."""
+    sb, sh, sr = elem_strides(a)[:3]
+    return record(STRIDES, 0 if packed else sb, sh, sr)
+
+
+# seqlens.cuh's SeqLayout: a paged cache's block-table row stride and page size, lse's
+# batch, head and split strides, and the split count.
+LAYOUT = np.dtype([("table_stride", np.int32), ("page_size", np.int32), ("lse_sb", np.int64),
+                   ("lse_sh", np.int64), ("lse_ss", np.int64), ("num_splits", np.int32)],
+                  align=True)
 
 
 def i32(n: int, what: str) -> np.int32:
@@ -48,9 +74,9 @@ def prepare(xp, a):
 
 
 # -- the builders, one per pass. `sizes` is (Hq, group, Nq, Nk, d) as int32, `strides` the
-# (batch, head, row) element strides of each array in the kernel's order, `scale` the
-# accumulation type's (the kernels fold log2 e in themselves: common.cuh), `variants`
-# kernel_variants.variant_args's tuple.
+# Strides records of the arrays in the kernel's order, `scale` the accumulation type's (the
+# kernels fold log2 e in themselves: common.cuh), `variants` kernel_variants.variant_args's
+# tuple, `varlen` the backward's (cu_seqlens_q, cu_seqlens_k, LAYOUT record).
 
 def forward_args(plan, q, k, v, o, lse, *, sizes, strides, scale, causal, num_m_blocks,
                  num_d_chunks, layout, variants) -> tuple:
@@ -73,8 +99,8 @@ def preprocess_args(do, o, delta, *, heads, rows, d) -> tuple:
     """The backward's D = rowsum(dO ∘ O) (flash_bwd_preprocess_kernel) over (B, H, rows, d)
     dO and O."""
     total = i32(delta.size, "batch x heads x Nq")
-    return (do, o, delta, heads, i32(rows, "rows"), d, np.int64(total),
-            *elem_strides(do)[:3], *elem_strides(o)[:3])
+    return (do, o, delta, heads, i32(rows, "rows"), d, np.int64(total), strides(do),
+            strides(o))
 
 
 def dkdv_args(plan, q, k, v, do, lse, delta, dk, dv, *, sizes, strides, scale, causal,

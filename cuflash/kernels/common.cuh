@@ -7,6 +7,7 @@
 //   * softmax_scale_log2    scale · log2 e, the one multiply that puts scores in log2 units
 //   * lse_log2              lse · log2 e for the backward's recomputation of P
 //   * warp_reduce_max/sum   butterfly reductions with __shfl_xor_sync
+//   * Strides               an array's (batch, head, row) element strides, one kernel argument
 //   * OnlineSoftmax         the running state (m_i, ℓ_i) of one softmax row, with the
 //                           three phases of the papers' Algorithm 1: init, update,
 //                           finalize (→ 1/ℓ for O, and lse); used by the forward
@@ -48,6 +49,20 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ double from_float<double>(double x) { return x; }
+
+// ---------------------------------------------------------------------------------
+// Kernel arguments
+// ---------------------------------------------------------------------------------
+
+// Element strides of a (B, H, N, d) array along its batch, head and row axes (its last
+// axis is contiguous); b = 0 for packed sequences, whose rows carry the batch offset
+// (seqlens.cuh). cuflash/backends/marshal.py's STRIDES record. A kernel takes it by value
+// or as a __grid_constant__ (read in place, where used): the tensor-core kernels sit at
+// 255 registers, where either form can tip ptxas into spilling, so each takes the one with
+// which the gate finds no spill on either toolkit.
+struct Strides {
+    long long b, h, r;
+};
 
 // ---------------------------------------------------------------------------------
 // Constants and math that NVRTC lacks host headers for

@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
 flash_bwd_preprocess_kernel(const T* __restrict__ dO, const T* __restrict__ o,
                             accum_t<T>* __restrict__ Delta,
                             int Hq, int Nq, int d, long long rows,
-                            long long do_sb, long long do_sh, long long do_sr,
-                            long long o_sb, long long o_sh, long long o_sr) {
+                            __grid_constant__ const Strides do_st,
+                            __grid_constant__ const Strides o_st) {
     using A = accum_t<T>;
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
@@ -81,8 +81,8 @@ flash_bwd_preprocess_kernel(const T* __restrict__ dO, const T* __restrict__ o,
     const long long i = row % Nq;
     const long long h = (row / Nq) % Hq;
     const long long b = row / ((long long)Nq * Hq);
-    const T* do_row = dO + b * do_sb + h * do_sh + i * do_sr;
-    const T* o_row = o + b * o_sb + h * o_sh + i * o_sr;
+    const T* do_row = dO + b * do_st.b + h * do_st.h + i * do_st.r;
+    const T* o_row = o + b * o_st.b + h * o_st.h + i * o_st.r;
     A acc = A(0);
     for (int c = lane; c < d; c += 32) acc = fma(to_float(do_row[c]), to_float(o_row[c]), acc);
     acc = warp_reduce_sum<32>(acc);
@@ -99,12 +99,9 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                       const T* __restrict__ dO, const accum_t<T>* __restrict__ lse,
                       const accum_t<T>* __restrict__ Delta, T* __restrict__ dk,
                       T* __restrict__ dv, int Hq, int group, int Nq, int Nk, int d,
-                      long long q_sb, long long q_sh, long long q_sr,
-                      long long k_sb, long long k_sh, long long k_sr,
-                      long long v_sb, long long v_sh, long long v_sr,
-                      long long do_sb, long long do_sh, long long do_sr,
-                      long long dk_sb, long long dk_sh, long long dk_sr,
-                      long long dv_sb, long long dv_sh, long long dv_sr,
+                      __grid_constant__ const Strides q_st, __grid_constant__ const Strides k_st,
+                      __grid_constant__ const Strides v_st, __grid_constant__ const Strides do_st,
+                      __grid_constant__ const Strides dk_st, __grid_constant__ const Strides dv_st,
                       accum_t<T> scale, int causal, int num_d_chunks,
                       accum_t<T>* __restrict__ dbias_cols, int want_dbias_cols,
                       CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
@@ -126,8 +123,8 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     Nk = seq.len_k(b, Nk);
     if (n0 >= Nk) return;  // past this sequence's keys (the grid fits the longest)
     const long long q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     const bool plain = !var.scores() && !var.dropout();
     const A scale_log2 = softmax_scale_log2(scale);
     // dbias of a bias broadcast over query rows: the column sums Σ_i dS_ij of this block's
@@ -148,11 +145,11 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     A (*sdP)[BC] = reinterpret_cast<A (*)[BC]>(sDelta + Tr::kSmemRowStat + Tr::kSmemScores);
 
     // -- prologue: K_j, V_j into registers (chunked: per chunk, below); dK_j = dV_j = 0
-    const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
+    const T* k_bh = k + b * k_st.b + h_kv * k_st.h + k_row0 * k_st.r;
+    const T* v_bh = v + b * v_st.b + h_kv * v_st.h + k_row0 * v_st.r;
     A kr[ROWS_PER_GROUP][DPL], vr[ROWS_PER_GROUP][DPL];
     A dkr[ROWS_PER_GROUP][DPL], dvr[ROWS_PER_GROUP][DPL];
-    if (!CHUNKED) load_rows<Tr>(kr, vr, k_bh, k_sr, v_bh, v_sr, key0, Nk, 0, d, tc);
+    if (!CHUNKED) load_rows<Tr>(kr, vr, k_bh, k_st.r, v_bh, v_st.r, key0, Nk, 0, d, tc);
     zero_rows<Tr>(dkr);
     zero_rows<Tr>(dvr);
     // Block skipping: query tiles entirely above the diagonal (causal, or a window's right
@@ -163,8 +160,8 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
 
     // -- main loop: the group's query heads, Q_i tiles, head-dim chunks (own last)
     for (int h = h_kv * group; h < (h_kv + 1) * group; ++h) {
-        const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-        const T* do_bh = dO + b * do_sb + h * do_sh + q_row0 * do_sr;
+        const T* q_bh = q + b * q_st.b + h * q_st.h + q_row0 * q_st.r;
+        const T* do_bh = dO + b * do_st.b + h * do_st.h + q_row0 * do_st.r;
         const A* lse_bh = lse + seq.lse_row(0, (int)b, h, 0);
         const A* delta_bh = Delta + seq.lse_row(0, (int)b, h, 0);
         var.bind((int)b, h, Nq, Nk);
@@ -175,12 +172,14 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
                 const int chunk = (own + 1 + c) % n_chunks;
                 const bool last = c == n_chunks - 1;  // the own chunk
                 __syncthreads();  // every thread is done with the previous chunk / tile
-                load_tile_pair<Tr>(sQ, sdO, q_bh, q_sr, do_bh, do_sr, m0, Nq, chunk * HEAD_DIM, d);
+                load_tile_pair<Tr>(sQ, sdO, q_bh, q_st.r, do_bh, do_st.r, m0, Nq,
+                                   chunk * HEAD_DIM, d);
                 if (c == 0)
                     for (int r = threadIdx.x; r < BR; r += Tr::kThreads)
                         load_row_stats(lse_bh, delta_bh, m0 + r, Nq, sL[r], sDelta[r]);
                 if (CHUNKED)
-                    load_rows<Tr>(kr, vr, k_bh, k_sr, v_bh, v_sr, key0, Nk, chunk * HEAD_DIM, d, tc);
+                    load_rows<Tr>(kr, vr, k_bh, k_st.r, v_bh, v_st.r, key0, Nk, chunk * HEAD_DIM,
+                                  d, tc);
                 __syncthreads();
 
 #pragma unroll 1
@@ -217,10 +216,10 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
     }
 
     // -- epilogue: this block's chunk of dK_j = (Σ dS_ijᵀ Q_i) · scale and dV_j
-    store_rows<Tr>(dk + b * dk_sb + h_kv * dk_sh + k_row0 * dk_sr, dk_sr, dkr, scale, key0, Nk,
-                   own * HEAD_DIM, d, tc);
-    store_rows<Tr>(dv + b * dv_sb + h_kv * dv_sh + k_row0 * dv_sr, dv_sr, dvr, /*factor=*/A(1),
+    store_rows<Tr>(dk + b * dk_st.b + h_kv * dk_st.h + k_row0 * dk_st.r, dk_st.r, dkr, scale,
                    key0, Nk, own * HEAD_DIM, d, tc);
+    store_rows<Tr>(dv + b * dv_st.b + h_kv * dv_st.h + k_row0 * dv_st.r, dv_st.r, dvr,
+                   /*factor=*/A(1), key0, Nk, own * HEAD_DIM, d, tc);
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -233,11 +232,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const T* __restrict__ dO, const accum_t<T>* __restrict__ lse,
                     const accum_t<T>* __restrict__ Delta, T* __restrict__ dq,
                     int Hq, int group, int Nq, int Nk, int d,
-                    long long q_sb, long long q_sh, long long q_sr,
-                    long long k_sb, long long k_sh, long long k_sr,
-                    long long v_sb, long long v_sh, long long v_sr,
-                    long long do_sb, long long do_sh, long long do_sr,
-                    long long dq_sb, long long dq_sh, long long dq_sr,
+                    __grid_constant__ const Strides q_st, __grid_constant__ const Strides k_st,
+                    __grid_constant__ const Strides v_st, __grid_constant__ const Strides do_st,
+                    __grid_constant__ const Strides dq_st,
                     accum_t<T> scale, int causal, int num_d_chunks,
                     accum_t<T>* __restrict__ dbias, long long dbias_sb, long long dbias_sh,
                     long long dbias_sr, long long dbias_sc, int want_dbias, int head_reps,
@@ -257,8 +254,8 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
     Nq = seq.len_q(blockIdx.z, Nq);      // from here on, batch row b's own lengths
     Nk = seq.len_k(blockIdx.z, Nk);
     if (m0 >= Nq) return;  // past this sequence's rows (the grid fits the longest)
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     const bool plain = !var.scores() && !var.dropout();
     const A scale_log2 = softmax_scale_log2(scale);
     // dbias = dS summed over bias's broadcast axes, with one writer per element and no
@@ -291,20 +288,20 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
         // -- prologue: Q_i, dO_i (chunked: per chunk, below), lse_i, D_i into registers;
         // dQ_i = 0
         const long long q_row0 = seq.start_q((int)b), k_row0 = seq.start_k((int)b);
-        const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-        const T* do_bh = dO + b * do_sb + h * do_sh + q_row0 * do_sr;
+        const T* q_bh = q + b * q_st.b + h * q_st.h + q_row0 * q_st.r;
+        const T* do_bh = dO + b * do_st.b + h * do_st.h + q_row0 * do_st.r;
         const A* lse_bh = lse + seq.lse_row(0, (int)b, h, 0);
         const A* delta_bh = Delta + seq.lse_row(0, (int)b, h, 0);
         A qr[ROWS_PER_GROUP][DPL], dor[ROWS_PER_GROUP][DPL], dqr[ROWS_PER_GROUP][DPL];
         A lse2[ROWS_PER_GROUP], Di[ROWS_PER_GROUP];
-        if (!CHUNKED) load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, 0, d, tc);
+        if (!CHUNKED) load_rows<Tr>(qr, dor, q_bh, q_st.r, do_bh, do_st.r, row0, Nq, 0, d, tc);
         zero_rows<Tr>(dqr);
 #pragma unroll
         for (int t = 0; t < ROWS_PER_GROUP; ++t)
             load_row_stats(lse_bh, delta_bh, row0 + t, Nq, lse2[t], Di[t]);
 
-        const T* k_bh = k + b * k_sb + h_kv * k_sh + k_row0 * k_sr;
-        const T* v_bh = v + b * v_sb + h_kv * v_sh + k_row0 * v_sr;
+        const T* k_bh = k + b * k_st.b + h_kv * k_st.h + k_row0 * k_st.r;
+        const T* v_bh = v + b * v_st.b + h_kv * v_st.h + k_row0 * v_st.r;
         // -- main loop: K_j, V_j tiles, head-dim chunks (own last)
         for (int n0 = n_begin; n0 < n_end; n0 += BC) {
             const int n_cols = min(BC, n_end - n0);
@@ -312,9 +309,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 const int chunk = (own + 1 + c) % n_chunks;
                 const bool last = c == n_chunks - 1;  // the own chunk
                 __syncthreads();  // every thread is done with the previous chunk / tile
-                load_tile_pair<Tr>(sK, sV, k_bh, k_sr, v_bh, v_sr, n0, Nk, chunk * HEAD_DIM, d);
+                load_tile_pair<Tr>(sK, sV, k_bh, k_st.r, v_bh, v_st.r, n0, Nk, chunk * HEAD_DIM, d);
                 if (CHUNKED)
-                    load_rows<Tr>(qr, dor, q_bh, q_sr, do_bh, do_sr, row0, Nq, chunk * HEAD_DIM,
+                    load_rows<Tr>(qr, dor, q_bh, q_st.r, do_bh, do_st.r, row0, Nq, chunk * HEAD_DIM,
                                   d, tc);
                 __syncthreads();
 
@@ -350,7 +347,7 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
         }
 
         // -- epilogue: this block's chunk of dQ_i = (Σ dS_ij K_j) · scale
-        store_rows<Tr>(dq + b * dq_sb + h * dq_sh + q_row0 * dq_sr, dq_sr, dqr, scale, row0, Nq,
-                       own * HEAD_DIM, d, tc);
+        store_rows<Tr>(dq + b * dq_st.b + h * dq_st.h + q_row0 * dq_st.r, dq_st.r, dqr, scale,
+                       row0, Nq, own * HEAD_DIM, d, tc);
     }
 }

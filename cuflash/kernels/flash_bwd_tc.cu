@@ -73,11 +73,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dO, const float* __restrict__ lse, const float* __restrict__ Delta,
     T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq, int Nk, int d,
-    long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
-    long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
-    long long do_sr, long long dk_sb, long long dk_sh, long long dk_sr, long long dv_sb,
-    long long dv_sh, long long dv_sr, float scale, int causal, float* __restrict__ dbias_cols,
-    int want_dbias_cols, Variants<T> var, int win_left, int win_right, const Seqlens& seq) {
+    Strides q_st, Strides k_st, Strides v_st, Strides do_st,
+    Strides dk_st, Strides dv_st, float scale, int causal,
+    float* __restrict__ dbias_cols, int want_dbias_cols, Variants<T> var, const Seqlens& seq) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (key block, head-dim chunk, K/V head, batch). Key blocks first-first: under
@@ -93,10 +91,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     Nk = seq.len_k(b, Nk);
     if (n0 >= Nk) return;  // past this sequence's keys (the grid fits the longest)
     // The sequence's first rows as row offsets (an int through the loop), not in pointers
-    // that would have to be kept: q + b·q_sb + h·q_sh is free to recompute.
+    // that would have to be kept: q + b·q_st.b + h·q_st.h is free to recompute.
     const int q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
-    const T* k_bh = k + b * k_sb + h_kv * k_sh + (long long)k_row0 * k_sr;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh + (long long)k_row0 * v_sr;
+    const T* k_bh = k + b * k_st.b + h_kv * k_st.h + (long long)k_row0 * k_st.r;
+    const T* v_bh = v + b * v_st.b + h_kv * v_st.h + (long long)k_row0 * v_st.r;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
@@ -110,7 +108,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
     const int g = lane >> 2, t = lane % 4;
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     const bool plain = !var.scores() && !var.dropout();
     const float scale_log2 = softmax_scale_log2(scale);
 
@@ -125,9 +123,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         if (i < n_tiles) {
             const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
             const int slot = i % STAGES;
-            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_sb + h * q_sh, q_sr,
+            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_st.b + h * q_st.h, q_st.r,
                                          q_row0 + m0, q_row0 + Nq, d);
-            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_sb + h * do_sh, do_sr,
+            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_st.b + h * do_st.h, do_st.r,
                                          q_row0 + m0, q_row0 + Nq, d);
             const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
             copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
@@ -137,8 +135,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     };
 
     // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
-    copy_tile_async<Tr, BN>(sK, k_bh, k_sr, n0, Nk, d);
-    copy_tile_async<Tr, BN>(sV, v_bh, v_sr, n0, Nk, d);
+    copy_tile_async<Tr, BN>(sK, k_bh, k_st.r, n0, Nk, d);
+    copy_tile_async<Tr, BN>(sV, v_bh, v_st.r, n0, Nk, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);
@@ -254,10 +252,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     // rows of sK, sV
     // (the sequence's first key read again here, not held in a register through the loop)
     const long long k_out0 = seq.start_k(b);
-    store_rows_16b<Tr>(dk + b * dk_sb + h_kv * dk_sh + k_out0 * dk_sr, dk_sr, dk_acc, scale, sK,
-                       warp_row0, n0, col0, Nk, d, lane);
-    store_rows_16b<Tr>(dv + b * dv_sb + h_kv * dv_sh + k_out0 * dv_sr, dv_sr, dv_acc, 1.f, sV,
-                       warp_row0, n0, col0, Nk, d, lane);
+    store_rows_16b<Tr>(dk + b * dk_st.b + h_kv * dk_st.h + k_out0 * dk_st.r, dk_st.r, dk_acc,
+                       scale, sK, warp_row0, n0, col0, Nk, d, lane);
+    store_rows_16b<Tr>(dv + b * dv_st.b + h_kv * dv_st.h + k_out0 * dv_st.r, dv_st.r, dv_acc, 1.f,
+                       sV, warp_row0, n0, col0, Nk, d, lane);
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -268,12 +266,10 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dO, const float* __restrict__ lse, const float* __restrict__ Delta,
     T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
-    long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
-    long long v_sb, long long v_sh, long long v_sr, long long do_sb, long long do_sh,
-    long long do_sr, long long dq_sb, long long dq_sh, long long dq_sr, float scale, int causal,
-    float* __restrict__ dbias, long long dbias_sb, long long dbias_sh, long long dbias_sr,
-    long long dbias_sc, int want_dbias, int h, long long b, Variants<T> var, int win_left,
-    int win_right, const Seqlens& seq) {
+    Strides q_st, Strides k_st, Strides v_st, Strides do_st,
+    Strides dq_st, float scale, int causal, float* __restrict__ dbias,
+    long long dbias_sb, long long dbias_sh, long long dbias_sr, long long dbias_sc,
+    int want_dbias, int h, long long b, Variants<T> var, const Seqlens& seq) {
     constexpr int BM = Tr::kBlockRows, BN = Tr::kTileRows, STAGES = Tr::kStages;
 
     // Block → (query block, head-dim chunk, query head h, batch row b: blockIdx.y, z plus
@@ -290,10 +286,10 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     // k_bh, v_bh stay functions of the parameters and blockIdx, free to recompute.
     const int q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
     const int h_kv = h / group;
-    const T* q_bh = q + b * q_sb + h * q_sh + (long long)q_row0 * q_sr;
-    const T* do_bh = dO + b * do_sb + h * do_sh + (long long)q_row0 * do_sr;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
+    const T* q_bh = q + b * q_st.b + h * q_st.h + (long long)q_row0 * q_st.r;
+    const T* do_bh = dO + b * do_st.b + h * do_st.h + (long long)q_row0 * do_st.r;
+    const T* k_bh = k + b * k_st.b + h_kv * k_st.h;
+    const T* v_bh = v + b * v_st.b + h_kv * v_st.h;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -305,7 +301,7 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
     const int g = lane >> 2, t = lane % 4;
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     const bool plain = !var.scores() && !var.dropout();
     const float scale_log2 = softmax_scale_log2(scale);
     // Block skipping: key tiles above the diagonal or outside the window (as flash_fwd_tc.cu)
@@ -315,17 +311,17 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     auto issue = [&](int j) {
         if (j < n_tiles) {
             const int n0 = n_begin + j * BN;
-            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_sr, k_row0 + n0,
+            copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_st.r, k_row0 + n0,
                                          k_row0 + Nk, d);
-            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_sr, k_row0 + n0,
+            copy_tile_async<Tr, BN>(sV + (j % STAGES) * kSlot, v_bh, v_st.r, k_row0 + n0,
                                          k_row0 + Nk, d);
         }
         cp_async_commit();
     };
 
     // -- prologue: Q_i, dO_i (group 0), tiles 0 .. STAGES − 2; lse_i, D_i of rows g, g + 8
-    copy_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
-    copy_tile_async<Tr, BM>(sdO, do_bh, do_sr, m0, Nq, d);
+    copy_tile_async<Tr, BM>(sQ, q_bh, q_st.r, m0, Nq, d);
+    copy_tile_async<Tr, BM>(sdO, do_bh, do_st.r, m0, Nq, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) issue(st);
@@ -421,8 +417,8 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 
     // -- epilogue: dQ_i = (Σ dS K_j) · scale, through the warp's own rows of sQ
     // (the sequence's first row read again here, not held in a register through the loop)
-    store_rows_16b<Tr>(dq + b * dq_sb + h * dq_sh + seq.start_q(b) * dq_sr, dq_sr, dq_acc, scale,
-                       sQ, warp_row0, m0, col0, Nq, d, lane);
+    store_rows_16b<Tr>(dq + b * dq_st.b + h * dq_st.h + seq.start_q(b) * dq_st.r, dq_st.r, dq_acc,
+                       scale, sQ, warp_row0, m0, col0, Nq, d, lane);
 }
 
 // A block of NUM_WARPS · 32 threads per (key block | query block, head-dim chunk), head,
@@ -439,23 +435,17 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          const float* __restrict__ lse, const float* __restrict__ Delta,
                          T* __restrict__ dk, T* __restrict__ dv,
                          int Hq, int group, int Nq, int Nk, int d,
-                         long long q_sb, long long q_sh, long long q_sr,
-                         long long k_sb, long long k_sh, long long k_sr,
-                         long long v_sb, long long v_sh, long long v_sr,
-                         long long do_sb, long long do_sh, long long do_sr,
-                         long long dk_sb, long long dk_sh, long long dk_sr,
-                         long long dv_sb, long long dv_sh, long long dv_sr,
+                         Strides q_st, Strides k_st, Strides v_st, Strides do_st,
+                         Strides dk_st, Strides dv_st,
                          float scale, int causal, float* __restrict__ dbias_cols,
                          int want_dbias_cols, CUFLASH_VARLEN_PARAMS,
                          CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/true, SPLIT>;
     if constexpr (TensorCores<T>::value) {
-        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_sb, q_sh,
-                              q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr,
-                              dk_sb, dk_sh, dk_sr, dv_sb, dv_sh, dv_sr, scale, causal,
-                              dbias_cols, want_dbias_cols, CUFLASH_VARIANTS(T), win_left,
-                              win_right, CUFLASH_VARLEN);
+        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_st,
+                              k_st, v_st, do_st, dk_st, dv_st, scale, causal, dbias_cols,
+                              want_dbias_cols, CUFLASH_VARIANTS(T), CUFLASH_VARLEN);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
     }
@@ -468,11 +458,9 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                        const T* __restrict__ v, const T* __restrict__ dO,
                        const float* __restrict__ lse, const float* __restrict__ Delta,
                        T* __restrict__ dq, int Hq, int group, int Nq, int Nk, int d,
-                       long long q_sb, long long q_sh, long long q_sr,
-                       long long k_sb, long long k_sh, long long k_sr,
-                       long long v_sb, long long v_sh, long long v_sr,
-                       long long do_sb, long long do_sh, long long do_sr,
-                       long long dq_sb, long long dq_sh, long long dq_sr,
+                       __grid_constant__ const Strides q_st, __grid_constant__ const Strides k_st,
+                       __grid_constant__ const Strides v_st, __grid_constant__ const Strides do_st,
+                       __grid_constant__ const Strides dq_st,
                        float scale, int causal, float* __restrict__ dbias,
                        long long dbias_sb, long long dbias_sh, long long dbias_sr,
                        long long dbias_sc, int want_dbias, int head0, int batch0,
@@ -484,11 +472,11 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
         // dbias are not spread over the grid's y (z) but take one launch each, at offset
         // head0 (batch0), in stream order: each element has one writer and a fixed order.
         // (A loop over them inside the block, as flash_bwd.cu's, spilled at D = 128, 256.)
-        flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr,
-                            k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, do_sb, do_sh, do_sr, dq_sb, dq_sh,
-                            dq_sr, scale, causal, dbias, dbias_sb, dbias_sh, dbias_sr, dbias_sc,
-                            want_dbias, blockIdx.y + head0, (long long)blockIdx.z + batch0,
-                            CUFLASH_VARIANTS(T), win_left, win_right, CUFLASH_VARLEN);
+        flash_bwd_dq_tc<Tr>(q, k, v, dO, lse, Delta, dq, Hq, group, Nq, Nk, d, q_st, k_st,
+                            v_st, do_st, dq_st, scale, causal, dbias, dbias_sb, dbias_sh,
+                            dbias_sr, dbias_sc, want_dbias, blockIdx.y + head0,
+                            (long long)blockIdx.z + batch0, CUFLASH_VARIANTS(T),
+                            CUFLASH_VARLEN);
     } else {
         __trap();
     }

@@ -30,10 +30,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  T* __restrict__ o, accum_t<T>* __restrict__ lse,
                  int Hq, int group, int Nq, int Nk, int d,
-                 long long q_sb, long long q_sh, long long q_sr,
-                 long long k_sb, long long k_sh, long long k_sr,
-                 long long v_sb, long long v_sh, long long v_sr,
-                 long long o_sb, long long o_sh, long long o_sr,
+                 __grid_constant__ const Strides q_st, __grid_constant__ const Strides k_st,
+                 __grid_constant__ const Strides v_st, __grid_constant__ const Strides o_st,
                  accum_t<T> scale, int causal, int num_m_blocks, int num_d_chunks,
                  CUFLASH_SEQLENS_PARAMS(accum_t<T>), CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
@@ -47,8 +45,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     bid /= num_m_blocks;
     const int d_chunk = bid % num_d_chunks;
     bid /= num_d_chunks;
-    const int split = bid % num_splits;
-    bid /= num_splits;
+    const int split = bid % layout.num_splits;
+    bid /= layout.num_splits;
     const int h = bid % Hq;
     const int b = bid / Hq;
     const int h_kv = h / group;  // GQA/MQA: `group` consecutive query heads share K/V
@@ -59,10 +57,10 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const int m0 = m_block * BLOCK_M;
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
     const long long q_row0 = seq.start_q(b);
-    const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
-    T* o_bh = o + b * o_sb + h * o_sh + q_row0 * o_sr;
-    const T* k_h = k + h_kv * k_sh;  // key tiles: seq.key_tile (padded, packed or paged)
-    const T* v_h = v + h_kv * v_sh;
+    const T* q_bh = q + b * q_st.b + h * q_st.h + q_row0 * q_st.r;
+    T* o_bh = o + b * o_st.b + h * o_st.h + q_row0 * o_st.r;
+    const T* k_h = k + h_kv * k_st.h;  // key tiles: seq.key_tile (padded, packed or paged)
+    const T* v_h = v + h_kv * v_st.h;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sQ = reinterpret_cast<A*>(smem_raw);
@@ -71,8 +69,8 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     A* sP = sV + Tr::kSmemV;
 
     const ThreadCoord<Tr> tc;
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     var.bind(b, h, Nq, Nk);
     const int m1 = min(m0 + BLOCK_M, Nq);
     const int dv0 = d_chunk * HEAD_DIM;  // first V/O column this block owns
@@ -84,7 +82,7 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     const A scale_log2 = softmax_scale_log2(scale);  // scores in log2 units: P̃ = exp2(S − m)
 
     // -- prologue: Q_i into shared memory (once, when d fits one chunk); state init
-    if (num_d_chunks == 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
+    if (num_d_chunks == 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_st.r, m0, Nq, 0, d);
 
     OnlineSoftmax<A> row[TR];
     A acc[TR][TD];
@@ -97,17 +95,17 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     // -- main loop over K_j, V_j
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
-        if (num_d_chunks > 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
-        const T* k_tile = seq.key_tile(k_h, k_sb, k_sr, b, n0);  // key rows n0 ..
-        load_tile<Tr, BLOCK_N>(sK, k_tile, k_sr, 0, Nk - n0, 0, d);
-        load_tile<Tr, BLOCK_N>(sV, seq.key_tile(v_h, v_sb, v_sr, b, n0), v_sr, 0, Nk - n0, dv0,
+        if (num_d_chunks > 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_st.r, m0, Nq, 0, d);
+        const T* k_tile = seq.key_tile(k_h, k_st, b, n0);  // key rows n0 ..
+        load_tile<Tr, BLOCK_N>(sK, k_tile, k_st.r, 0, Nk - n0, 0, d);
+        load_tile<Tr, BLOCK_N>(sV, seq.key_tile(v_h, v_st, b, n0), v_st.r, 0, Nk - n0, dv0,
                                d);
         __syncthreads();
 
         // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked
         A s[TR][TC];
-        compute_scores<Tr>(s, sQ, sK, sP, q_bh, q_sr, k_tile, k_sr, m0, n0, Nq, Nk, d, num_d_chunks,
-                           scale_log2, mask, var, tc);
+        compute_scores<Tr>(s, sQ, sK, sP, q_bh, q_st.r, k_tile, k_st.r, m0, n0, Nq, Nk, d,
+                           num_d_chunks, scale_log2, mask, var, tc);
 
         // -- update m_i and l_i; P̃ = exp2(S − m_i) into sP
 #pragma unroll
@@ -162,6 +160,6 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         if (o_part)
             o_part[seq.lse_row(split, b, h, m0 + r) * d + dv0 + c] = x;
         else
-            o_bh[(long long)(m0 + r) * o_sr + dv0 + c] = from_float<T>(x);
+            o_bh[(long long)(m0 + r) * o_st.r + dv0 + c] = from_float<T>(x);
     }
 }

@@ -35,10 +35,8 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      accum_t<T>* __restrict__ l_buf,  // (num_d_chunks, B, Hq, Nq) scratch
                      accum_t<T>* __restrict__ m_buf,  // (num_d_chunks, B, Hq, Nq) scratch
                      int B, int Hq, int group, int Nq, int Nk, int d,
-                     long long q_sb, long long q_sh, long long q_sr,
-                     long long k_sb, long long k_sh, long long k_sr,
-                     long long v_sb, long long v_sh, long long v_sr,
-                     long long o_sb, long long o_sh, long long o_sr,
+                     __grid_constant__ const Strides q_st, __grid_constant__ const Strides k_st,
+                     __grid_constant__ const Strides v_st, __grid_constant__ const Strides o_st,
                      accum_t<T> scale, int causal, int num_d_chunks,
                      CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = AttnTileTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
@@ -52,10 +50,10 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int b = bid / Hq;
     const int h_kv = h / group;  // GQA/MQA
 
-    const T* q_bh = q + b * q_sb + h * q_sh;
-    const T* k_bh = k + b * k_sb + h_kv * k_sh;
-    const T* v_bh = v + b * v_sb + h_kv * v_sh;
-    T* o_bh = o + b * o_sb + h * o_sh;
+    const T* q_bh = q + b * q_st.b + h * q_st.h;
+    const T* k_bh = k + b * k_st.b + h_kv * k_st.h;
+    const T* v_bh = v + b * v_st.b + h_kv * v_st.h;
+    T* o_bh = o + b * o_st.b + h * o_st.h;
     const long long row_base = (long long)b * Hq + h;  // (b, h) row block of lse/ℓ/m
     A* oa_bh = o_acc + row_base * Nq * d;
     A* l_bh = l_buf + ((long long)d_chunk * B * Hq + row_base) * Nq;
@@ -68,8 +66,8 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     A* sP = sV + Tr::kSmemV;
 
     const ThreadCoord<Tr> tc;
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     Variants<T> var = CUFLASH_VARIANTS(T);  // softcap, ALiBi, bias, bool mask, dropout
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     var.bind(b, h, Nq, Nk);
     const int dv0 = d_chunk * HEAD_DIM;
     const int dv1 = min(dv0 + HEAD_DIM, d);
@@ -95,8 +93,8 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     // -- line 5: outer loop over K_j, V_j
     for (int n0 = 0; n0 < Nk; n0 += BLOCK_N) {
-        load_tile<Tr, BLOCK_N>(sK, k_bh, k_sr, n0, Nk, 0, d);
-        load_tile<Tr, BLOCK_N>(sV, v_bh, v_sr, n0, Nk, dv0, d);
+        load_tile<Tr, BLOCK_N>(sK, k_bh, k_st.r, n0, Nk, 0, d);
+        load_tile<Tr, BLOCK_N>(sV, v_bh, v_st.r, n0, Nk, dv0, d);
 
         // -- line 7: inner loop over Q_i
         for (int m0 = 0; m0 < Nq; m0 += BLOCK_M) {
@@ -104,15 +102,15 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
             // Block skipping: K_j lies entirely above the diagonal, or outside the
             // window, for this Q_i.
             if (n0 >= mask.key_end(m1) || n0 + BLOCK_N <= mask.key_begin(m0)) continue;
-            load_tile<Tr, BLOCK_M>(sQ, q_bh, q_sr, m0, Nq, 0, d);
+            load_tile<Tr, BLOCK_M>(sQ, q_bh, q_st.r, m0, Nq, 0, d);
             if (num_d_chunks > 1 && m0 > 0)  // compute_scores left sK at the last chunk
-                load_tile<Tr, BLOCK_N>(sK, k_bh, k_sr, n0, Nk, 0, d);
+                load_tile<Tr, BLOCK_N>(sK, k_bh, k_st.r, n0, Nk, 0, d);
             __syncthreads();
 
             // -- line 9: S_ij = Q_i K_jᵀ (scaled by scale·log2 e, masked)
             A s[TR][TC];
-            compute_scores<Tr>(s, sQ, sK, sP, q_bh, q_sr, k_bh + (long long)n0 * k_sr, k_sr, m0,
-                               n0, Nq, Nk, d, num_d_chunks, scale_log2, mask, var, tc);
+            compute_scores<Tr>(s, sQ, sK, sP, q_bh, q_st.r, k_bh + (long long)n0 * k_st.r, k_st.r,
+                               m0, n0, Nq, Nk, d, num_d_chunks, scale_log2, mask, var, tc);
             A o_scale[TR];  // diag(ℓ_i) e^{m_i − m_new}: the weight of the old O_i
             A inv_l_new[TR];
 
@@ -203,7 +201,7 @@ flash_fwd_fa1_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
             for (int t = 0; t < TD; ++t) {
                 const int c = dv0 + tc.col(t);
                 if (c < dv1)
-                    o_bh[(long long)gi * o_sr + c] = from_float<T>(oa_bh[(long long)gi * d + c]);
+                    o_bh[(long long)gi * o_st.r + c] = from_float<T>(oa_bh[(long long)gi * d + c]);
             }
             if (d_chunk == 0 && tc.lane_col == 0) {
                 OnlineSoftmax<A> st{m_bh[gi], l_bh[gi]};

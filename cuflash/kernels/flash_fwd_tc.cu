@@ -101,10 +101,9 @@ template <class Tr, typename T>
 __device__ __forceinline__ void flash_fwd_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
     float* __restrict__ lse, int Hq, int group, int Nq, int Nk, int d,
-    long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
-    long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,
+    Strides q_st, Strides k_st, Strides v_st, Strides o_st,
     float scale, int causal, int num_m_blocks, const Seqlens& seq, float* __restrict__ o_part,
-    Variants<T> var, int win_left, int win_right) {
+    Variants<T> var) {
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     // The lean main loop (16-bit tiles, see TcTileTraits::kLean): a plain steady state
     // peeled from the general iterations, copies and fragment loads addressed once
@@ -127,7 +126,7 @@ __device__ __forceinline__ void flash_fwd_tc(
     const int m0 = m_block * BM;
     if (m0 >= Nq) return;  // past this sequence's end (the grid fits the longest)
     const long long q_row0 = seq.start_q(b);
-    const T* q_bh = q + b * q_sb + h * q_sh + q_row0 * q_sr;
+    const T* q_bh = q + b * q_st.b + h * q_st.h + q_row0 * q_st.r;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + Tr::kSmemQ;
@@ -140,7 +139,7 @@ __device__ __forceinline__ void flash_fwd_tc(
     const int g = lane >> 2, t = lane % 4;
     constexpr int R = Tr::kRowTiles;  // the warp's 16-row mma tiles: rows warp_row0 + 16r ..
     const int r_top = m0 + warp_row0 + g;  // row tile r's rows: r_top + 16r and r_top + 16r + 8
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     // Block skipping: tiles entirely above the diagonal, or outside the window, are never
     // loaded (the first tile starts on a BLOCK_N boundary, as in flash_fwd.cu); then this
     // split's share of them (seqlens.cuh).
@@ -159,15 +158,15 @@ __device__ __forceinline__ void flash_fwd_tc(
     // (TileCopy::thread_rows) and steps them one tile at a time; in a paged cache, at a
     // page's end, to the next page of the block table (a key tile never straddles two
     // pages: seqlens.cuh). Otherwise each tile's rows come from seq.key_tile.
-    const T* k_h = k + h_kv * k_sh;
-    const T* v_h = v + h_kv * v_sh;
+    const T* k_h = k + h_kv * k_st.h;
+    const T* v_h = v + h_kv * v_st.h;
     using KCopy = TileCopy<Tr, BN, T, /*K_LAYOUT=*/kLean>;
     using VCopy = TileCopy<Tr, BN, T>;
-    const KCopy k_copy(k_sr, d);
-    const VCopy v_copy(v_sr, d);
+    const KCopy k_copy(k_st.r, d);
+    const VCopy v_copy(v_st.r, d);
     const int n_first = t_begin < t_end ? t_begin * BN : 0;  // (a block with no tile: any)
-    const T* k_next = k_copy.thread_rows(seq.key_tile(k_h, k_sb, k_sr, b, n_first));
-    const T* v_next = v_copy.thread_rows(seq.key_tile(v_h, v_sb, v_sr, b, n_first));
+    const T* k_next = k_copy.thread_rows(seq.key_tile(k_h, k_st, b, n_first));
+    const T* v_next = v_copy.thread_rows(seq.key_tile(v_h, v_st, b, n_first));
     // a paged cache's block-table entry of the next tile's page, and that tile's first row
     // in it: shared by the block, kept in shared memory (registers are scarce in the loop)
     __shared__ int page_state[2];
@@ -195,8 +194,8 @@ __device__ __forceinline__ void flash_fwd_tc(
                     if (row == seq.page_size) {  // on to the next page
                         const long long turn =
                             seq.block_table[entry + 1] - seq.block_table[entry];
-                        k_next += turn * k_sb - (long long)seq.page_size * k_sr;
-                        v_next += turn * v_sb - (long long)seq.page_size * v_sr;
+                        k_next += turn * k_st.b - (long long)seq.page_size * k_st.r;
+                        v_next += turn * v_st.b - (long long)seq.page_size * v_st.r;
                     }
                     if (threadIdx.x == 0) {
                         page_state[0] = entry + (row == seq.page_size);
@@ -212,19 +211,19 @@ __device__ __forceinline__ void flash_fwd_tc(
                     v_copy.edge(s_v + slot, v_next, Nk - n0, v);
                 }
             }
-            k_next += BN * k_sr;
-            v_next += BN * v_sr;
+            k_next += BN * k_st.r;
+            v_next += BN * v_st.r;
         } else {
-            copy_tile_async<Tr, BN>(sK + slot / sizeof(T), seq.key_tile(k_h, k_sb, k_sr, b, n0),
-                                    k_sr, 0, Nk - n0, d);
-            copy_tile_async<Tr, BN>(sV + slot / sizeof(T), seq.key_tile(v_h, v_sb, v_sr, b, n0),
-                                    v_sr, 0, Nk - n0, d);
+            copy_tile_async<Tr, BN>(sK + slot / sizeof(T), seq.key_tile(k_h, k_st, b, n0),
+                                    k_st.r, 0, Nk - n0, d);
+            copy_tile_async<Tr, BN>(sV + slot / sizeof(T), seq.key_tile(v_h, v_st, b, n0),
+                                    v_st.r, 0, Nk - n0, d);
         }
     };
 
     // -- prologue: Q_i (group 0), then the first STAGES − 1 tiles (one group each);
     // tile t_begin + i lives in ring slot i % STAGES
-    copy_tile_async<Tr, BM>(sQ, q_bh, q_sr, m0, Nq, d);
+    copy_tile_async<Tr, BM>(sQ, q_bh, q_st.r, m0, Nq, d);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
@@ -379,7 +378,7 @@ __device__ __forceinline__ void flash_fwd_tc(
         return;
     }
     // (the sequence's first row read again here, not held in a register through the loop)
-    T* o_bh = o + b * o_sb + h * o_sh + seq.start_q(b) * o_sr;
+    T* o_bh = o + b * o_st.b + h * o_st.h + seq.start_q(b) * o_st.r;
     // O goes through the warp's own rows of sQ (no other warp reads them after the
     // prologue), converted to T, so that each thread then stores whole 16-byte chunks.
     T* sO = sQ;
@@ -403,7 +402,7 @@ __device__ __forceinline__ void flash_fwd_tc(
         const int r = i / CPR, c = i % CPR;
         const int gi = m0 + warp_row0 + r;
         if (gi < Nq && c * C < d)
-            *reinterpret_cast<uint4*>(o_bh + (long long)gi * o_sr + c * C) =
+            *reinterpret_cast<uint4*>(o_bh + (long long)gi * o_st.r + c * C) =
                 *reinterpret_cast<const uint4*>(sO + tile_offset<Tr>(warp_row0 + r, c * C));
     }
 }
@@ -428,17 +427,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_fwd_tc_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     T* __restrict__ o, float* __restrict__ lse,
                     int Hq, int group, int Nq, int Nk, int d,
-                    long long q_sb, long long q_sh, long long q_sr,
-                    long long k_sb, long long k_sh, long long k_sr,
-                    long long v_sb, long long v_sh, long long v_sr,
-                    long long o_sb, long long o_sh, long long o_sr,
+                    Strides q_st, Strides k_st, Strides v_st, Strides o_st,
                     float scale, int causal, int num_m_blocks, CUFLASH_SEQLENS_PARAMS(float),
                     CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = typename FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, SPLIT>::type;
     if constexpr (TensorCores<T>::value) {
-        flash_fwd_tc<Tr>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_sb, q_sh, q_sr, k_sb, k_sh, k_sr,
-                         v_sb, v_sh, v_sr, o_sb, o_sh, o_sr, scale, causal, num_m_blocks,
-                         CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T), win_left, win_right);
+        flash_fwd_tc<Tr>(q, k, v, o, lse, Hq, group, Nq, Nk, d, q_st, k_st, v_st, o_st, scale,
+                         causal, num_m_blocks, CUFLASH_SEQLENS, o_part, CUFLASH_VARIANTS(T));
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
     }

@@ -23,7 +23,17 @@
 // split s is entry s·lse_ss + b·lse_sb + h·lse_sh + start_q(b) + i.
 #pragma once
 
+#include "common.cuh"
+
 namespace cuflash {
+
+// The layout's scalars as one kernel argument (cuflash/backends/marshal.py's LAYOUT
+// record), copied into Seqlens at entry; the index arrays are arguments of their own.
+struct SeqLayout {
+    int table_stride, page_size;  // block_table's row stride, keys per page (paged cache)
+    long long lse_sb, lse_sh, lse_ss;  // lse's batch, head and split strides
+    int num_splits;
+};
 
 struct Seqlens {
     const int* cu_q;    // (B + 1) row offsets of the packed q, o, lse, or nullptr
@@ -44,16 +54,16 @@ struct Seqlens {
         return used_k ? used_k[b] : (cu_k ? cu_k[b + 1] - cu_k[b] : Nk);
     }
 
-    // Row 0 of the key tile starting at key n0 of batch row b, in k or v from its head's
-    // base kv_h (the batch stride sb is the page stride of a paged cache).
+    // Row 0 of the key tile starting at key n0 of batch row b, in k or v (strides st) from
+    // its head's base kv_h (the batch stride is the page stride of a paged cache).
     template <typename T>
-    __device__ __forceinline__ const T* key_tile(const T* kv_h, long long sb, long long sr,
-                                                 int b, int n0) const {
+    __device__ __forceinline__ const T* key_tile(const T* kv_h, const Strides& st, int b,
+                                                 int n0) const {
         if (block_table) {
             const long long page = block_table[(long long)b * table_stride + n0 / page_size];
-            return kv_h + page * sb + (long long)(n0 % page_size) * sr;
+            return kv_h + page * st.b + (long long)(n0 % page_size) * st.r;
         }
-        return kv_h + b * sb + (start_k(b) + (long long)n0) * sr;
+        return kv_h + b * st.b + (start_k(b) + (long long)n0) * st.r;
     }
 
     // The entry of query row i (within its sequence) in lse and o_part.
@@ -81,19 +91,20 @@ struct Seqlens {
 // variants' (the order of cuflash/backends/kernel_forward.py:layout_args), and the record.
 #define CUFLASH_SEQLENS_PARAMS(A)                                                          \
     const int *cu_seqlens_q, const int *cu_seqlens_k, const int *seqused_k,                \
-        const int *block_table, int table_stride, int page_size, long long lse_sb,        \
-        long long lse_sh, long long lse_ss, int num_splits, A *o_part
+        const int *block_table, cuflash::SeqLayout layout, A *o_part
 #define CUFLASH_SEQLENS                                                                    \
     cuflash::Seqlens {                                                                     \
-        cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, table_stride, page_size,       \
-            lse_sb, lse_sh, lse_ss, num_splits                                             \
+        cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, layout.table_stride,           \
+            layout.page_size, layout.lse_sb, layout.lse_sh, layout.lse_ss,                 \
+            layout.num_splits                                                              \
     }
 
-// The backward's share of it: packed sequences (no cache, no split), the layout of lse and
-// D (rowsum(dO ∘ O)) as lse's.
+// The backward's share of it: packed sequences and the lse strides of the layout record
+// (those of D = rowsum(dO ∘ O) too, lse's layout); no cache and no split, as constants.
 #define CUFLASH_VARLEN_PARAMS                                                              \
-    const int *cu_seqlens_q, const int *cu_seqlens_k, long long lse_sb, long long lse_sh
+    const int *cu_seqlens_q, const int *cu_seqlens_k, cuflash::SeqLayout layout
 #define CUFLASH_VARLEN                                                                     \
     cuflash::Seqlens {                                                                     \
-        cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, 0, 0, lse_sb, lse_sh, 0, 1           \
+        cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, 0, 0, layout.lse_sb, layout.lse_sh,  \
+            0, 1                                                                           \
     }

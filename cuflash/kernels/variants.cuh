@@ -39,8 +39,9 @@ template <typename T> struct Variants {
     long long mask_sb, mask_sh, mask_sr, mask_sc;
     unsigned int drop_threshold, seed_lo, seed_hi;
     A keep_scale;         // 1 / (1 − p)
-    int off;              // Nk − Nq: the bottom-right alignment of ALiBi's distance
+    int win_left, win_right;  // the sliding window (mask.cuh's; −1: unbounded)
     // bound by bind():
+    int off;              // Nk − Nq: the bottom-right alignment of ALiBi's distance
     int b, h;
     A slope;
     long long bias_bh, mask_bh;
@@ -117,5 +118,5 @@ template <typename T> struct Variants {
     cuflash::Variants<T> {                                                                 \
         var_flags, var_softcap, var_alibi, alibi_sb, var_bias, bias_sb, bias_sh, bias_sr,  \
             bias_sc, var_mask, mask_sb, mask_sh, mask_sr, mask_sc, drop_threshold,         \
-            seed_lo, seed_hi, keep_scale                                                   \
+            seed_lo, seed_hi, keep_scale, win_left, win_right                              \
     }

@@ -16,7 +16,7 @@ import functools
 
 from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC
 from .base import Plan, flag
-from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, sm120, tf32_mode
+from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, tf32_mode
 
 TC_BWD_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 runs in one
 
@@ -47,6 +47,13 @@ _TC_BWD_CANDIDATES = {
     (FLASH_BWD_DQ_TC.name, 256): ((128, 16, 8, 2, False, 256), (64, 16, 4, 2, False, 256),
                                   (32, 16, 2, 2, False, 256)),
 }
+# Turing (sm_75, cc 7.x) replaces one: at 255 registers CUDA 13.5's ptxas spills the dK/dV
+# D=64 tile (24 bytes) since the kernels take their strides and layout as records; 32-row
+# Q tiles hold at 209 registers (208 under CUDA 12.9).
+_TC_BWD_CANDIDATES_SM75 = {
+    (FLASH_BWD_DKDV_TC.name, 64): ((64, 32, 4, 2, True, 64),),
+}
+_TC_BWD_BY_ARCH = {7: _TC_BWD_CANDIDATES_SM75}
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
 # float32: twice the bytes per tile and, split, hi/lo temporaries beside every mma: the
@@ -77,13 +84,23 @@ _TF32_BWD_CANDIDATES = {
 # Consumer Blackwell (sm_120, cc 12.x) replaces four split lists: its ptxas (CUDA 12.9)
 # spills dK/dV D=64 (8 bytes), D=128 (8), D=256 (28) and dQ D=256 (12) at 255 registers,
 # as it does with fewer rows per block or tile; 64-column output chunks (half the
-# accumulators) do not spill (dK/dV 253, 255, 255 registers; dQ 202).
+# accumulators) do not spill, at D=128 in 32-row blocks (64 rows spill 8 bytes since the
+# kernels take their strides and layout as records).
 _TF32_BWD_CANDIDATES_SM120 = {
     (FLASH_BWD_DKDV_TC.name, 64, True): ((64, 8, 4, 2, False, 64),),
-    (FLASH_BWD_DKDV_TC.name, 128, True): ((64, 8, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 128, True): ((32, 8, 2, 2, False, 64),),
     (FLASH_BWD_DKDV_TC.name, 256, True): ((32, 8, 2, 2, False, 64),),
     (FLASH_BWD_DQ_TC.name, 256, True): ((32, 8, 2, 2, False, 64),),
 }
+# Data-centre Blackwell (sm_100, cc 10.x) replaces two: at 255 registers CUDA 13.5's ptxas
+# spills the split dK/dV D=128 (8 bytes) and D=256 (12) tiles; 64-column output chunks as
+# on sm_120.
+_TF32_BWD_CANDIDATES_SM100 = {
+    (FLASH_BWD_DKDV_TC.name, 128, True): ((64, 8, 4, 2, False, 64),),
+    (FLASH_BWD_DKDV_TC.name, 256, True): ((32, 8, 2, 2, False, 64),),
+}
+# The replacements by compute capability major.
+_TF32_BWD_BY_ARCH = {10: _TF32_BWD_CANDIDATES_SM100, 12: _TF32_BWD_CANDIDATES_SM120}
 
 
 def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: int,
@@ -178,25 +195,29 @@ def tc_bwd_candidates(kernel: str, dtype: str, head_dim: int, *, split: bool,
     capability `cc`, best first; `split` picks float32's split or one-pass tf32 (16-bit
     types have one kind)."""
     if dtype == TF32_DTYPE:
-        table = ({**_TF32_BWD_CANDIDATES, **_TF32_BWD_CANDIDATES_SM120} if sm120(cc)
-                 else _TF32_BWD_CANDIDATES)
+        table = {**_TF32_BWD_CANDIDATES, **_TF32_BWD_BY_ARCH.get(cc and cc[0], {})}
         return [Tf32BwdPlan(kernel, dtype, head_dim, *c, split)
                 for c in table[(kernel, head_dim, split)]]
-    return [TcBwdPlan(kernel, dtype, head_dim, *c) for c in _TC_BWD_CANDIDATES[(kernel, head_dim)]]
+    table = {**_TC_BWD_CANDIDATES, **_TC_BWD_BY_ARCH.get(cc and cc[0], {})}
+    return [TcBwdPlan(kernel, dtype, head_dim, *c) for c in table[(kernel, head_dim)]]
 
 
 @functools.cache
-def all_tc_bwd_plans() -> tuple[TcBwdPlan, ...]:
-    """Every 16-bit tensor-core backward specialization (for the gate)."""
-    return tuple(p for dt in TC_DTYPES for D in TC_BWD_HEAD_DIMS for kernel in TC_BWD_KERNELS
-                 for p in tc_bwd_candidates(kernel, dt, D, split=False))
+def all_tc_bwd_plans(cc=None) -> tuple[TcBwdPlan, ...]:
+    """Every 16-bit tensor-core backward specialization a device of compute capability
+    `cc` can launch (for the gate; bfloat16 is a trap on sm_75); None: of any device,
+    sm_75's own last."""
+    plans = (p for c in ((None, (7, 5)) if cc is None else (cc,))
+             for dt in TC_DTYPES for D in TC_BWD_HEAD_DIMS for kernel in TC_BWD_KERNELS
+             for p in tc_bwd_candidates(kernel, dt, D, split=False, cc=c))
+    return tuple(dict.fromkeys(plans))
 
 
 @functools.cache
 def all_tf32_bwd_plans(cc=None) -> tuple[Tf32BwdPlan, ...]:
     """Every float32 tensor-core backward specialization a device of compute capability
-    `cc` can launch (for the gate); None: of any device, sm_120's last."""
-    plans = (p for c in ((None, (12, 0)) if cc is None else (cc,))
+    `cc` can launch (for the gate); None: of any device, sm_100's and sm_120's last."""
+    plans = (p for c in ((None, (10, 0), (12, 0)) if cc is None else (cc,))
              for split in (True, False) for D in TF32_HEAD_DIMS for kernel in TC_BWD_KERNELS
              for p in tc_bwd_candidates(kernel, TF32_DTYPE, D, split=split, cc=c))
     return tuple(dict.fromkeys(plans))
