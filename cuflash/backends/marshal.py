@@ -1,11 +1,11 @@
 """Kernel arguments from arrays: what every launch of the CUDA kernels shares.
 
 Kernel parameters are device pointers (arrays), `int` sizes, accumulation-type scalars and
-small records (an array's strides, the sequence layout's scalars);
-CuPy and the emulator both take NumPy scalars of the exact C types (np.int32, np.int64,
-np.float32/np.float64) and a record as a NumPy structured scalar whose dtype has the C
-struct's fields, offsets and size (`align=True`). Arrays never go inside a record: as
-arguments of their own the emulator checks every access against them.
+small records (an array's strides, the sequence layout's scalars). CuPy and the emulator
+both take NumPy scalars of the exact C types (np.int32, np.int64, np.float32/np.float64),
+and a record as a NumPy structured scalar whose dtype has the C struct's fields, offsets
+and size (`align=True`; tests/test_kernel_records.py compares them). Arrays never go
+inside a record: as arguments of their own the emulator checks every access against them.
 
 One builder per kernel pass (`forward_args`, `fa1_forward_args`, `preprocess_args`,
 `dkdv_args`, `dq_args`, `softmax_args`) gives a launch's arguments in its kernel's
