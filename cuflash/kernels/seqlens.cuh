@@ -29,6 +29,8 @@ namespace cuflash {
 
 // The layout's scalars as one kernel argument (cuflash/backends/marshal.py's LAYOUT
 // record), copied into Seqlens at entry; the index arrays are arguments of their own.
+// Seqlens repeats the fields rather than deriving from SeqLayout: with the record as a
+// base, ptxas spilled sm_120's split-tf32 dK/dV kernel (8 bytes at 255 registers).
 struct SeqLayout {
     int table_stride, page_size;  // block_table's row stride, keys per page (paged cache)
     long long lse_sb, lse_sh, lse_ss;  // lse's batch, head and split strides
