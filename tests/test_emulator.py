@@ -15,6 +15,7 @@ import pytest
 from cuflash import compiler
 from cuflash.emulator import (BoundsError, DeadlockError, EmulatorCompileError, EmulatorError, KernelTrap,
                               RaceError, RawModule, _abi, _build)
+from cuflash.emulator.archs import get_arch
 
 try:
     import ml_dtypes
@@ -190,6 +191,38 @@ def test_large_dynamic_shared_needs_attribute():
     f.max_dynamic_shared_size_bytes = 64 * 1024
     f((1,), (64,), (x, y, np.int32(64)), shared_mem=64 * 1024)
     np.testing.assert_array_equal(y, x[::-1])
+
+
+def _static_and_dynamic(f, x, y, launch_error):
+    """CUDA's default limit covers the static arrays and the dynamic buffer together: 48 KiB
+    of dynamic memory beside `value`'s 8 static bytes needs the attribute raised."""
+    args = (x, y, np.int32(64))
+    assert f.shared_size_bytes == 8
+    assert f.max_dynamic_shared_size_bytes == 48 * 1024 - 8
+    f((1,), (64,), args, shared_mem=48 * 1024 - 8)
+    with pytest.raises(launch_error):
+        f((1,), (64,), args, shared_mem=48 * 1024)
+    f.max_dynamic_shared_size_bytes = 48 * 1024
+    f((1,), (64,), args, shared_mem=48 * 1024)
+
+
+def test_static_shared_counts_against_the_limit():
+    f = mod("static_smem.cu").get_function("reverse_broadcast")
+    x, y = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
+    _static_and_dynamic(f, x, y, ValueError)
+    np.testing.assert_array_equal(y, x[::-1])
+    optin = get_arch("sm_80").limits.shared_per_block_optin
+    with pytest.raises(ValueError, match=f"must be in \\[0, {optin - 8}\\]"):
+        f.max_dynamic_shared_size_bytes = optin
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
+def test_static_shared_counts_against_the_limit_on_gpu():
+    import cupy
+    f = cupy.RawModule(code=src("static_smem.cu")).get_function("reverse_broadcast")
+    x, y = cupy.arange(64, dtype=cupy.float32), cupy.zeros(64, cupy.float32)
+    _static_and_dynamic(f, x, y, cupy.cuda.driver.CUDADriverError)
+    np.testing.assert_array_equal(cupy.asnumpy(y), np.arange(64, dtype=np.float32)[::-1])
 
 
 def test_argument_type_errors():

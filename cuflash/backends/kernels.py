@@ -24,8 +24,6 @@ from .. import compiler
 from ..plans.device import device_limits
 from . import kernel_backward, kernel_forward, kernel_softmax
 
-_DEFAULT_DYNAMIC_SMEM = 48 * 1024  # what a launch may use without opting in
-
 
 class KernelBackend:
     """A backend that runs cuflash's CUDA C kernels (see module docstring).
@@ -68,9 +66,9 @@ class KernelBackend:
                                             name_expressions=[plan.name_expression],
                                             **self.module_options)
                 fn = self._functions[key] = module.get_function(plan.name_expression)
-            if (plan.smem_bytes > _DEFAULT_DYNAMIC_SMEM
-                    and fn.max_dynamic_shared_size_bytes < plan.smem_bytes):
-                fn.max_dynamic_shared_size_bytes = plan.smem_bytes
+            # by default a launch may take 48 KiB less the kernel's static arrays
+            if fn.max_dynamic_shared_size_bytes < plan.dynamic_smem_bytes:
+                fn.max_dynamic_shared_size_bytes = plan.dynamic_smem_bytes
         return fn
 
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,

@@ -16,8 +16,7 @@ from ._library import Library
 from ._report import launch_error
 from .archs import get_arch
 
-_DEFAULT_SMEM = 48 * 1024   # what a kernel may use without raising max_dynamic_shared_size_bytes
-_MAX_SMEM = 232448          # the largest opt-in shared memory of any GPU (227 KiB)
+_DEFAULT_SMEM = 48 * 1024   # static + dynamic shared memory a kernel may use without opting in
 _WAIT_MS = 50               # how long a launch waits for its workers between checks for Ctrl-C
 
 
@@ -143,7 +142,7 @@ class RawKernel:
     def __init__(self, module: RawModule, name: str):
         self.module = module
         self.name = name
-        self.max_dynamic_shared_size_bytes = _DEFAULT_SMEM
+        self._max_dynamic_smem = None   # CUDA's default: 48 KiB less the static arrays
         self.preferred_shared_memory_carveout = -1
         self.attributes = {}
 
@@ -153,8 +152,33 @@ class RawKernel:
     local_size_bytes = 0
 
     @property
-    def shared_size_bytes(self):
-        return 0
+    def shared_size_bytes(self) -> int:
+        """The static __shared__ bytes: those of every kernel in the module (exact for a
+        module of one kernel, else an upper bound: a device function's arrays belong to
+        whichever kernels call it, which the library does not record)."""
+        lib, _ = self._lib(self.module.checked or _checked_from_env())
+        return sum(size for _, size, _ in lib.static_shared)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        """The most dynamic shared memory a launch may ask for: as on CUDA, 48 KiB less the
+        static arrays until raised, at most the arch's opt-in limit less them."""
+        if self._max_dynamic_smem is None:
+            return _DEFAULT_SMEM - self.shared_size_bytes
+        return self._max_dynamic_smem
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        value = int(value)
+        static = self.shared_size_bytes
+        most = self.module.arch.limits.shared_per_block_optin - static
+        if not 0 <= value <= most:
+            raise ValueError(
+                f"max_dynamic_shared_size_bytes of {self.name} must be in [0, {most}] on "
+                f"{self.module.arch.name} ({self.module.arch.limits.shared_per_block_optin} "
+                f"bytes per block less {static} of static arrays), got {value} (a GPU "
+                "refuses it too)")
+        self._max_dynamic_smem = value
 
     def _lib(self, checked: bool):
         lib = self.module._library(checked)
@@ -206,14 +230,13 @@ class RawKernel:
         shared_mem = int(shared_mem)
         if shared_mem < 0:
             raise ValueError(f"shared_mem must be >= 0, got {shared_mem}")
-        allowed = max(_DEFAULT_SMEM, int(self.max_dynamic_shared_size_bytes))
+        allowed = self.max_dynamic_shared_size_bytes
         if shared_mem > allowed:
             raise ValueError(
                 f"launch of {self.name} asks for {shared_mem} bytes of dynamic shared memory but the kernel's "
-                f"max_dynamic_shared_size_bytes is {self.max_dynamic_shared_size_bytes}; set "
-                f"kernel.max_dynamic_shared_size_bytes = {shared_mem} first (a GPU launch would fail too)")
-        if shared_mem > _MAX_SMEM:
-            raise ValueError(f"shared_mem={shared_mem} exceeds the largest shared memory of any GPU ({_MAX_SMEM})")
+                f"max_dynamic_shared_size_bytes is {allowed} (its static arrays take "
+                f"{self.shared_size_bytes}); set kernel.max_dynamic_shared_size_bytes = {shared_mem} "
+                "first (a GPU launch would fail too)")
         return g, b, shared_mem
 
     def _marshal(self, args, params) -> tuple:
