@@ -216,6 +216,7 @@ def test_static_shared_counts_against_the_limit():
         f.max_dynamic_shared_size_bytes = optin
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
 def test_static_shared_counts_against_the_limit_on_gpu():
     import cupy
@@ -621,6 +622,7 @@ def test_flash_attention_sized_launch():
 
 # ---------------------------------------------------------------------------------------------
 # GPU cross-check (skipped without a device)
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
 def test_same_kernels_on_gpu_agree():
     rng = np.random.default_rng(8)
