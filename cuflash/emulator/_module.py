@@ -157,7 +157,8 @@ class RawKernel:
         module of one kernel, else an upper bound: a device function's arrays belong to
         whichever kernels call it, which the library does not record)."""
         lib, _ = self._lib(self.module.checked or _checked_from_env())
-        return sum(size for _, size, _ in lib.static_shared)
+        total = sum(size for _, size, _ in lib.static_shared)
+        return -(-total // 16) * 16   # ptxas reserves static shared memory in 16-byte units
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:

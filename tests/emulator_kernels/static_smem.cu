@@ -1,8 +1,8 @@
 // Reverse a chunk through dynamic shared memory while a device function keeps a value in a
 // static __shared__ array: on CUDA the two share the launch's shared-memory limit.
 __device__ int block_broadcast(int v) {
-    __shared__ int value[2];
-    if (threadIdx.x == 0) value[0] = v;
+    __shared__ int value[2];  // both written (by threads 0 and 1), so neither is optimised out
+    if (threadIdx.x < 2) value[threadIdx.x] = v;
     __syncthreads();
     return value[0];
 }
