@@ -23,9 +23,10 @@ pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
 
 
-def _tc_plan(dtype, head_dim, block_m):
-    return next(p for p in tiling.all_tc_plans()
-                if p.dtype == np.dtype(dtype).name and p.head_dim == head_dim and p.block_m == block_m)
+def _tc_plan(dtype, head_dim, num_warps):
+    (plan,) = (p for p in tiling.all_tc_plans() if p.dtype == np.dtype(dtype).name
+               and p.head_dim == head_dim and p.num_warps == num_warps)
+    return plan
 
 
 def _backend(arch, *, max_smem=None, checked=False, schedule="round-robin"):
@@ -55,28 +56,32 @@ def _check(be, q, k, v, *, causal, expect_plan=None):
 
 
 # -- every specialization, on the archs it targets --------------------------------------------
-# (dtype, HEAD_DIM, BLOCK_M, arch, max_smem forcing the tile or None for the arch's own pick)
+# (dtype, HEAD_DIM, NUM_WARPS, arch, max_smem forcing the tile or None for the arch's own pick)
 SPECS = [
-    (F16, 64, 128, "sm_75", None),           # two row tiles per warp (32 rows)
-    (F16, 64, 128, "sm_80", None),
-    (F16, 128, 128, "sm_75", None),          # T4: 64 KB, two row tiles, Q_i re-read
-    (F16, 128, 128, "sm_86", None),
-    (F16, 256, 64, "sm_75", None),           # one row tile per warp
-    (F16, 256, 64, "sm_89", None),
-    (BF16, 64, 128, "sm_89", None),
-    (BF16, 128, 128, "sm_80", None),
-    (BF16, 128, 128, "sm_90", None),
-    (BF16, 256, 64, "sm_90", None),
+    (F16, 64, 4, "sm_75", None),             # two row tiles per warp (32 rows)
+    (F16, 64, 4, "sm_80", None),
+    (F16, 128, 4, "sm_75", None),            # T4: 64 KB, two row tiles, Q_i re-read
+    (F16, 128, 4, "sm_86", 64 * 1024),       # the 100 KB GPUs' fallback
+    (F16, 128, 8, "sm_86", None),            # 100 KB: one row tile per warp, the lean loop
+    (F16, 256, 4, "sm_75", None),            # one row tile per warp
+    (F16, 256, 4, "sm_89", 64 * 1024),
+    (F16, 256, 8, "sm_89", None),
+    (BF16, 64, 4, "sm_89", None),
+    (BF16, 128, 4, "sm_80", None),
+    (BF16, 128, 4, "sm_90", None),
+    (BF16, 128, 8, "sm_89", None),
+    (BF16, 256, 4, "sm_90", None),
+    (BF16, 256, 8, "sm_86", None),
 ]
 
 
 def _spec_id(spec):
-    dt, D, bm, arch, smem = spec
-    return f"{np.dtype(dt).name}-D{D}-Br{bm}-{arch}{'-forced' if smem else ''}"
+    dt, D, warps, arch, smem = spec
+    return f"{np.dtype(dt).name}-D{D}-w{warps}-{arch}{'-forced' if smem else ''}"
 
 
 def test_the_matrix_covers_every_specialization_and_arch():
-    built = {(_tc_plan(dt, D, bm), arch) for dt, D, bm, arch, _ in SPECS}
+    built = {(_tc_plan(dt, D, warps), arch) for dt, D, warps, arch, _ in SPECS}
     for plan in tiling.all_tc_plans():
         archs = {a for p, a in built if p == plan}
         assert archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
@@ -89,10 +94,11 @@ def test_the_matrix_covers_every_specialization_and_arch():
 def test_specialization(spec):
     """Partial query and key tiles, columns d..D-1 zero-filled, causal with Nq < Nk; and the
     full-width head dim without the mask."""
-    dt, D, bm, arch, smem = spec
-    plan = _tc_plan(dt, D, bm)
+    dt, D, warps, arch, smem = spec
+    plan = _tc_plan(dt, D, warps)
     be = _backend(arch, max_smem=smem)
-    q, k, v = _inputs(1, 2, 1, plan.block_m + 5, 2 * plan.block_n + 3, D - 8, dt, seed=D + bm)
+    q, k, v = _inputs(1, 2, 1, plan.block_m + 5, 2 * plan.block_n + 3, D - 8, dt,
+                      seed=D + plan.block_m)
     _check(be, q, k, v, causal=True, expect_plan=plan)
     q, k, v = _inputs(1, 1, 1, 17, plan.block_n + 1, D, dt, seed=D)
     _check(be, q, k, v, causal=False, expect_plan=plan)
@@ -135,14 +141,15 @@ def test_strided_inputs_aligned_and_not():
 
 # -- checked mode: no races, no out-of-bounds access, no read of a pending cp.async ----------
 
-@pytest.mark.parametrize("arch,dt,D,bm,smem,schedule", [
-    ("sm_80", F16, 64, 128, None, "round-robin"),
-    ("sm_75", F16, 128, 128, None, "random"),        # synchronous copies, two m16n8k8
-    ("sm_90", BF16, 256, 64, None, "reversed"),      # Q_i re-read from shared memory
-    ("sm_86", BF16, 128, 128, None, "reversed"),     # two row tiles, Q_i re-read
+@pytest.mark.parametrize("arch,dt,D,warps,smem,schedule", [
+    ("sm_80", F16, 64, 4, None, "round-robin"),
+    ("sm_75", F16, 128, 4, None, "random"),          # synchronous copies, two m16n8k8
+    ("sm_90", BF16, 256, 4, None, "reversed"),       # Q_i re-read from shared memory
+    ("sm_90", BF16, 128, 4, None, "random"),         # two row tiles, Q_i re-read
+    ("sm_86", BF16, 128, 8, None, "reversed"),       # 8 warps, the lean loop
 ])
-def test_checked(arch, dt, D, bm, smem, schedule):
-    plan = _tc_plan(dt, D, bm)
+def test_checked(arch, dt, D, warps, smem, schedule):
+    plan = _tc_plan(dt, D, warps)
     be = _backend(arch, max_smem=smem, checked=True, schedule=schedule)
     # three key tiles: the ring wraps; Nq > Nk and causal: skipped and partial tiles
     q, k, v = _inputs(1, 2, 1, 3 * plan.block_n + 9, 3 * plan.block_n - 5, D - 16, dt, seed=D)

@@ -34,7 +34,7 @@ SMEM_CASES = {
         (64 * 33 + 32 * 33 + 32 * 33 + 64 * 33) * 8),
     # TcTileTraits: sQ [Br][D], sK, sV [stages][Bc][D] in the 2-byte storage type
     "TcTileTraits": (
-        lambda: _find(tiling.all_tc_plans(), dtype="bfloat16", head_dim=128),
+        lambda: _find(tiling.all_tc_plans(), dtype="bfloat16", head_dim=128, num_warps=4),
         (128 * 128 + 2 * 32 * 128 + 2 * 32 * 128) * 2),
     # Tf32TileTraits: the same tiles in float32
     "Tf32TileTraits": (

@@ -12,10 +12,10 @@ from .tc_fwd import all_tc_plans, all_tf32_plans
 def every_plan(cc=None) -> dict:
     """{name expression: plan} of every kernel specialization the library can launch on a
     device of compute capability `cc` (None: on any device): every plan of every family,
-    dtype and head-dim bucket. A few tiles depend on `cc` (float32's split-tf32 tiles on
-    sm_100 and sm_120, a 16-bit backward tile on sm_75: per-arch replacements in `tc_fwd`
-    and `tc_bwd`)."""
-    plans = (*all_simt_fwd_plans(), *all_tc_plans(), *all_tf32_plans(cc),
+    dtype and head-dim bucket. A few tiles depend on `cc` (16-bit forward tiles on sm_86,
+    sm_89 and sm_120, float32's split-tf32 tiles on sm_100 and sm_120, a 16-bit backward
+    tile on sm_75: per-arch replacements in `tc_fwd` and `tc_bwd`)."""
+    plans = (*all_simt_fwd_plans(), *all_tc_plans(cc), *all_tf32_plans(cc),
              *all_simt_bwd_plans(), *all_tc_bwd_plans(cc), *all_tf32_bwd_plans(cc),
              *all_softmax_plans())
     return {p.name_expression: p for p in plans}

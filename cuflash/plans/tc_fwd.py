@@ -34,6 +34,16 @@ _TC_CANDIDATES = {
     128: ((128, 32, 4, 2),),
     256: ((64, 16, 4, 2),),
 }
+# GPUs with 100 KB of shared memory per SM (sm_86, sm_89, sm_120) replace two lists: there
+# the 64 KB tiles above run one block of 4 warps per SM, one warp per scheduler, which
+# every barrier and copy then stalls, while their tensor cores (half sm_80's rate per SM)
+# keep the loop tensor-bound whatever its ldmatrix traffic. 8 warps of one row tile each
+# (96 KB) keep 8 warps per SM; at D = 128 they also run the lean main loop (3.70
+# instructions per HMMA against the two row tiles' 7.30; docs/kernels.md's model).
+_TC_CANDIDATES_100KB = {
+    128: ((128, 64, 8, 2), (128, 32, 4, 2)),
+    256: ((128, 16, 8, 2), (64, 16, 4, 2)),
+}
 
 # float32: candidate (block_m, block_n, num_warps, stages) per (HEAD_DIM, split), best
 # first; each list ends with a tile within 99 KB, the opt-in limit of sm_86/sm_89 (A10,
@@ -143,6 +153,12 @@ def tf32_mode(split: bool) -> str:
     return "split" if split else "one-pass"
 
 
+def shared_100kb(cc) -> bool:
+    """Whether the SMs of compute capability `cc` hold 100 KB of shared memory (sm_86,
+    sm_89, sm_120), where the 16-bit forward takes 8-warp tiles."""
+    return cc is not None and (cc in ((8, 6), (8, 9)) or cc[0] == 12)
+
+
 def sm120(cc) -> bool:
     """Whether compute capability `cc` is consumer Blackwell's (12.x), whose ptxas needs
     smaller split-tf32 tiles."""
@@ -156,14 +172,18 @@ def tc_fwd_candidates(dtype: str, head_dim: int, *, split: bool, cc=None) -> lis
         table = {**_TF32_CANDIDATES, **_TF32_CANDIDATES_SM120} if sm120(cc) else _TF32_CANDIDATES
         return [Tf32Plan(FLASH_FWD_TC.name, dtype, head_dim, *c, split)
                 for c in table[(head_dim, split)]]
-    return [TcPlan(FLASH_FWD_TC.name, dtype, head_dim, *c) for c in _TC_CANDIDATES[head_dim]]
+    table = {**_TC_CANDIDATES, **_TC_CANDIDATES_100KB} if shared_100kb(cc) else _TC_CANDIDATES
+    return [TcPlan(FLASH_FWD_TC.name, dtype, head_dim, *c) for c in table[head_dim]]
 
 
 @functools.cache
-def all_tc_plans() -> tuple[TcPlan, ...]:
-    """Every 16-bit tensor-core forward specialization (for the gate)."""
-    return tuple(p for dt in TC_DTYPES for D in TC_HEAD_DIMS
-                 for p in tc_fwd_candidates(dt, D, split=False))
+def all_tc_plans(cc=None) -> tuple[TcPlan, ...]:
+    """Every 16-bit tensor-core forward specialization a device of compute capability `cc`
+    can launch (for the gate); None: of any device, the 100 KB GPUs' last."""
+    plans = (p for c in ((None, (8, 6)) if cc is None else (cc,))
+             for dt in TC_DTYPES for D in TC_HEAD_DIMS
+             for p in tc_fwd_candidates(dt, D, split=False, cc=c))
+    return tuple(dict.fromkeys(plans))
 
 
 @functools.cache
