@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -162,7 +163,7 @@ def test_staged_gpu_runs_add_up_to_one_summary(gpu_check, monkeypatch, tmp_path)
     assert "Not run yet: `python3 tools/gpu_check.py --only bench`" in md
     assert [c[0][1:4] for c in calls][0] == ["-m", "pytest", "-m"]   # tests first
     assert calls[0][1] == gpu_check.CAPS["tests"]
-    assert calls[1][0][:4] == ["bash", "tools/sanitize_gpu.sh", "--timeout", "80"]  # 270 / 3 − 10
+    assert calls[1][0][:4] == ["bash", "tools/sanitize_gpu.sh", "--budget", "230"]  # 240 − 10
 
     assert gpu_check.main(["--only", "bench", *out]) == 0
     bench_cmd = calls[2][0]
@@ -213,7 +214,7 @@ def test_bad_arguments_are_named(gpu_check, capsys, argv, named):
 FAKE_SANITIZER = """#!/usr/bin/env bash
 # compute-sanitizer --tool CHECK --error-exitcode 99 --target-processes all PROGRAM...
 check=$2; shift 6
-"$@"; rc=$?
+CHECK=$check "$@"; rc=$?
 n=0; [ "$check" = racecheck ] && n=2
 echo "========= ERROR SUMMARY: $n errors"
 [ $n -gt 0 ] && exit 99
@@ -225,7 +226,7 @@ case "$2" in *getDeviceCount*) exit 0 ;; esac
 exec {python} "$@"
 """
 GPU_TESTS = """
-import time, pytest
+import os, time, pytest
 
 @pytest.mark.gpu
 def test_runs():
@@ -236,8 +237,9 @@ def test_skips():
     pytest.skip("not here")
 
 @pytest.mark.gpu
-def test_hangs():
-    time.sleep(60)
+def test_hangs():   # under every tool, or HANG_ONLY's
+    if os.environ.get("HANG_ONLY", os.environ["CHECK"]) == os.environ["CHECK"]:
+        time.sleep(60)
 """
 
 
@@ -252,9 +254,9 @@ def test_sanitize_script_reports_each_tool(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                PYTHON=str(bin_dir / "python"))
 
-    def run(*args):
+    def run(*args, **extra_env):
         proc = subprocess.run(["bash", str(REPO / "tools" / "sanitize_gpu.sh"), *args,
-                               str(tmp_path / "test_fake_gpu.py")], env=env,
+                               str(tmp_path / "test_fake_gpu.py")], env=dict(env, **extra_env),
                               capture_output=True, text=True, timeout=300)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("sanitize_gpu: ")]
         return proc.returncode, lines
@@ -262,11 +264,21 @@ def test_sanitize_script_reports_each_tool(tmp_path):
     rc, lines = run("-k", "not hangs")
     assert rc == 1   # racecheck's findings fail the run
     assert [l.split(" tests=")[0] for l in lines] == [
-        "sanitize_gpu: memcheck: exit=0 errors=0", "sanitize_gpu: racecheck: exit=99 errors=2",
-        "sanitize_gpu: synccheck: exit=0 errors=0"]
+        "sanitize_gpu: memcheck: exit=0 errors=0", "sanitize_gpu: synccheck: exit=0 errors=0",
+        "sanitize_gpu: racecheck: exit=99 errors=2"]
     assert all("tests=[1 passed, 1 skipped, 1 deselected" in l for l in lines)
 
     rc, lines = run("--timeout", "10")
     assert rc == 1
     assert lines == [f"sanitize_gpu: {c}: exit=124 errors=? tests=[1 passed, 1 skipped so far, stopped]"
-                     for c in ("memcheck", "racecheck", "synccheck")]
+                     for c in ("memcheck", "synccheck", "racecheck")]
+
+    # --budget: memcheck and synccheck first; racecheck, last, stops at what they left
+    # (25 s less their few seconds), not at a third of it
+    start = time.monotonic()
+    rc, lines = run("--budget", "25", HANG_ONLY="racecheck")
+    assert rc == 1
+    assert [l.split(" tests=")[0] for l in lines] == [
+        "sanitize_gpu: memcheck: exit=0 errors=0", "sanitize_gpu: synccheck: exit=0 errors=0",
+        "sanitize_gpu: racecheck: exit=124 errors=?"]
+    assert time.monotonic() - start > 15
