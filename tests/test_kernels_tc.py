@@ -276,6 +276,48 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
         assert n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
 
 
+# -- the online softmax over several key tiles in one block -----------------------------------
+
+@pytest.mark.parametrize("dt,D,warps,arch", [
+    (F16, 64, 4, "sm_80"),     # lean, two row tiles
+    (BF16, 128, 4, "sm_90"),   # general loop, two row tiles
+    (F16, 128, 8, "sm_86"),    # lean, one row tile
+    (F16, 256, 4, "sm_75"),    # general loop, synchronous copies
+    (F32, 128, 8, "sm_80"),    # one-pass tf32
+], ids=lambda x: x if isinstance(x, (int, str)) else np.dtype(x).name)
+def test_online_softmax_across_key_tiles(dt, D, warps, arch):
+    """One block walks four key tiles (num_splits=1). Key 0 is a sink every row scores 8
+    on, so no row's max moves after the first tile (the whole warp skips acc *= α), but for
+    one row whose max moves to 16 in the last tile: its warp must rescale."""
+    plan = (_tc_plan(dt, D, warps) if dt != F32 else next(
+        p for p in tiling.all_tf32_plans() if not p.split and p.head_dim == D
+        and p.num_warps == warps))
+    rng = np.random.default_rng(D)
+    Nq, Nk, d = plan.block_m, 4 * plan.block_n, D
+    scale = d ** -0.5
+    q = rng.uniform(-1, 1, (1, 1, Nq, d))
+    k = rng.uniform(-1, 1, (1, 1, Nk, d)) * 0.5
+    v = rng.uniform(-1, 1, (1, 1, Nk, d))
+    q[..., 0], k[..., 0] = 1.0, 0.0
+    k[..., 0, 0] = 8 / scale                      # the sink
+    q[..., 1], k[..., 1] = 0.0, 0.0
+    row, key = Nq // 2 + 3, Nk - plan.block_n // 2
+    q[..., row, 1], k[..., key, 1] = 1.0, 16 / scale
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    be = _backend(arch)
+    o, lse = be.forward(q, k, v, causal=False, scale=scale, algorithm="fa2", num_splits=1,
+                        allow_tf32=dt == F32)
+    (launched,) = be.take_launches()
+    assert launched == plan, launched
+    ref_o, ref_lse = reference.naive_attention(q, k, v, scale=scale, return_lse=True)
+    if dt == F32:   # one-pass tf32: 10-bit mantissas in every product
+        np.testing.assert_allclose(o, ref_o, atol=5e-3)
+    else:
+        plain, _ = plain_attention(q, k, v, causal=False, scale=scale, dtype=q.dtype)
+        assert_close_to_reference(o, ref_o, plain, q.dtype, what=f"O ({plan})")
+        assert_lse_close(lse, ref_lse, q.dtype)
+
+
 # -- the lean main loop (float16, D = 64: key tiles of 64, kLean) -----------------------------
 
 @pytest.mark.parametrize("page", [64, 128])

@@ -85,7 +85,11 @@ __device__ __forceinline__ void softmax_general(
         tile_row_max(s[r], max_top, max_bottom);
         alpha_top[r] = row_top[r].update(row_max_quad(max_top));  // also ℓ_i *= α
         alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom));
-        if constexpr (R > 1) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
+        if constexpr (R > 1) {  // in the lean loop these are its few edge tiles: rescaled
+            // always (a vote here made CUDA 13.5 spill D = 64 on sm_90)
+            if constexpr (Tr::kLean) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
+            else rescale_acc_if_moved<Tr>(acc[r], alpha_top[r], alpha_bottom[r]);
+        }
         float sum_top = 0.f, sum_bottom = 0.f;  // S → P̃ = exp2(S − m_new)
         exp2_rows(s[r], row_top[r].shift(), row_bottom[r].shift(), sum_top, sum_bottom);
         row_top[r].l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
@@ -274,10 +278,12 @@ __device__ __forceinline__ void flash_fwd_tc(
             gemm_qk_fwd<Tr>(s, qf, s_q, s_k + slot, at);
 
             // -- update m_i and ℓ_i: m_new = max(m_i, rowmax S), α = exp2(m_i − m_new);
-            // acc *= α. Where acc *= α goes is ptxas's register allocation, not the
-            // algorithm's: with two row tiles right after α (after the dropout branch,
-            // D = 128 spilled on sm_75), with one after the dropout branch (before it, split
-            // tf32 D = 256 spilled).
+            // acc *= α, skipped by a warp none of whose rows' max moved. Where acc *= α goes
+            // is ptxas's register allocation, not the algorithm's: with two row tiles after
+            // both tiles' α in the steady state (after each, CUDA 13.5 spilled D = 64 on
+            // sm_90) and right after each α in the general iterations (after the dropout
+            // branch, D = 128 spilled on sm_75), with one after the dropout branch (before
+            // it, split tf32 D = 256 spilled).
             float alpha_top[R], alpha_bottom[R];
             if constexpr (kPlain) {  // S raw: the row max of S, scaled; P̃ = exp2(S·c − c·max)
 #pragma unroll
@@ -286,7 +292,13 @@ __device__ __forceinline__ void flash_fwd_tc(
                     tile_row_max(s[r], max_top, max_bottom);
                     alpha_top[r] = row_top[r].update(row_max_quad(max_top) * scale_log2);
                     alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom) * scale_log2);
-                    if constexpr (R > 1) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
+                }
+                if constexpr (R > 1)
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        rescale_acc_if_moved<Tr>(acc[r], alpha_top[r], alpha_bottom[r]);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
                     float sum_top = 0.f, sum_bottom = 0.f;
                     exp2_rows_scaled(s[r], scale_log2, row_top[r].shift(), row_bottom[r].shift(),
                                      sum_top, sum_bottom);
@@ -297,7 +309,7 @@ __device__ __forceinline__ void flash_fwd_tc(
                 softmax_general<Tr>(s, acc, row_top, row_bottom, alpha_top, alpha_bottom, var, mask,
                                     scale, scale_log2, m0, n0, r_top, t, b, h, Nq, Nk);
             }
-            if constexpr (R == 1) rescale_acc(acc[0], alpha_top[0], alpha_bottom[0]);
+            if constexpr (R == 1) rescale_acc_if_moved<Tr>(acc[0], alpha_top[0], alpha_bottom[0]);
 
             // -- acc += P̃ V_j
             FragA pa[R][Tr::kPVSteps];
@@ -338,7 +350,7 @@ __device__ __forceinline__ void flash_fwd_tc(
             float alpha_top[R], alpha_bottom[R];
             softmax_general<Tr>(s, acc, row_top, row_bottom, alpha_top, alpha_bottom, var, mask,
                                 scale, scale_log2, m0, n0, r_top, t, b, h, Nq, Nk);
-            if constexpr (R == 1) rescale_acc(acc[0], alpha_top[0], alpha_bottom[0]);
+            if constexpr (R == 1) rescale_acc_if_moved<Tr>(acc[0], alpha_top[0], alpha_bottom[0]);
 
             // -- acc += P̃ V_j
             gemm_c_tile<Tr>(acc, s, sVj, lane);

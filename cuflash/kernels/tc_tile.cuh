@@ -438,6 +438,18 @@ __device__ __forceinline__ void rescale_acc(FragC (&acc)[N], float alpha_top, fl
     }
 }
 
+// The forward's acc *= α, skipped by the whole warp when none of its rows' max moved: then
+// every α is exactly 1 and the products would change nothing (the result is the same bit
+// for bit). Late in a long row most key tiles leave its max alone. Split tf32 rescales
+// always: it gains nothing there, its registers being full.
+template <class Tr, int N>
+__device__ __forceinline__ void rescale_acc_if_moved(FragC (&acc)[N], float alpha_top,
+                                                     float alpha_bottom) {
+    if constexpr (!Tr::kSplit)
+        if (!__any_sync(0xffffffffu, alpha_top != 1.f || alpha_bottom != 1.f)) return;
+    rescale_acc(acc, alpha_top, alpha_bottom);
+}
+
 // -- attention variants on fragments (variants.cuh's chain, applied as attn_tile.cuh's
 // compute_scores and flash_fwd.cu apply it). The thread's elements of S are (r_top, c),
 // (r_top, c + 1), (r_top + 8, c), (r_top + 8, c + 1) with c = c0 + 8j: c0 + 8j is even.
