@@ -40,7 +40,7 @@ def test_dry_run_plans_every_section_from_a_plain_checkout(tmp_path):
     summary = out.split("gpu_check --dry-run summary:")[1]
     n_tests = int(summary.split("tests     ok: ")[1].split()[0])
     assert n_tests > 0
-    assert "sanitize  ok: " in summary and "memcheck, racecheck, synccheck" in summary
+    assert "sanitize  ok: " in summary and "memcheck, synccheck, racecheck" in summary
     assert "bench     ok: plan written, cuflash validated in the emulator" in summary
     for check in ("memcheck", "racecheck", "synccheck"):
         assert f"would run: compute-sanitizer --tool {check}" in out

@@ -523,7 +523,7 @@ def dry_run(args, log):
     tool = re.search(r"compute-sanitizer: (.*)", text)
     n = collect(["-m", "gpu", *SANITIZE_SELECTION], log)
     ok["sanitize"] = rc == 0 and tool is not None and n > 0
-    results["sanitize"] = (f"{n} GPU tests under each of memcheck, racecheck, synccheck; "
+    results["sanitize"] = (f"{n} GPU tests under each of memcheck, synccheck, racecheck; "
                            f"compute-sanitizer {tool.group(1) if tool else '?'}" if ok["sanitize"]
                            else f"sanitize_gpu.sh --dry-run failed (exit {rc}, {n} tests)")
     print(f"[sanitize] {results['sanitize']}\n")
