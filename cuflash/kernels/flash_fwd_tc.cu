@@ -114,6 +114,9 @@ __device__ __forceinline__ void flash_fwd_tc(
     // (TileCopy, FragAddrs). Otherwise one general loop recomputing its addresses.
     constexpr bool kLean = Tr::kLean;
     static_assert(!kLean || !Tr::kTf32, "the lean loop's fragment loads are ldmatrix (16-bit)");
+    // The products: 16-bit tiles' ldmatrix addressed once (FragAddrs, K_j in the K layout),
+    // in either loop; float32's tc_gemm.cuh products, addressed per tile.
+    constexpr bool kFragProducts = !Tr::kTf32;
 
     // Block → (m_block, split, h, b); query blocks last-first (the causal tail, as
     // flash_fwd.cu). Varlen / KV-cache lengths and split-KV: seqlens.cuh.
@@ -218,8 +221,8 @@ __device__ __forceinline__ void flash_fwd_tc(
             k_next += BN * k_st.r;
             v_next += BN * v_st.r;
         } else {
-            copy_tile_async<Tr, BN>(sK + slot / sizeof(T), seq.key_tile(k_h, k_st, b, n0),
-                                    k_st.r, 0, Nk - n0, d);
+            copy_tile_async<Tr, BN, /*K_LAYOUT=*/kFragProducts>(
+                sK + slot / sizeof(T), seq.key_tile(k_h, k_st, b, n0), k_st.r, 0, Nk - n0, d);
             copy_tile_async<Tr, BN>(sV + slot / sizeof(T), seq.key_tile(v_h, v_st, b, n0),
                                     v_st.r, 0, Nk - n0, d);
         }
@@ -326,7 +329,7 @@ __device__ __forceinline__ void flash_fwd_tc(
         for (; j < t_lo; ++j) iteration(j, Bool<false>{});
         for (; j < t_hi; ++j) iteration(j, Bool<true>{});
         for (; j < t_end; ++j) iteration(j, Bool<false>{});
-    } else {  // one general loop; its addresses computed per tile (tc_gemm.cuh's products)
+    } else {  // one general loop; its copies addressed per tile
         constexpr int kSlot = BN * Tr::kHeadDim;  // elements of one ring slot
         for (int j = t_begin; j < t_end; ++j) {
             cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
@@ -336,8 +339,7 @@ __device__ __forceinline__ void flash_fwd_tc(
                 if (jn < t_end) copy_kv(jn, (jn - t_begin) % STAGES * kSlotBytes);
                 cp_async_commit();
             }
-            const T* sKj = sK + ((j - t_begin) % STAGES) * kSlot;
-            const T* sVj = sV + ((j - t_begin) % STAGES) * kSlot;
+            const int ring = (j - t_begin) % STAGES;  // tile j's slot
             const int n0 = j * BN;
 
             // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
@@ -346,14 +348,23 @@ __device__ __forceinline__ void flash_fwd_tc(
             for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int i = 0; i < Tr::kSTiles; ++i) s[r][i] = FragC{0.f, 0.f, 0.f, 0.f};
-            gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
+            if constexpr (kFragProducts)
+                gemm_qk_fwd<Tr>(s, qf, s_q, s_k + ring * kSlotBytes, at);
+            else
+                gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sK + ring * kSlot, lane);
             float alpha_top[R], alpha_bottom[R];
             softmax_general<Tr>(s, acc, row_top, row_bottom, alpha_top, alpha_bottom, var, mask,
                                 scale, scale_log2, m0, n0, r_top, t, b, h, Nq, Nk);
             if constexpr (R == 1) rescale_acc_if_moved<Tr>(acc[0], alpha_top[0], alpha_bottom[0]);
 
             // -- acc += P̃ V_j
-            gemm_c_tile<Tr>(acc, s, sVj, lane);
+            if constexpr (kFragProducts) {
+                FragA pa[R][Tr::kPVSteps];
+                pack_p<Tr>(pa, s);
+                gemm_pv_fwd<Tr>(acc, pa, s_v + ring * kSlotBytes, at);
+            } else {
+                gemm_c_tile<Tr>(acc, s, sV + ring * kSlot, lane);
+            }
         }
     }
 

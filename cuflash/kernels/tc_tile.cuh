@@ -51,7 +51,7 @@ struct TcTileTraits {
     // The forward's lean main loop (flash_fwd_tc.cu). Two row tiles at D = 128 hold O's
     // 128 registers beside S's: there its extra per-thread state (addresses fixed before
     // the loop, a peeled steady state) made ptxas spill (36-372 bytes, sm_80), so that
-    // tile keeps the general loop, recomputing its addresses; so does D = 256 on sm_75
+    // tile keeps the general loop, addressing its copies per tile; so does D = 256 on sm_75
     // (16 bytes: without cp.async its copies pass through registers).
     static constexpr bool kLean = !(kRowTiles == 2 && HEAD_DIM == 128) &&
                                   !(HEAD_DIM == 256 && CUFLASH_ARCH < 800);
@@ -111,8 +111,9 @@ template <class Tr> __device__ __forceinline__ int k_tile_offset(int row, int co
 // Unrolled where each thread copies at most 4 chunks, else a rolled loop: unrolled, ptxas
 // hoists every chunk's addresses out of the main loop (they are loop-invariant but for the
 // tile's row offset) and keeps them in registers, which spilled with 8–32 chunks per
-// thread (1–2 warps, 256-wide or float tiles).
-template <class Tr, int ROWS, typename T>
+// thread (1–2 warps, 256-wide or float tiles). K_LAYOUT: the forward's K_j layout
+// (k_tile_offset), for FragAddrs' ldmatrix.
+template <class Tr, int ROWS, bool K_LAYOUT = false, typename T>
 __device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __restrict__ g,
                                                 long long ld, int row0, int n_rows, int d) {
     constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
@@ -122,7 +123,8 @@ __device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __re
         const bool valid = row0 + r < n_rows && c * C < d;
         // a zero-filled chunk still names a valid address (the matrix's first element)
         const T* src = valid ? g + (long long)(row0 + r) * ld + c * C : g;
-        cp_async_16(s + tile_offset<Tr>(r, c * C), src, valid);
+        const int at = K_LAYOUT ? k_tile_offset<Tr>(r, c * C) : tile_offset<Tr>(r, c * C);
+        cp_async_16(s + at, src, valid);
     };
     if constexpr (kChunks <= 4 * NT) {
 #pragma unroll
