@@ -65,10 +65,12 @@ class KernelBackend:
                                             options=compiler.nvrtc_options(),
                                             name_expressions=[plan.name_expression],
                                             **self.module_options)
-                fn = self._functions[key] = module.get_function(plan.name_expression)
-            # by default a launch may take 48 KiB less the kernel's static arrays
-            if fn.max_dynamic_shared_size_bytes < plan.dynamic_smem_bytes:
-                fn.max_dynamic_shared_size_bytes = plan.dynamic_smem_bytes
+                fn = module.get_function(plan.name_expression)
+                # by default a launch may take 48 KiB less the kernel's static arrays; the
+                # name expression fixes the tile, so once per function (not per launch)
+                if fn.max_dynamic_shared_size_bytes < plan.dynamic_smem_bytes:
+                    fn.max_dynamic_shared_size_bytes = plan.dynamic_smem_bytes
+                self._functions[key] = fn
         return fn
 
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
