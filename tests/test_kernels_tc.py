@@ -284,6 +284,9 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     (F16, 128, 8, "sm_86"),    # lean, one row tile
     (F16, 256, 4, "sm_75"),    # general loop, synchronous copies
     (F32, 128, 8, "sm_80"),    # one-pass tf32
+    (F16, 128, 4, "sm_100"),   # general loop on Blackwell
+    (BF16, 128, 8, "sm_120"),  # consumer Blackwell's 8-warp tiles
+    (F16, 256, 8, "sm_120"),
 ], ids=lambda x: x if isinstance(x, (int, str)) else np.dtype(x).name)
 def test_online_softmax_across_key_tiles(dt, D, warps, arch):
     """One block walks four key tiles (num_splits=1). Key 0 is a sink every row scores 8
