@@ -1,9 +1,10 @@
 """GPU benchmark: cuflash forward, backward and forward+backward against its peers, in one
 run on one CUDA device. Peers, each where installed: PyTorch SDPA with each of its fused
 backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
-`dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; CuPy naive
-attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
-to each peer's.
+`dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
+two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
+has five GEMMs, this one seven); CuPy naive attention on request (`--peers ...
+cupy-naive`). The headline is the ratio of cuflash's rate to each peer's.
 
 Every row of the CSV says what ran: a timing (status ok), or why there is none:
 unavailable (not installed, no device), unsupported (the peer refuses the dtype or shape),
@@ -58,7 +59,9 @@ from cuflash.flops import attention_flops  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODES = ("fwd", "bwd", "fwd+bwd")
-PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn")
+# cuflash-2kernel: cuflash's own two-kernel backward, the A/B of its 5-GEMM one
+PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn",
+         "cuflash-2kernel")
 EXTRA_PEERS = ("cupy-naive",)
 SIXTEEN_BIT = ("float16", "bfloat16")
 ALL_DTYPES = ("float16", "bfloat16", "float32")
@@ -197,6 +200,39 @@ class Cuflash(_CupyImpl):
         def fwd_bwd():
             o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
             return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+class CuflashTwoKernels(Cuflash):
+    """cuflash with the backward's dQ from a kernel of its own (seven GEMMs per tile, no dQ
+    partials): beside "cuflash", whose 16-bit backward up to d = 128 takes five GEMMs, the
+    measured answer to the 5-GEMM backward's model. Where no 5-GEMM tile applies (float32,
+    d > 128) both run the same kernels."""
+    name = "cuflash-2kernel"
+
+    def describe(self, q, k, v, do):
+        from cuflash.backends import kernel_backward, kernels
+        backend = kernels.cuda_backend()
+        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, dq_parts=False)
+        return f"{dkdv.name_expression}; {dq.name_expression}"
+
+    def passes(self, q, k, v, do, causal, scale):
+        import cuflash
+        from cuflash.backends import kernel_backward, kernels
+        backend = kernels.cuda_backend()
+        kw = dict(causal=causal, scale=scale, backend="cuda")
+        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+
+        def fwd():
+            return cuflash.flash_attention(q, k, v, **kw)
+
+        def bwd(o=o, lse=lse):
+            return kernel_backward.backward(backend, do, q, k, v, o, lse, causal=causal,
+                                            scale=scale, dq_workers=0)
+
+        def fwd_bwd():
+            o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+            return o2, bwd(o2, lse2)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
@@ -461,6 +497,7 @@ def make_impls(names):
         "jax-cudnn": JaxCudnn,
         "flash-attn": FlashAttn,
         "cupy-naive": CupyNaive,
+        "cuflash-2kernel": CuflashTwoKernels,
     }
     return [makers[n]() for n in dict.fromkeys(["cuflash", *names])]
 

@@ -328,8 +328,9 @@ def _cache_dir():
 def _key(source_text, names, arch, options, sass=False):
     h = hashlib.sha256()
     h.update(f"v{CACHE_VERSION}\0{arch}\0".encode())
-    if sass:
+    if sass:  # the listing's counts and cost: the counter's own source is part of the key
         h.update(f"sass\0{nvdisasm_path()}\0".encode())
+        h.update(pathlib.Path(sass_cost.__file__).read_bytes())
     h.update("\0".join(options).encode() + b"\1")
     h.update("\0".join(names).encode() + b"\1")
     h.update(source_text.encode())

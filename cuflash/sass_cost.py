@@ -4,8 +4,9 @@ One function of the listing → basic blocks → control-flow graph → natural 
 edge u → h where h dominates u; the loop is h and every block that reaches u without
 passing h). The main loop is the natural loop holding the most HMMA (HGMMA). One
 steady-state iteration is the cheapest path from the loop's head to a back edge that
-passes every block of the loop holding an HMMA or a tile copy (LDGSTS, UTMALDG): optional
-work (masking, variants, the last tile's missing copy) is left out, while predicated
+passes every block of the loop holding an HMMA, a tile copy (LDGSTS, UTMALDG) or a
+global reduction (RED, ATOM: the 5-GEMM backward's dQ partials): optional work (masking,
+variants, the last tile's missing copy) is left out, while predicated
 instructions count, since they take an issue slot whether or not they execute. An inner
 loop's blocks are entered once on that path, so work left in a rolled inner loop is
 under-counted: `exp2_needed` states what the softmax must show.
@@ -264,16 +265,27 @@ def _is_mma(ins):
     return ins.root in ("HMMA", "HGMMA")
 
 
-def _is_tile_copy(ins):
-    return ins.root in ("LDGSTS", "UTMALDG")
+def _is_tile_io(ins):
+    return ins.root in ("LDGSTS", "UTMALDG", "RED", "ATOM", "ATOMG")
 
 
 def main_loop(blocks: list[Block]) -> tuple[int, set[int]] | None:
-    """(head, blocks) of the natural loop holding the most HMMA (the innermost of equals),
-    or None where no loop holds one."""
+    """(head, blocks) of the natural loop holding the most HMMA, or None where no loop holds
+    one. A loop around a main loop, one holding another loop with HMMA and a barrier (e.g.
+    over a worker's key blocks), holds more but is not one; a rolled loop of products
+    without a barrier inside the main loop does not disqualify it."""
+    loops = natural_loops(blocks)
+
+    def count(body, pred):
+        return sum(pred(i) for b in body for i in blocks[b].instructions)
+
+    tiled = {h for h, body in loops.items()
+             if count(body, _is_mma) and count(body, lambda i: i.root == "BAR")}
     best, key = None, (0, 0)
-    for head, body in natural_loops(blocks).items():
-        n = sum(_is_mma(i) for b in body for i in blocks[b].instructions)
+    for head, body in loops.items():
+        n = count(body, _is_mma)
+        if any(o != head and o in body for o in tiled):
+            continue
         if (n, -len(body)) > key:
             best, key = (head, body), (n, -len(body))
     return best
@@ -282,7 +294,8 @@ def main_loop(blocks: list[Block]) -> tuple[int, set[int]] | None:
 def steady_state_path(blocks: list[Block], head: int, body: set[int]) -> list[int]:
     """The blocks of one steady-state iteration of the loop (head, body): of the paths from
     the head to a back edge, with the back edges of inner loops cut (their blocks entered
-    once), the one passing the most HMMA and tile copies, then the fewest instructions."""
+    once), the one passing the most HMMA, tile copies and global reductions, then the
+    fewest instructions."""
     # depth-first from the head within the body: the retreating edges are the back edges
     # (of this loop and of inner ones), the rest is a DAG whose postorder reversed sorts it
     order, seen, retreat, on_stack = [], {head}, set(), {head}
@@ -301,7 +314,7 @@ def steady_state_path(blocks: list[Block], head: int, body: set[int]) -> list[in
                 seen.add(nxt)
                 on_stack.add(nxt)
                 stack.append((nxt, iter(blocks[nxt].successors)))
-    weight = {b: (sum(_is_mma(i) or _is_tile_copy(i) for i in blocks[b].instructions),
+    weight = {b: (sum(_is_mma(i) or _is_tile_io(i) for i in blocks[b].instructions),
                   -len(blocks[b].instructions)) for b in seen}
     best = {head: (weight[head], [head])}   # lexicographic: (work, −instructions)
     for b in reversed(order):

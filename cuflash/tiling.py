@@ -7,17 +7,18 @@ whose modules mirror the kernels' traits headers one for one).
   runs and why; `simt_forward_plan` and `simt_backward_plans` are the SIMT kernels' alone;
 * the plans, frozen dataclasses with their traits' shared-memory formulas: `SimtFwdPlan`,
   `TcPlan` (`Tf32Plan` for float32), `SimtBwdPlan`, `BwdPreprocessPlan`, `TcBwdPlan`
-  (`Tf32BwdPlan`), `SoftmaxPlan`;
+  (`Tf32BwdPlan`), `DqSumPlan`, `SoftmaxPlan`;
 * the finite set of specializations, `every_plan()` and `specializations()`, which the
   compile gate compiles;
 * the device: `device_limits()`, `occupancy(...)`, split-KV (`split_kv_count` within a
-  launch, `split_kv_calls` over separate calls).
+  launch, `split_kv_calls` over separate calls), the 5-GEMM backward's `dq_workers`.
 """
 from .plans.base import DTYPE_NAMES, ELEMENTS, dtype_name
 from .plans.catalog import every_plan, specializations
 from .plans.choose import TC_MIN_CC, backward_path, forward_path
-from .plans.device import (MAX_CALL_SPLITS, MAX_SPLITS, MIN_KEYS_PER_CALL, device_limits,
-                           occupancy, split_kv_calls, split_kv_count)
+from .plans.device import (DQ_PARTS_MAX, MAX_CALL_SPLITS, MAX_SPLITS, MIN_KEYS_PER_CALL,
+                           device_limits, dq_workers, occupancy, split_kv_calls,
+                           split_kv_count)
 from .plans.paper import paper_block_sizes
 from .plans.simt_bwd import (BWD_HEAD_DIM_BUCKETS, BWD_KERNELS, BwdPreprocessPlan, SimtBwdPlan,
                              all_simt_bwd_plans, bwd_head_dim_bucket, bwd_head_dim_chunks,
@@ -26,7 +27,7 @@ from .plans.simt_fwd import (HEAD_DIM_BUCKETS, SimtFwdPlan, all_simt_fwd_plans,
                              attention_smem_bytes, head_dim_bucket, simt_forward_plan)
 from .plans.softmax import (SOFTMAX_COLS_MIN_Q, SOFTMAX_THREADS, SoftmaxPlan, all_softmax_plans,
                             plan_softmax)
-from .plans.tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, TcBwdPlan,
+from .plans.tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, TcBwdPlan,
                            Tf32BwdPlan, all_tc_bwd_plans, all_tf32_bwd_plans,
                            tc_bwd_smem_bytes)
 from .plans.tc_fwd import (TC_DTYPES, TC_HEAD_DIMS, TF32_DTYPE, TF32_HEAD_DIMS, TcPlan,
@@ -36,6 +37,7 @@ __all__ = [
     "DTYPE_NAMES", "ELEMENTS", "dtype_name", "every_plan", "specializations", "TC_MIN_CC",
     "backward_path", "forward_path", "MAX_CALL_SPLITS", "MAX_SPLITS", "MIN_KEYS_PER_CALL",
     "device_limits", "occupancy", "split_kv_calls", "split_kv_count", "paper_block_sizes",
+    "DQ_PARTS_MAX", "dq_workers", "DqSumPlan",
     "BWD_HEAD_DIM_BUCKETS", "BWD_KERNELS", "BwdPreprocessPlan", "SimtBwdPlan",
     "all_simt_bwd_plans", "bwd_head_dim_bucket", "bwd_head_dim_chunks", "bwd_preprocess_plan",
     "bwd_smem_bytes", "simt_backward_plans", "HEAD_DIM_BUCKETS", "SimtFwdPlan",

@@ -39,6 +39,35 @@ def test_bench_gpu_dry_run(bench, tmp_path, capsys):
     assert not (tmp_path / "bench_gpu.csv").exists()  # nothing timed
 
 
+@pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+def test_cuflash_two_kernel_peer_runs_the_seven_gemm_backward(bench, monkeypatch):
+    # cuflash-2kernel's passes on the emulator standing in for the GPU: its backward is the
+    # two-kernel one (the dQ kernel launched, no dQ partials) and matches the reference,
+    # and cuflash's own backward of the same inputs is the 5-GEMM one
+    from conftest import assert_close_to_reference, emulator_backend, plain_backward
+    from cuflash import reference
+    from cuflash.backends import kernels
+    be = emulator_backend("sm_80")
+    monkeypatch.setattr(kernels, "cuda_backend", lambda: be)
+    real = cuflash.flash_attention
+    monkeypatch.setattr(cuflash, "flash_attention",
+                        lambda *a, **kw: real(*a, **{**kw, "backend": "emulator"}))
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal((1, 2, 70, 64)).astype(np.float16) for _ in range(4))
+    impl = bench.make_impls(["cuflash-2kernel"])[1]
+    assert impl.name == "cuflash-2kernel" and "flash_bwd_dq_tc" in impl.describe(q, k, v, do)
+    be.take_launches()
+    dq, dk, dv = impl.passes(q, k, v, do, True, 0.125)["bwd"]()
+    assert [p.kernel for p in be.take_launches()][1:] == ["flash_bwd_dkdv_tc", "flash_bwd_dq_tc"]
+    o, lse = real(q, k, v, causal=True, scale=0.125, return_lse=True, backend="numpy")
+    args = (do, q, k, v, o, lse)
+    for name, g, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv),
+                             reference.attention_backward(*args, causal=True, scale=0.125),
+                             plain_backward(*args, causal=True, scale=0.125, dtype=q.dtype)):
+        assert_close_to_reference(g, r, p, q.dtype, factor=3.0, what=name)
+    assert "flash_bwd_dq_sum" in bench.make_impls([])[0].describe(q, k, v, do)
+
+
 class Clock:
     """Simulated seconds: each measurement costs `step`."""
 

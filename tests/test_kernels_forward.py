@@ -318,10 +318,12 @@ SMEM_TRAITS = {
     "TcBwdTraits": (    # the dK/dV kernels keep the row statistics in shared memory
         "tc_bwd_tile.cuh", "typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, "
         "int NUM_WARPS, int STAGES, bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, "
-        "bool SPLIT", 8, lambda: tiling.all_tc_bwd_plans() + tiling.all_tf32_bwd_plans(),
+        "bool SPLIT, bool DQ_PARTS", 8,
+        lambda: [p for p in tiling.all_tc_bwd_plans() + tiling.all_tf32_bwd_plans()
+                 if isinstance(p, tiling.TcBwdPlan)],
         lambda p: (_c(p), p.head_dim, p.block_rows, p.tile_rows, p.num_warps, p.stages,
                    p.own_in_regs, p.chunk_cols, p.kernel.startswith("flash_bwd_dkdv"),
-                   getattr(p, "split", False))),
+                   getattr(p, "split", False), p.dq_parts)),
 }
 
 

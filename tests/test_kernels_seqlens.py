@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cuflash import _dtypes, reference, tiling
+from cuflash.backends import kernel_backward
 from cuflash.backends.kernel_forward import Segments
 
 from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, emulator_backend,
@@ -220,18 +221,20 @@ def test_paged_cache_is_read_through_the_block_table(dtype, arch, kernel):
 
 SIMT_BWD = ("flash_bwd_dkdv", "flash_bwd_dq")
 TC_BWD = tuple(tiling.TC_BWD_KERNELS)
+TC_BWD5 = ("flash_bwd_dkdv_tc", "flash_bwd_dq_sum")   # 5 GEMMs: dQ's partials, their sum
 
 
 @pytest.mark.parametrize("dtype, arch, d, kernels", [
     pytest.param(F32, "sm_70", 40, SIMT_BWD, id="simt-f32-sm70"),
     pytest.param(F64, "sm_80", 40, SIMT_BWD, id="simt-f64-sm80"),
     pytest.param(F16, "sm_70", 40, SIMT_BWD, id="simt-f16-sm70"),
-    pytest.param(F16, "sm_75", 40, TC_BWD, id="tc-f16-sm75"),
+    pytest.param(F16, "sm_75", 40, TC_BWD5, id="tc-f16-sm75"),
     pytest.param(BF16, "sm_80", 200, TC_BWD, id="tc-bf16-sm80-d200")])
 def test_varlen_backward_blocks_find_their_sequence(dtype, arch, d, kernels):
     """The backward over packed sequences (empty ones among them) in one launch of each
-    kernel (preprocess, dK/dV, dQ; SIMT on sm_70, tensor cores from sm_75, in head-dim
-    chunks at d = 200), checked mode: each sequence's gradients equal the float64
+    kernel (preprocess, dK/dV, dQ; SIMT on sm_70, tensor cores from sm_75: d = 40 the
+    5-GEMM backward, whose dQ partials take the packed rows, d = 200 in head-dim chunks
+    and two kernels), checked mode: each sequence's gradients equal the float64
     reference's for that sequence alone, by the rule for gradients."""
     lq, lk = [5, 0, 1, 40, 9], [8, 6, 0, 70, 9]
     q, k, v, cq, ck = _packed(lq, lk, 4, 2, d, dtype)
@@ -240,7 +243,11 @@ def test_varlen_backward_blocks_find_their_sequence(dtype, arch, d, kernels):
     seg = Segments(batch=len(lq), max_q=max(lq), max_k=max(lk), cu_q=cq, cu_k=ck)
     o, lse = be.forward(q, k, v, causal=True, scale=0.15, segments=seg, num_splits=1)
     be.take_launches()
-    dq, dk, dv = be.backward(do, q, k, v, o, lse, causal=True, scale=0.15, segments=seg)
+    # the 5-GEMM backward with one worker per (sequence, K/V head): it walks every key
+    # block of its sequence, adding dQ for the packed rows of that sequence alone
+    dq, dk, dv = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=0.15,
+                                          segments=seg,
+                                          dq_workers=1 if kernels == TC_BWD5 else None)
     launched = tuple(p.kernel for p in be.take_launches())
     assert launched == ("flash_bwd_preprocess", *kernels), launched
     for b in range(len(lq)):

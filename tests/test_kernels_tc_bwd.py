@@ -5,27 +5,30 @@ dispatch (`tiling.backward_path`); its machine code. Each run asserts the kernel
 launched. (Its shared-memory formula: test_kernels_forward.py's
 test_smem_formula_matches_ptxas.)
 
-Each (dtype, head dim, shared memory) picks one dK/dV and one dQ specialization; each is
-built once per arch it runs on (a g++ build of a few seconds), so the matrix runs every
-specialization on an sm_80+ arch (the tiles sized for sm_75 through a backend whose
-max_smem is 64 KB), every float16 one that fits sm_75 there too (two m16n8k8 per k16 step,
-synchronous copies), and reuses those builds for the features (causal, GQA/MQA, Nq != Nk,
-odd sizes, fully masked rows, strides) and for 128 < d <= 256, where the dK/dV blocks own
-128-column chunks of dK, dV.
+Each (dtype, head dim, shared memory) picks the 5-GEMM pair where it applies (dK/dV with
+dQ partials, their sum: the default for 16-bit d <= 128) and the two-kernel pair (dK/dV,
+dQ); each is built once per arch it runs on (a g++ build of a few seconds), so the matrix
+runs every specialization on an sm_80+ arch (the tiles sized for sm_75 through a backend
+whose max_smem is 64 KB), every float16 one that fits sm_75 there too (two m16n8k8 per k16
+step, synchronous copies), Blackwell's too, and reuses those builds for the features
+(causal, GQA/MQA, Nq != Nk, odd sizes, fully masked rows, strides), for 128 < d <= 256,
+where the dK/dV blocks own 128-column chunks of dK, dV, and for the workers of the 5-GEMM
+backward, each partial checked against its own key blocks.
 """
 import numpy as np
 import pytest
 
 from cuflash import _dtypes, compiler, reference, tiling
-from cuflash.backends import kernel_forward, kernels
+from cuflash.backends import kernel_backward, kernel_forward, kernels
 
-from conftest import (HAS_GXX, assert_close_to_reference, backward_inputs, emulator_backend,
-                      have_toolchain, plain_backward)
+from conftest import (HAS_GPU, HAS_GXX, RecordingBackend, assert_close_to_reference,
+                      backward_inputs, emulator_backend, have_toolchain, plain_backward)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
 F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
-TC_BWD = set(tiling.TC_BWD_KERNELS)
+TC_BWD = set(tiling.TC_BWD_KERNELS)                 # two kernels: dK/dV, then dQ
+TC_BWD5 = {"flash_bwd_dkdv_tc", "flash_bwd_dq_sum"}  # 5 GEMMs: dK/dV with dQ's partials, their sum
 
 
 def _backend(arch, *, checked=False, schedule="round-robin", max_smem=None):
@@ -34,18 +37,25 @@ def _backend(arch, *, checked=False, schedule="round-robin", max_smem=None):
     return emulator_backend(arch, max_smem=max_smem, checked=checked, schedule=schedule, seed=5)
 
 
+def _emulator_module():
+    from cuflash import emulator
+    return emulator.RawModule
+
+
 def _problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, seed=0):
     """[do, q, k, v, o, lse], scale (conftest.backward_inputs): the errors measured are the
     backward's own."""
     return backward_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, causal=causal, seed=seed)
 
 
-def _check(be, args, scale, *, causal, expect=None):
+def _check(be, args, scale, *, causal, expect=None, dq_workers=None):
     """The backward on `be` (a conftest.emulator_backend), each gradient within the
     FlashAttention rule; returns the kernels launched after the preprocess (the plans
-    `expect` when given), dq, dk, dv."""
+    `expect` when given), dq, dk, dv. `dq_workers` as kernel_backward.backward takes it
+    (0: the two-kernel backward)."""
     do, q, k, v, o, lse = args
-    grads = be.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
+                                     dq_workers=dq_workers)
     pre, *plans = be.take_launches()
     assert pre.kernel == "flash_bwd_preprocess" and len(plans) == 2, plans
     if expect is not None:
@@ -58,23 +68,26 @@ def _check(be, args, scale, *, causal, expect=None):
     return {p.kernel for p in plans}, grads
 
 
-def _plans(dtype, D, arch, max_smem=None):
-    """The (dK/dV, dQ) plans for bucket D on `arch`: each kernel's first candidate
-    (all_tc_bwd_plans lists them best first) within `max_smem`, else within `arch`'s limit."""
+def _plans(dtype, D, arch, max_smem=None, dq_parts=True):
+    """The plans for bucket D on `arch` within `max_smem`, else within `arch`'s limit: the
+    5-GEMM pair where it applies (`dq_parts`), else (dK/dV, dQ), each kernel's first
+    candidate that fits."""
     limits = kernels.emulator_limits(arch)
     if max_smem is None:
         max_smem = limits["max_smem"]
-    return tuple(next(p for p in tiling.all_tc_bwd_plans(limits["cc"])
-                      if p.kernel == k and p.dtype == np.dtype(dtype).name and p.head_dim == D
-                      and p.smem_bytes <= max_smem)
-                 for k in tiling.TC_BWD_KERNELS)
+    return tiling.backward_path(D, dtype, limits["cc"], max_smem=max_smem,
+                                dq_parts=dq_parts)[0]
 
 
 # -- every specialization, on the archs it targets --------------------------------------------
 SM75_SMEM = 64 * 1024  # on an sm_80+ arch: the tiles sized for sm_75's limit
 SPECS = [(F16, 64, "sm_75", None), (F16, 128, "sm_75", None), (F16, 64, "sm_80", None),
          (F16, 128, "sm_89", None), (BF16, 64, "sm_86", None), (BF16, 128, "sm_90", None),
-         (BF16, 128, "sm_80", None), (BF16, 64, "sm_90", None),
+         (F16, 128, "sm_80", None), (BF16, 128, "sm_86", None), (BF16, 64, "sm_90", None),
+         (F16, 128, "sm_90", None),
+         # Blackwell runs the mma.sync kernels: sm_100 the 227 KB tiles, sm_120 the 99 KB ones
+         (F16, 128, "sm_100", None), (BF16, 64, "sm_100", None), (F16, 128, "sm_120", None),
+         (BF16, 64, "sm_120", None),
          # D = 256: the dK/dV blocks own 128-column chunks of dK, dV
          (F16, 256, "sm_75", None), (F16, 256, "sm_80", None), (F16, 256, "sm_89", None),
          (F16, 256, "sm_80", SM75_SMEM), (BF16, 256, "sm_90", None), (BF16, 256, "sm_86", None),
@@ -82,15 +95,18 @@ SPECS = [(F16, 64, "sm_75", None), (F16, 128, "sm_75", None), (F16, 64, "sm_80",
 
 
 def test_the_matrix_covers_every_specialization_and_arch():
-    built = {(p, arch) for dt, D, arch, smem in SPECS for p in _plans(dt, D, arch, smem)}
-    sm80, sm75 = set(tiling.all_tc_bwd_plans((8, 0))), set(tiling.all_tc_bwd_plans((7, 5)))
+    built = {(p, arch) for dt, D, arch, smem in SPECS for parts in (True, False)
+             for p in _plans(dt, D, arch, smem, parts)}
+    sm75 = set(tiling.all_tc_bwd_plans((7, 5)))
+    sm80 = set(tiling.all_tc_bwd_plans((8, 0))) | set(tiling.all_tc_bwd_plans((9, 0)))
     for plan in tiling.all_tc_bwd_plans():
         archs = {a for p, a in built if p == plan}
         if plan in sm80:
             assert archs - {"sm_75"}, f"{plan} never runs on an sm_80+ arch"
         if plan.dtype == "float16" and plan.smem_bytes <= SM75_SMEM and plan in sm75:
             assert "sm_75" in archs, f"{plan} never runs with m16n8k8 (sm_75)"
-    assert {a for _, a in built} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
+    assert {a for _, a in built} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100",
+                                     "sm_120"}
 
 
 @pytest.mark.parametrize("dt,D,arch,smem", SPECS, ids=lambda x: getattr(x, "name", str(x)))
@@ -98,9 +114,12 @@ def test_specialization(dt, D, arch, smem):
     """Causal with Nq < Nk, partial key and query tiles, head-dim columns d..D-1 padded;
     then the full-width head dim without the mask."""
     be = _backend(arch, max_smem=smem)
-    expect = _plans(dt, D, arch, smem)
+    expect, two = _plans(dt, D, arch, smem), _plans(dt, D, arch, smem, dq_parts=False)
     args, scale = _problem(1, 2, 1, 37, 2 * 64 + 3, D - 8, dt, True, seed=D)
-    assert _check(be, args, scale, causal=True, expect=expect)[0] == TC_BWD
+    kinds = _check(be, args, scale, causal=True, expect=expect)[0]
+    assert kinds == (TC_BWD5 if expect[0].dq_parts else TC_BWD)
+    if expect != two:  # and the two-kernel backward of the same tile size
+        assert _check(be, args, scale, causal=True, expect=two, dq_workers=0)[0] == TC_BWD
     args, scale = _problem(1, 1, 1, 70, 17, D, dt, False, seed=D + 1)
     _check(be, args, scale, causal=False, expect=expect)
 
@@ -128,6 +147,7 @@ def test_head_dims_above_128(arch, dt, smem, Hq, Hkv, Nq, Nk, d, causal):
     args, scale = _problem(2, Hq, Hkv, Nq, Nk, d, dt, causal, seed=Nq + Nk + d)
     plans, why = tiling.backward_path(d, dt, be.limits()["cc"], max_smem=be.limits()["max_smem"])
     assert plans == _plans(dt, 256, arch, smem) and plans[0].num_d_chunks(d) == 2, why
+    assert "5 GEMMs" not in why  # chunked: the two-kernel backward
     assert "2 head-dim chunks of 128" in why
     kinds, (dq, dk, dv) = _check(be, args, scale, causal=causal, expect=plans)
     assert kinds == TC_BWD
@@ -147,7 +167,7 @@ def test_head_dims_above_128(arch, dt, smem, Hq, Hkv, Nq, Nk, d, causal):
 def test_features(arch, dt, Hq, Hkv, Nq, Nk, d, causal):
     args, scale = _problem(2, Hq, Hkv, Nq, Nk, d, dt, causal, seed=Nq * Nk + d)
     kinds, (dq, dk, dv) = _check(_backend(arch), args, scale, causal=causal)
-    assert kinds == TC_BWD
+    assert kinds in (TC_BWD, TC_BWD5)
     for g in (dq, dk, dv):
         assert not np.isnan(g.astype(np.float64)).any()
     if causal and Nq > Nk:  # rows that see no key: zero dQ (and nothing added to dK, dV)
@@ -165,13 +185,13 @@ def test_strided_inputs_aligned_and_not():
     k = wide[:, :, ::2]                                                          # row stride 2d
     be = _backend("sm_80")
     assert kernel_forward.loads_16b_aligned(q, k, v, do)
-    assert _check(be, [do, q, k, v, o, lse], scale, causal=True)[0] == TC_BWD
+    assert _check(be, [do, q, k, v, o, lse], scale, causal=True)[0] == TC_BWD5
     buf = np.zeros(do.size + 1, F16)
     do_off = buf[1:].reshape(do.shape)
     do_off[...] = do
     assert not kernel_forward.loads_16b_aligned(q, k, v, do_off)
     kinds = _check(be, [do_off, q, k, v, o, lse], scale, causal=True)[0]
-    assert not kinds & TC_BWD
+    assert not kinds & (TC_BWD | TC_BWD5)
 
 
 # -- checked mode: no races, no out-of-bounds access, no read of a pending cp.async ----------
@@ -189,11 +209,123 @@ def test_checked(arch, dt, D, schedule, smem):
     args, scale = _problem(1, 2, 1, 100, 70, D - 16, dt, True, seed=D)
     be = _backend(arch, checked=True, schedule=schedule, max_smem=smem)
     kinds, grads = _check(be, args, scale, causal=True, expect=_plans(dt, D, arch, smem))
-    assert kinds == TC_BWD
+    assert kinds in (TC_BWD, TC_BWD5)
     # one writer per element, a fixed order: the same bits as the round-robin schedule
     plain = _backend(arch, max_smem=smem).backward(*args, causal=True, scale=scale)
     for name, x, y in zip(("dq", "dk", "dv"), grads, plain):
         assert np.array_equal(x.view(np.uint16), y.view(np.uint16)), name
+
+
+# -- the 5-GEMM backward's workers and their partials of dQ ---------------------------------
+
+class _PartsBackend(RecordingBackend):
+    """The emulator, keeping a copy of the dQ partials flash_bwd_dq_sum is given."""
+
+    def get_function(self, plan):
+        fn = super().get_function(plan)
+        if not isinstance(plan, tiling.DqSumPlan):
+            return fn
+
+        def launch(grid, block, args, **kw):
+            self.parts = args[0].copy()
+            return fn(grid, block, args, **kw)
+        return launch
+
+
+def _partial_dq(do, q, k, v, o, lse, *, causal, scale, key_blocks):
+    """dS K over the keys of `key_blocks` (a list of key ranges), unscaled, in float64:
+    the partial of dQ a worker owning those key blocks adds up (FA2, Algorithm 2)."""
+    f = [a.astype(np.float64) for a in (do, q, k, v, o)]
+    do, q, k, v, o = f
+    group = q.shape[1] // k.shape[1]
+    k, v = (np.repeat(a, group, axis=1) for a in (k, v))
+    s = scale * q @ k.swapaxes(-1, -2)
+    if causal:
+        Nq, Nk = s.shape[-2:]
+        s = np.where(np.arange(Nk)[None, :] > np.arange(Nq)[:, None] + (Nk - Nq), -np.inf, s)
+    p = np.exp(s - lse.astype(np.float64)[..., None])
+    ds = p * (do @ v.swapaxes(-1, -2) - (do * o).sum(-1, keepdims=True))
+    keys = np.zeros(k.shape[-2], bool)
+    for lo, hi in key_blocks:
+        keys[lo:hi] = True
+    return ds[..., keys] @ k[..., keys, :]
+
+
+@pytest.mark.parametrize("arch,dt,D,workers", [("sm_80", F16, 64, 2), ("sm_90", BF16, 128, 2),
+                                               ("sm_75", F16, 64, 1)])
+def test_each_worker_owns_its_key_blocks(arch, dt, D, workers):
+    # GQA, causal, Nq != Nk, 3 or 5 key blocks over `workers` workers: worker w's partial is
+    # dS K over key blocks w, w + W, ... alone, the gradients are right and their bits do
+    # not depend on the block schedule
+    from cuflash.emulator import archs
+    lim = kernels.emulator_limits(archs.get_arch(arch).name)
+    args, scale = _problem(2, 4, 2, 90, 300, D - 8, dt, True, seed=workers)
+    grads = {}
+    for schedule in ("round-robin", "random"):
+        be = _PartsBackend("emulator", np, _emulator_module(), device_key=lambda: "cpu",
+                           limits=lambda: dict(lim),
+                           module_options=dict(schedule=schedule, seed=3, arch=arch))
+        (dkdv, _), _ = tiling.backward_path(D, dt, lim["cc"], max_smem=lim["max_smem"])
+        assert -(-300 // dkdv.block_rows) > workers   # a worker walks several key blocks
+        kinds, grads[schedule] = _check(be, args, scale, causal=True, dq_workers=workers)
+        assert kinds == TC_BWD5 and be.parts.shape == (workers, 2, 4, 90, D - 8)
+    for w in range(workers):
+        mine = [(n, n + dkdv.block_rows) for n in range(w * dkdv.block_rows, 300,
+                                                           workers * dkdv.block_rows)]
+        ref = _partial_dq(*args, causal=True, scale=scale, key_blocks=mine)
+        err = np.abs(be.parts[w] - ref).max()
+        assert err <= 2e-2 * np.abs(ref).max(), (w, err, np.abs(ref).max())
+    for name, x, y in zip(("dq", "dk", "dv"), *grads.values()):
+        assert np.array_equal(x.view(np.uint16), y.view(np.uint16)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("workers", [None, 1, 3, 0], ids=["default", "w1", "w3", "two-kernels"])
+@pytest.mark.parametrize("dt", [F16, BF16])
+def test_cuda_backward_both_ways_right_and_bitwise_reproducible(dt, workers):
+    # the real GPU's red.add and block order: every worker count gives the float64
+    # reference's gradients, and three calls the same bits
+    import cupy
+    from cuflash.backends.kernels import cuda_backend
+    be = cuda_backend()
+    args, scale = _problem(2, 4, 2, 300, 700, 64, dt, True, seed=11)
+    runs = [kernel_backward.backward(be, *map(cupy.asarray, args), causal=True, scale=scale,
+                                     dq_workers=workers) for _ in range(3)]
+    ref = reference.attention_backward(*args, causal=True, scale=scale)
+    plain = plain_backward(*args, causal=True, scale=scale, dtype=dt)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        first = cupy.asnumpy(runs[0][i])
+        assert_close_to_reference(first, ref[i], plain[i], dt, factor=3.0, what=name)
+        for other in runs[1:]:
+            assert np.array_equal(first.view(np.uint16), cupy.asnumpy(other[i]).view(np.uint16))
+
+
+def test_dq_workers_rule():
+    # ⌈SMs / units⌉ workers, at most the key blocks and DQ_PARTS_MAX; 0 (two kernels) where
+    # the capped workers fill so few SMs that 5 GEMMs take longer than 7 at full occupancy
+    assert tiling.dq_workers(units=16, key_blocks=64, sm_count=132) == 9
+    assert tiling.dq_workers(units=200, key_blocks=64, sm_count=132) == 1
+    assert tiling.dq_workers(units=4, key_blocks=3, sm_count=132) == 3   # both fill as little
+    assert tiling.dq_workers(units=9, key_blocks=64, sm_count=132) == 15
+    assert tiling.dq_workers(units=8, key_blocks=64, sm_count=132) == 16  # 97% of the SMs
+    assert tiling.dq_workers(units=1, key_blocks=256, sm_count=132) == 0  # 16 blocks: 12%
+    assert tiling.dq_workers(units=4, key_blocks=256, sm_count=132) == 0  # 64 blocks: 48%
+    assert tiling.dq_workers(units=6, key_blocks=256, sm_count=132) == 16  # 96 blocks: 73%
+    assert tiling.dq_workers(units=4, key_blocks=64, sm_count=None) == 0
+
+
+def test_dbias_and_float32_take_two_kernels():
+    be = _backend("sm_80")
+    args, scale = _problem(1, 2, 1, 40, 70, 32, F32, True, seed=4)
+    assert _check(be, args, scale, causal=True)[0] == TC_BWD
+    from cuflash.variants import Variants
+    args, scale = _problem(1, 2, 1, 40, 70, 32, F16, False, seed=4)
+    do, q, k, v, o, lse = args
+    bias = np.zeros((1, 2, 40, 70), np.float32)
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=False, scale=scale,
+                                     variants=Variants(bias=bias), return_dbias=True)
+    assert {p.kernel for p in be.take_launches()[1:]} == TC_BWD and len(grads) == 4
 
 
 # -- dispatch ---------------------------------------------------------------------------------
@@ -201,8 +333,18 @@ def test_checked(arch, dt, D, schedule, smem):
 def test_backward_path_and_its_reasons():
     big = 227 * 1024
 
-    def path(d=64, dtype=F16, cc=(8, 0), aligned=True, max_smem=big):
-        return tiling.backward_path(d, dtype, cc, aligned, max_smem=max_smem)
+    def path(d=64, dtype=F16, cc=(8, 0), aligned=True, max_smem=big, dq_parts=False):
+        return tiling.backward_path(d, dtype, cc, aligned, max_smem=max_smem, dq_parts=dq_parts)
+
+    # the default 16-bit backward up to d = 128: 5 GEMMs (but Turing's D = 128)
+    for dt, cc in ((F16, (7, 5)), (F16, (9, 0)), (BF16, (8, 6)), (BF16, (12, 0))):
+        for d in (8, 64, 72, 128, 136, 256):
+            (dkdv, dq), why = path(d, dt, cc, dq_parts=True)
+            five = d <= 64 or (d <= 128 and cc != (7, 5))
+            assert dkdv.dq_parts == five and isinstance(dq, tiling.DqSumPlan) == five, why
+            assert ("5 GEMMs" in why) == five and d <= dkdv.head_dim, why
+    # no 5-GEMM float32 backward
+    assert not path(64, F32, (8, 0), dq_parts=True)[0][0].dq_parts
 
     for dt, cc in ((F16, (7, 5)), (F16, (9, 0)), (BF16, (8, 6))):
         for d in (8, 64, 72, 128, 136, 200, 256):
@@ -236,8 +378,8 @@ def test_backward_path_and_its_reasons():
     for arch in ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
         lim = kernels.emulator_limits(arch)
         for d in (64, 256):
-            plans = path(d, F16, lim["cc"], max_smem=lim["max_smem"])[0]
-            assert {p.kernel for p in plans} == TC_BWD, (arch, d)
+            plans = path(d, F16, lim["cc"], max_smem=lim["max_smem"], dq_parts=True)[0]
+            assert {p.kernel for p in plans} == (TC_BWD5 if d == 64 else TC_BWD), (arch, d)
 
 
 def test_tc_bwd_plans_fit_and_are_listed():
@@ -249,6 +391,8 @@ def test_tc_bwd_plans_fit_and_are_listed():
     smallest = {}
     for plan in tiling.all_tc_bwd_plans():
         assert plan.name_expression in specs
+        if isinstance(plan, tiling.DqSumPlan):
+            continue
         assert plan.block_rows == 16 * plan.num_warps and plan.stages >= 2
         assert plan.tile_rows % 16 == 0 and plan.smem_bytes <= h100
         assert plan.chunk_cols % 16 == 0 and plan.head_dim % plan.chunk_cols == 0
@@ -273,14 +417,18 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
     plans = {p.name_expression: p for p in (*tiling.all_tc_bwd_plans(),
                                              *tiling.all_tf32_bwd_plans())}
     archs = [a for a in compiler.GATE_ARCHS if a != "sm_70"]   # CUDA 13's nvdisasm has no sm_70
-    # the file's whole list, as the gate builds it (its cached builds)
-    names = tiling.specializations()["flash_bwd_tc.cu"]
-    assert sorted(names) == sorted(plans)
-    rows = compile_gate.run_gate({"flash_bwd_tc.cu": names}, archs=archs, sass=True)
-    assert len(rows) == len(plans) * len(archs)
+    # the file's list on each arch, as the gate builds it (its cached builds); together
+    # every plan (the 5-GEMM D = 64 tiles are per arch: sm_80's spills on sm_75)
+    rows = compile_gate.run_gate(archs=archs, sass=True, only=("flash_bwd_tc.cu",))
+    assert len(rows) == sum(len(compile_gate.collect_specializations(a)["flash_bwd_tc.cu"])
+                            for a in archs)
+    assert {r.kernel for r in rows} <= set(plans)
     for r in rows:
         assert r.ok and r.sass is not None, (r.kernel, r.arch, r.error)
         p, n = plans[r.kernel], r.sass
+        if isinstance(p, tiling.DqSumPlan):   # a sum: no mma, no local memory
+            assert n["HMMA"] == n["LDL"] == n["STL"] == 0, (r.kernel, r.arch, n)
+            continue
         if p.dtype in ("bfloat16", "float32") and r.arch == "sm_75":
             assert n["HMMA"] == n["LDSM"] == 0, (r.kernel, r.arch, n)
             continue
@@ -294,8 +442,11 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
         x_mma = (tr // 16) * (cols // 8)       # P·X: k16 steps x n-tiles of one chunk
         ldsm_s = (D // 16) * (tr // 16)        # B fragments of S, one ldmatrix.x4 per 2 n-tiles
         ldsm_x = (tr // 16) * (cols // 16)
-        if p.kernel == "flash_bwd_dkdv_tc":    # Sᵀ, dPᵀ, dV, dK
+        if p.kernel == "flash_bwd_dkdv_tc":    # Sᵀ, dPᵀ, dV, dK; DQ_PARTS: dQ over the warps
             mma, ldsm = 2 * s_mma + 2 * x_mma, 2 * ldsm_s + 2 * ldsm_x
+            if p.dq_parts:
+                mma += tr * D * p.block_rows // (16 * 8 * 16) // p.num_warps
+                ldsm += tr * D * p.block_rows // (16 * 16 * 16) // p.num_warps
         else:                                  # S, dP, dQ
             mma, ldsm = 2 * s_mma + x_mma, 2 * ldsm_s + ldsm_x
         ldsm += 2 * (D // 16)                  # the own operands' A fragments

@@ -183,10 +183,13 @@ def test_kernels_refuse_a_dropout_batch_offset():
 
 # -- the backward (flash_bwd_tc.cu) -------------------------------------------------------
 
-def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="round-robin"):
+def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="round-robin",
+                  dq_workers=None):
     """The tensor-core backward with `opts`, o and lse from the float64 forward (rounded, so
     the errors are the backward's own), each gradient within FlashAttention's rule for
-    gradients (factor 3 over conftest.plain_backward with the variants)."""
+    gradients (factor 3 over conftest.plain_backward with the variants). `dq_workers` as
+    kernel_backward.backward takes it: None, the 5-GEMM backward where the tile has one
+    (dQ from the dK/dV blocks, then flash_bwd_dq_sum); 0, the two kernels."""
     opts = dict(opts)
     causal = opts.pop("causal", False)
     d = q.shape[-1]
@@ -196,9 +199,13 @@ def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="ro
                                        **opts)
     o, lse = o.astype(dtype), lse.astype(np.float32)
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
-                                     variants=_variants(opts))
+                                     variants=_variants(opts), dq_workers=dq_workers)
     launched = [p.kernel for p in be.take_launches()]
-    assert launched == ["flash_bwd_preprocess", *tiling.TC_BWD_KERNELS], launched
+    lim = be.limits()
+    five = dq_workers != 0 and tiling.backward_path(d, dtype, lim["cc"],
+                                                    max_smem=lim["max_smem"])[0][0].dq_parts
+    dq_pass = "flash_bwd_dq_sum" if five else "flash_bwd_dq_tc"
+    assert launched == ["flash_bwd_preprocess", "flash_bwd_dkdv_tc", dq_pass], launched
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
     for name, out, r, pl in zip(("dq", "dk", "dv"), grads, ref, plain):
@@ -219,15 +226,17 @@ def test_backward_variant_matches_reference(dtype, arch, names):
     _run_backward(dtype, arch, do, q, k, v, _options(names, dtype))
 
 
-def test_backward_checked_bias_and_mask_at_ragged_sizes():
-    """Every option at ragged sizes in checked mode: neither backward kernel races or reads
-    bias or mask outside [0, Nq) x [0, Nk)."""
+@pytest.mark.parametrize("dq_workers", [None, 0], ids=["5-gemm", "two-kernels"])
+def test_backward_checked_bias_and_mask_at_ragged_sizes(dq_workers):
+    """Every option at ragged sizes in checked mode, both ways to dQ: no backward kernel
+    races or reads bias or mask outside [0, Nq) x [0, Nk)."""
     shape = (1, 2, 1, 37, 75, 40)
     q, k, v = _inputs(F16, shape, seed=4)
     do = np.random.default_rng(3).standard_normal(q.shape).astype(F16)
     opts = _options(["causal", "window_left", "softcap", "alibi", "bias", "mask", "dropout"],
                     F16, shape, seed=6)
-    _run_backward(F16, "sm_80", do, q, k, v, opts, checked=True, schedule="random")
+    _run_backward(F16, "sm_80", do, q, k, v, opts, checked=True, schedule="random",
+                  dq_workers=dq_workers)
 
 
 def test_backward_variants_with_head_dim_chunks():

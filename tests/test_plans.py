@@ -51,8 +51,13 @@ SMEM_CASES = {
     # TcBwdTraits: own pair [64][64], ring pair [2][64][64] in float16, lse_i, D_i [2][64]
     "TcBwdTraits-dkdv": (
         lambda: _find(tiling.all_tc_bwd_plans((8, 0)), kernel="flash_bwd_dkdv_tc",
-                      dtype="float16", head_dim=64),
+                      dtype="float16", head_dim=64, dq_parts=False),
         (2 * 64 * 64 + 2 * 2 * 64 * 64) * 2 + 2 * 2 * 64 * 4),
+    # with DQ_PARTS (5-GEMM backward): and dSᵀ [128 keys][32 + 8 queries] in float16
+    "TcBwdTraits-dkdv-dq-parts": (
+        lambda: _find(tiling.all_tc_bwd_plans((9, 0)), kernel="flash_bwd_dkdv_tc",
+                      dtype="float16", head_dim=128, dq_parts=True, tile_rows=32),
+        (2 * 128 * 128 + 2 * 2 * 32 * 128 + 128 * 40) * 2 + 2 * 2 * 32 * 4),
     "TcBwdTraits-dq": (
         lambda: _find(tiling.all_tc_bwd_plans(), kernel="flash_bwd_dq_tc", dtype="float16",
                       head_dim=128),

@@ -155,10 +155,12 @@ def test_no_loop_holding_an_mma():
 
 # -- the exp2 a tile needs, and the refusal --------------------------------------------------
 
-def _plan(kernel, dtype, head_dim, cc=None, **fields):
-    """The one plan of these fields a device of compute capability `cc` (None: any) has."""
+def _plan(kernel, dtype, head_dim, cc=None, dq_parts=False, **fields):
+    """The one plan of these fields a device of compute capability `cc` (None: any) has
+    (dK/dV: with DQ_PARTS or not)."""
     plans = [p for p in tiling.every_plan(cc).values() if p.kernel == kernel
              and p.dtype == dtype and p.head_dim == head_dim
+             and getattr(p, "dq_parts", False) == dq_parts
              and all(getattr(p, k) == v for k, v in fields.items())]
     assert len(plans) == 1, plans
     return plans[0]
@@ -181,6 +183,17 @@ EXP2_PER_THREAD = [
                          if isinstance(x, tuple) else str(x))
 def test_exp2_needed(key, need):
     assert sass_cost.exp2_needed(_plan(*key, cc=(8, 0))) == need
+
+
+def test_exp2_needed_dq_parts():
+    # the 5-GEMM dK/dV tiles, 256 threads: D = 64, 128 keys × 64 queries; D = 128, 128 × 32
+    # (sm_90) and 128 × 16 (sm_80, the 99 KB GPUs)
+    assert sass_cost.exp2_needed(_plan("flash_bwd_dkdv_tc", "float16", 64, cc=(8, 0),
+                                       dq_parts=True, num_warps=8)) == 32
+    assert sass_cost.exp2_needed(_plan("flash_bwd_dkdv_tc", "float16", 128, cc=(9, 0),
+                                       dq_parts=True, tile_rows=32)) == 16
+    assert sass_cost.exp2_needed(_plan("flash_bwd_dkdv_tc", "float16", 128, cc=(8, 0),
+                                       dq_parts=True, tile_rows=16)) == 8
 
 
 def test_exp2_needed_sm75():
@@ -241,7 +254,8 @@ def test_cost_round_trips_through_the_cache_and_prints():
 # -- the real fp16 builds (the gate's cached sm_80 and sm_90 builds) ------------------------
 
 ARCHS = ("sm_80", "sm_90")
-KERNELS = ("flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc")
+# "flash_bwd_dkdv_tc+dq": the 5-GEMM backward's dK/dV kernel (DQ_PARTS), the default
+KERNELS = ("flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc", "flash_bwd_dkdv_tc+dq")
 CASES = [(k, D, a) for k in KERNELS for D in (64, 128) for a in ARCHS]
 
 # Instructions per HMMA of one steady-state iteration today (instructions / HMMA): ceilings,
@@ -253,11 +267,14 @@ CASES = [(k, D, a) for k in KERNELS for D in (64, 128) for a in ARCHS]
 CEILING = {
     ("flash_fwd_tc", 64, "sm_80"): 578 / 128, ("flash_fwd_tc", 64, "sm_90"): 572 / 128,
     ("flash_fwd_tc", 128, "sm_80"): 732 / 128, ("flash_fwd_tc", 128, "sm_90"): 761 / 128,
-    ("flash_bwd_dkdv_tc", 64, "sm_80"): 1061 / 128,
-    ("flash_bwd_dkdv_tc", 64, "sm_90"): 1104 / 128,
-    ("flash_bwd_dkdv_tc", 128, "sm_80"): 739 / 64, ("flash_bwd_dkdv_tc", 128, "sm_90"): 783 / 64,
+    ("flash_bwd_dkdv_tc", 64, "sm_80"): 777 / 128, ("flash_bwd_dkdv_tc", 64, "sm_90"): 791 / 128,
+    ("flash_bwd_dkdv_tc", 128, "sm_80"): 450 / 64, ("flash_bwd_dkdv_tc", 128, "sm_90"): 473 / 64,
     ("flash_bwd_dq_tc", 64, "sm_80"): 531 / 96, ("flash_bwd_dq_tc", 64, "sm_90"): 539 / 96,
     ("flash_bwd_dq_tc", 128, "sm_80"): 482 / 96, ("flash_bwd_dq_tc", 128, "sm_90"): 489 / 96,
+    ("flash_bwd_dkdv_tc+dq", 64, "sm_80"): 1042 / 160,
+    ("flash_bwd_dkdv_tc+dq", 64, "sm_90"): 941 / 160,
+    ("flash_bwd_dkdv_tc+dq", 128, "sm_80"): 595 / 80,    # 128 × 16 (CUDA 13.5 spills 128 × 32)
+    ("flash_bwd_dkdv_tc+dq", 128, "sm_90"): 866 / 160,
 }
 
 
@@ -276,10 +293,24 @@ def fp16_rows():
     out = {}
     for r in rows:
         p = tiling.every_plan()[r.kernel]
-        if p.dtype == "float16" and p.head_dim in (64, 128):
-            assert (p.kernel, p.head_dim, r.arch) not in out
-            out[(p.kernel, p.head_dim, r.arch)] = (p, r)
+        if p.dtype == "float16" and getattr(p, "head_dim", None) in (64, 128):
+            if getattr(p, "dq_parts", False):   # the 5-GEMM tile sm_80 and sm_90 take
+                if p != _default_backward(p.head_dim, r.arch)[0]:
+                    continue
+                key = (p.kernel + "+dq", p.head_dim, r.arch)
+            else:
+                key = (p.kernel, p.head_dim, r.arch)
+            assert key not in out
+            out[key] = (p, r)
     return out
+
+
+def _default_backward(D, arch):
+    """The fp16 backward's plans on `arch` ("sm_80") with its shared memory (227 KB on
+    sm_90, 163 KB on sm_80)."""
+    cc = compile_gate.arch_cc(arch)
+    smem = {(8, 0): 163 * 1024, (9, 0): 227 * 1024}[cc]
+    return tiling.backward_path(D, "float16", cc, max_smem=smem, sm_count=100)[0]
 
 
 def _mma_per_warp(p):
@@ -289,7 +320,11 @@ def _mma_per_warp(p):
         return 2 * p.row_tiles * (p.block_n // 8) * (p.head_dim // 16)
     s = (p.tile_rows // 8) * (p.head_dim // 16)      # 16 own rows × tile × D: S, dP
     x = (p.chunk_cols // 8) * (p.tile_rows // 16)    # 16 own rows × cols × tile
-    return 2 * s + (2 * x if p.kernel == "flash_bwd_dkdv_tc" else x)   # dV, dK | dQ
+    if p.kernel == "flash_bwd_dq_tc":
+        return 2 * s + x                             # dQ
+    # dV, dK; with DQ_PARTS dQ_i = dS K_j too, (tile × D × block rows) over the warps
+    dq = p.tile_rows * p.head_dim * p.block_rows // (16 * 8 * 16) // p.num_warps
+    return 2 * s + 2 * x + (dq if p.dq_parts else 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -303,7 +338,22 @@ def test_main_loop_mma_and_ceiling(fp16_rows, case):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_main_loop_has_an_exp2_per_score(fp16_rows, case):
-    _, r = fp16_rows[case]
-    need = {k: n for (k, _, D), n in EXP2_PER_THREAD if D == case[1]}[case[0]]
+    p, r = fp16_rows[case]
+    need = sass_cost.exp2_needed(p)
     assert r.cost.mufu_ex2 >= need, (r.kernel, r.arch, r.cost.mufu_ex2, need)
     assert not r.rolled_softmax, r.status
+
+
+@pytest.mark.parametrize("D", (64, 128))
+@pytest.mark.parametrize("cc", ((8, 0), (9, 0)))
+def test_default_backward_runs_five_gemms(fp16_rows, D, cc):
+    # the default fp16 backward is the 5-GEMM one: per block of keys × queries × D its
+    # iterations issue the HMMA of five (S, dP, dV, dK, dQ), each keys · queries · D / (16 ·
+    # 8 · 16) of them, and no dQ kernel recomputes S and dP
+    arch = f"sm_{cc[0]}{cc[1]}"
+    dkdv, dq = _default_backward(D, arch)
+    assert dkdv.dq_parts and isinstance(dq, tiling.DqSumPlan)
+    p, r = fp16_rows[("flash_bwd_dkdv_tc+dq", D, arch)]
+    assert p == dkdv
+    per_gemm = p.block_rows * p.tile_rows * p.head_dim // (16 * 8 * 16)
+    assert r.cost.hmma * p.num_warps == 5 * per_gemm

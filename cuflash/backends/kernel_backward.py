@@ -9,10 +9,17 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 3. `flash_bwd_dq_kernel`: one thread block per (Q block, query head, batch), K/V tiles
    streamed; dQ.
 
+The default 16-bit tensor-core backward (d <= 128, no dbias) has five GEMMs instead of
+seven: `flash_bwd_dkdv_tc_kernel` with DQ_PARTS runs W workers per (batch, K/V head)
+(`tiling.dq_workers`), each walking key blocks w, w + W, ... and adding dS K_j into its own
+float32 partial of dQ, and launch 3 is `flash_bwd_dq_sum_kernel`, which adds the W partials
+in order (flash_bwd_tc.cu). The partials take W float32 copies of dq.
+
 Head dims above the largest bucket (d > 256) run the chunked specializations, one block
-per (row block, 256-wide head-dim chunk). No launch uses atomics, so results are bitwise
-reproducible. The tile plans come from `tiling.backward_path`; inputs are as
-`cuflash.backends` describes them (checked and non-empty).
+per (row block, 256-wide head-dim chunk). Every output element, and every element of a dQ
+partial, has one writing thread and a fixed order of additions, so results are bitwise
+reproducible (for the same worker count). The tile plans come from `tiling.backward_path`;
+inputs are as `cuflash.backends` describes them (checked and non-empty).
 
 Where tensor cores apply (float16 on sm_75+, bfloat16 on sm_80+, d a multiple of 8 up to
 256; float32 on sm_80+, d a multiple of 4 up to 256; 16-byte aligned q, k, v, dO),
@@ -34,25 +41,28 @@ from __future__ import annotations
 from .. import _dtypes, tiling
 from .kernel_forward import loads_16b_aligned
 from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
-from .marshal import (LAYOUT, check_grid_yz, dkdv_args, dq_args, i32, prepare,
-                      preprocess_args, record, strides)
+from .marshal import (LAYOUT, STRIDES, check_grid_yz, dkdv_args, dq_args, dq_sum_args, i32,
+                      prepare, preprocess_args, record, strides)
 
 
-def backward_plans(backend, do, q, k, v, *, allow_tf32=False):
-    """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays."""
+def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True):
+    """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays; with
+    `dq_parts` the 5-GEMM pair where it applies (`tiling.backward_path`)."""
     return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                allow_tf32=allow_tf32, **backend.limits())
+                                allow_tf32=allow_tf32, dq_parts=dq_parts, **backend.limits())
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
-             return_dbias=False, allow_tf32=False, segments=None):
+             return_dbias=False, allow_tf32=False, segments=None, dq_workers=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants): the options; with `return_dbias` a fourth
     result, dbias in the compact 4-D shape of variants.bias and the accumulation dtype.
     `allow_tf32`: float32 may run one-pass tf32 (else split) on tensor cores.
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
-    (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q)."""
+    (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q).
+    `dq_workers`: the 5-GEMM backward's workers per (batch, K/V head) where it applies
+    (None: `tiling.dq_workers`' count; 0: the two-kernel backward)."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     _, Hq, rows_q, d = q.shape
@@ -61,13 +71,23 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32)
+    # the 5-GEMM backward (16-bit, one head-dim chunk) with W workers, unless dbias is
+    # wanted (the dQ kernel writes it) or the model prefers two kernels (W = 0)
+    (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
+                                          dq_parts=not return_dbias and dq_workers != 0)
+    workers = 0
+    if isinstance(p_dq, tiling.DqSumPlan):
+        key_blocks = -(-Nk // p_dkdv.block_rows)
+        workers = (min(dq_workers, key_blocks) if dq_workers is not None else
+                   tiling.dq_workers(B * Hkv, key_blocks, backend.limits()["sm_count"]))
+        if not workers:
+            (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
+                                                  dq_parts=False)
     tc = isinstance(p_dkdv, tiling.TcBwdPlan)  # tensor cores (f16, bf16, tf32): d <= 256
     pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
     # tensor cores: each plan's own chunks (the kernels count them from d)
-    chunks_kv, chunks_q = ((p_dkdv.num_d_chunks(d), p_dq.num_d_chunks(d)) if tc
-                           else (num_d_chunks, num_d_chunks))
+    chunks_kv = p_dkdv.num_d_chunks(d) if tc else num_d_chunks
     lse = xp.ascontiguousarray(lse, dtype=acc)
     Dvec = xp.empty(lse.shape, dtype=acc)
     dq = xp.empty(q.shape, dtype=q.dtype)
@@ -78,8 +98,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     rows = i32(lse.size, "batch x heads x Nq")
     for n, what in ((B, "batch"), (Hq, "query heads"), (Hkv, "key/value heads")):
         check_grid_yz(n, what)
-    grid_kv = i32(-(-Nk // p_dkdv.block_rows) * chunks_kv, "dK/dV blocks per head")
-    grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
+    grid_kv = i32((workers or -(-Nk // p_dkdv.block_rows)) * chunks_kv, "dK/dV blocks per head")
     sizes = (i32(Hq, "query heads"), i32(Hq // Hkv, "group"), i32(Nq, "Nq"), i32(Nk, "Nk"),
              i32(d, "d"))
     def s3(a):  # Strides records; packed rows carry the batch offset
@@ -111,14 +130,27 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                               preprocess_args(do, o, Dvec, heads=sizes[0], rows=rows_q,
                                               d=sizes[4]),
                               shared_mem=pre.dynamic_smem_bytes)
-    # 2. dK, dV
+    # dQ's float32 partials, one per worker (zeroed: a worker adds only the rows its key
+    # blocks see), as (W, *q.shape) contiguous; else a dummy
+    parts = xp.zeros((workers, *q.shape) if workers else 1, dtype=acc)
+    dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
+                (parts, record(STRIDES, 0, 0, 0), 0))
+    # 2. dK, dV (and dQ's partials)
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
                                            strides=(*strides_in, s3(dk), s3(dv)),
                                            dbias_cols=cols, want_dbias_cols=by_cols,
-                                           variants=vflags, **common),
+                                           dq_parts=dq_parts, variants=vflags, **common),
                                  shared_mem=p_dkdv.dynamic_smem_bytes)
-    # 3. dQ
+    # 3. dQ: the partials' sum, or the dQ kernel
+    if workers:
+        threads = p_dq.num_threads * p_dq.elements_per_thread
+        backend.get_function(p_dq)((-(-dq.size // threads),), (p_dq.num_threads,),
+                                   dq_sum_args(parts, dq, scale=acc.type(scale)))
+        dq_launches = []
+    else:
+        chunks_q = p_dq.num_d_chunks(d) if tc else num_d_chunks
+        grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
     for heads, batches in dq_launches:
         backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
                                    (p_dq.num_threads,),

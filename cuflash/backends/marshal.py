@@ -104,13 +104,23 @@ def preprocess_args(do, o, delta, *, heads, rows, d) -> tuple:
 
 
 def dkdv_args(plan, q, k, v, do, lse, delta, dk, dv, *, sizes, strides, scale, causal,
-              num_d_chunks, dbias_cols, want_dbias_cols, varlen, variants) -> tuple:
+              num_d_chunks, dbias_cols, want_dbias_cols, dq_parts, varlen, variants) -> tuple:
     """dK, dV (flash_bwd_dkdv_kernel or flash_bwd_dkdv_tc_kernel): only the SIMT kernel
-    takes a head-dim chunk count (a tensor-core plan counts its chunks from d)."""
-    chunks = () if plan.kernel == FLASH_BWD_DKDV_TC.name else (np.int32(num_d_chunks),)
+    takes a head-dim chunk count (a tensor-core plan counts its chunks from d), only the
+    tensor-core kernel `dq_parts`: the float32 partials of dQ (a dummy unless
+    plan.dq_parts), one partial's Strides record and the elements between two."""
+    tc = plan.kernel == FLASH_BWD_DKDV_TC.name
+    chunks = () if tc else (np.int32(num_d_chunks),)
+    parts = (dq_parts[0], dq_parts[1], np.int64(dq_parts[2])) if tc else ()
     return (q, k, v, do, lse, delta, dk, dv, *sizes, *strides, scale,
-            np.int32(bool(causal)), *chunks, dbias_cols, np.int32(want_dbias_cols), *varlen,
-            *variants)
+            np.int32(bool(causal)), *chunks, dbias_cols, np.int32(want_dbias_cols), *parts,
+            *varlen, *variants)
+
+
+def dq_sum_args(parts, dq, *, scale) -> tuple:
+    """dQ = scale · Σ_w parts[w] (flash_bwd_dq_sum_kernel): parts (W, *dq.shape) float32,
+    dq contiguous."""
+    return (parts, dq, np.int64(dq.size), i32(parts.shape[0], "dQ workers"), scale)
 
 
 def dq_args(plan, q, k, v, do, lse, delta, dq, *, sizes, strides, scale, causal,

@@ -8,21 +8,31 @@
 //     D   = rowsum(dO ∘ O)          flash_bwd.cu's preprocess kernel (a bandwidth-bound
 //                                   row sum: nothing for tensor cores to do)
 //     dV  = Pᵀ dO,  dK = dSᵀ Q · scale     flash_bwd_dkdv_tc_kernel
-//     dQ  = dS K · scale                   flash_bwd_dq_tc_kernel
-// with dP = dO Vᵀ and dS = P ∘ (dP − D) recomputed in both. dQ stays a kernel of its own:
-// writing it from the dK/dV blocks would need atomics (every key block adds to every dQ
-// row); as in flash_bwd.cu every output element has one writer and a fixed order, so
-// runs are bitwise reproducible.
+//     dQ  = dS K · scale                   DQ_PARTS: the same blocks, then flash_bwd_dq_sum
+//                                          else flash_bwd_dq_tc_kernel
+// Two ways to dQ, both bitwise reproducible (every sum in a fixed order):
+//   5 GEMMs (DQ_PARTS, 16-bit, d ≤ 128; the default): every key block adds to every dQ
+//     row, so FlashAttention-2's deterministic scheme: W workers per (batch, K/V head),
+//     worker w the dK/dV block of key blocks w, w + W, … in turn, each adding dQ_i += dS K_j
+//     into its own float32 partial of dQ (one thread per element: its additions in program
+//     order); flash_bwd_dq_sum then adds the W partials in order. Per tile: Sᵀ, dPᵀ, dV,
+//     dK and dQ, five GEMMs.
+//   7 GEMMs (float32, d > 128, dbias, or too few workers to fill the GPU): a dQ kernel of
+//     its own recomputes S, dP and dS beside dQ_i += dS K_j; one writer per element.
 //
-//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, head-dim chunk, K/V head, batch)
-//     prologue   K_j, V_j → shared (cp.async) → A fragments in registers (D = 64; for
-//                D ≥ 128 they stay in shared memory beside dK_j, dV_j's 128 registers)
+//   dK/dV: one block per (K/V block of BLOCK_ROWS keys, head-dim chunk, K/V head, batch);
+//   DQ_PARTS: per (worker, K/V head, batch), each of its key blocks in turn as below
+//     prologue   K_j, V_j → shared (cp.async) → A fragments in registers (OWN_IN_REGS;
+//                else they stay in shared memory, e.g. beside D = 128's 128 accumulators)
 //                start copying the first STAGES − 1 (Q_i, dO_i, lse_i, D_i) tiles
 //     main loop  for each query head of the GQA group, each Q_i tile below the diagonal
 //                  wait for tile i; barrier; start copying tile i + STAGES − 1
 //                  Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ          (keys as rows: tc_bwd_tile.cuh)
 //                  Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
 //                  dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i        (C fragments as A fragments)
+//                  DQ_PARTS: dSᵀ → shared (sdS); barrier; dQ_i += dS K_j (A: dS by
+//                  ldmatrix.trans of sdS, B: K_j as V_j in P̃ V), the warps tiling dQ_i,
+//                  each thread's elements added (red.add) to the worker's partial
 //     epilogue   dK_j · scale, dV_j → T in shared → 16-byte stores
 //   head-dim chunks (CHUNK_COLS < HEAD_DIM, D = 256): dK_j, dV_j whole would be 256
 //     accumulator registers, so a block accumulates only its CHUNK_COLS (128) columns of
@@ -75,21 +85,22 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq, int Nk, int d,
     Strides q_st, Strides k_st, Strides v_st, Strides do_st,
     Strides dk_st, Strides dv_st, float scale, int causal,
-    float* __restrict__ dbias_cols, int want_dbias_cols, Variants<T> var, const Seqlens& seq) {
+    float* __restrict__ dbias_cols, int want_dbias_cols, float* __restrict__ dq_parts,
+    Strides dqp_st, long long dqp_w, Variants<T> var, const Seqlens& seq) {
     constexpr int BN = Tr::kBlockRows, BM = Tr::kTileRows, STAGES = Tr::kStages;
 
-    // Block → (key block, head-dim chunk, K/V head, batch). Key blocks first-first: under
-    // causal masking the first keys are seen by the most queries, so the longest blocks
-    // start first. Chunked (CHUNK_COLS < D): the block owns columns [col0, col0 +
-    // CHUNK_COLS) of dK_j, dV_j; Sᵀ and dPᵀ still sum over the full head dim.
+    // Block → (worker, head-dim chunk, K/V head, batch); worker w takes key blocks w,
+    // w + workers, … in turn (one each when the grid has a block per key block). Key blocks
+    // first-first: under causal masking the first keys are seen by the most queries, so the
+    // longest blocks start first. Chunked (CHUNK_COLS < D): the block owns columns [col0,
+    // col0 + CHUNK_COLS) of dK_j, dV_j; Sᵀ and dPᵀ still sum over the full head dim.
     const int n_chunks = Tr::kChunked ? (d + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
-    const int n0 = (blockIdx.x / n_chunks) * BN;
+    const int worker = blockIdx.x / n_chunks, workers = gridDim.x / n_chunks;
     const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
     Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
     Nk = seq.len_k(b, Nk);
-    if (n0 >= Nk) return;  // past this sequence's keys (the grid fits the longest)
     // The sequence's first rows as row offsets (an int through the loop), not in pointers
     // that would have to be kept: q + b·q_st.b + h·q_st.h is free to recompute.
     const int q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
@@ -103,6 +114,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     T* sdO = sQ + Tr::kSmemRing;
     float* sL = reinterpret_cast<float*>(sdO + Tr::kSmemRing);  // lse_i (raw, natural log)
     float* sD = sL + Tr::kSmemStats;                             // D_i
+    T* sdS = reinterpret_cast<T*>(sD + Tr::kSmemStats);          // dSᵀ (DQ_PARTS)
     constexpr int kSlot = BM * Tr::kHeadDim;  // elements of one ring slot
 
     const int lane = threadIdx.x % 32;
@@ -112,150 +124,191 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const bool plain = !var.scores() && !var.dropout();
     const float scale_log2 = softmax_scale_log2(scale);
 
-    // The tiles: every query head h of the group, and its Q_i tiles from the first row
-    // that sees key n0 (causal block skipping, rounded down to a whole tile) to the last
-    // row a window's left edge lets see the block's last key.
-    const int m_begin = mask.first_row(n0) / BM * BM;
-    const int m_end = mask.row_end(min(n0 + BN, Nk));
-    const int m_tiles = m_end > m_begin ? (m_end - m_begin + BM - 1) / BM : 0;
-    const int n_tiles = group * m_tiles;
-    auto issue = [&](int i) {  // copy tile i into its ring slot (one commit group per tile)
-        if (i < n_tiles) {
-            const int h = h_kv * group + i / m_tiles, m0 = m_begin + (i % m_tiles) * BM;
-            const int slot = i % STAGES;
-            copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_st.b + h * q_st.h, q_st.r,
-                                         q_row0 + m0, q_row0 + Nq, d);
-            copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_st.b + h * do_st.h, do_st.r,
-                                         q_row0 + m0, q_row0 + Nq, d);
-            const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
-            copy_stats_async<Tr, BM>(sL + slot * BM, lse + row_bh, m0, Nq);
-            copy_stats_async<Tr, BM>(sD + slot * BM, Delta + row_bh, m0, Nq);
-        }
-        cp_async_commit();
-    };
-
-    // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
-    copy_tile_async<Tr, BN>(sK, k_bh, k_st.r, n0, Nk, d);
-    copy_tile_async<Tr, BN>(sV, v_bh, v_st.r, n0, Nk, d);
-    cp_async_commit();
+    // -- key block n0: dK_j, dV_j (and dQ's partial) of keys n0 .. n0 + BN − 1
+    auto key_block = [&](const int n0) {
+        // The tiles: every query head h of the group, and its Q_i tiles from the first row
+        // that sees key n0 (causal block skipping, rounded down to a whole tile) to the last
+        // row a window's left edge lets see the block's last key.
+        const int m_begin = mask.first_row(n0) / BM * BM;
+        const int m_end = mask.row_end(min(n0 + BN, Nk));
+        const int m_tiles = m_end > m_begin ? (m_end - m_begin + BM - 1) / BM : 0;
+        const int h_end = m_tiles > 0 ? (h_kv + 1) * group : h_kv * group;  // none: no head
+        // Tile i as (query head h, first row m0), walked one step at a time rather than
+        // divided out of i: the next tile's rows, or the next head's first.
+        auto next = [&](Tile x) {
+            x.m0 += BM;
+            if (x.m0 >= m_end) x.m0 = m_begin, ++x.h;
+            return x;
+        };
+        auto ahead = [&](Tile x) {  // the tile STAGES − 1 after x
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) issue(st);
-    cp_async_wait<STAGES - 1>();  // K_j, V_j have landed (this thread's part)
-    __syncthreads();
-    typename Tr::OwnFrag kf[Tr::kQFrags], vf[Tr::kQFrags];
-    load_own_fragments<Tr>(kf, sK, warp_row0, lane);
-    load_own_fragments<Tr>(vf, sV, warp_row0, lane);
-
-    FragC dk_acc[Tr::kOTiles], dv_acc[Tr::kOTiles];
-#pragma unroll
-    for (int j = 0; j < Tr::kOTiles; ++j) {
-        dk_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
-        dv_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
-    }
-
-    // -- one iteration of the main loop, on tile i: plain (no variants, no dropout: P and dS
-    // in line) or with the variants' chain
-    auto iteration = [&](int i, auto plain) {
-        cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies)
-        __syncthreads();              // ... everyone's; and everyone is done with tile i − 1
-        issue(i + STAGES - 1);        // into the slot tile i − 1 used
-        const int slot = i % STAGES;
-        const T* sQi = sQ + slot * kSlot;
-        const T* sdOi = sdO + slot * kSlot;
-        const float* sLi = sL + slot * BM;
-        const float* sDi = sD + slot * BM;
-        const int m0 = m_begin + (i % m_tiles) * BM;
-
-        // -- Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ (rows: the warp's 16 keys; columns: queries)
-        FragC s[Tr::kSTiles], dp[Tr::kSTiles];
-#pragma unroll
-        for (int j = 0; j < Tr::kSTiles; ++j) {
-            s[j] = FragC{0.f, 0.f, 0.f, 0.f};
-            dp[j] = FragC{0.f, 0.f, 0.f, 0.f};
-        }
-        gemm_own_rows<Tr>(s, kf, sK, warp_row0, sQi, lane);
-        gemm_own_rows<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
-
-        // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
-        // D_i are per column (query), from the tile's row statistics
-        const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
-        if (!is_plain(plain)) {  // element e: key row key_top + 8·(e % 4 / 2), query column c
-            const int h = h_kv * group + i / m_tiles;
-            var.bind((int)b, h, Nq, Nk);  // short-lived registers
-            float sum_top = 0.f, sum_bottom = 0.f;  // the thread's Σ_i dS_ij of its two keys
-            p_ds_variants(s, dp, scale, var, [&](int e, int& qi, int& kj, float& lse2, float& Di,
-                                                  bool& hidden) {
-                const int c = (e >> 2) * 8 + 2 * t + (e & 1);
-                qi = m0 + c;
-                kj = (e & 2) ? key_bottom : key_top;
-                lse2 = lse_log2(sLi[c]);
-                Di = sDi[c];
-                hidden = qi >= Nq || mask.masked(qi, kj);
-            }, [&](int e, int, int, float ds_biased) {
-                (e & 2 ? sum_bottom : sum_top) += ds_biased;
-            });
-            // dbias of a bias broadcast over query rows: cols[b, h, j] += Σ_i dS_ij over the
-            // tile's queries (Sᵀ's columns: the thread's, then its quad's), tiles in order,
-            // by lane t = 0 of the quad that owns key j. One writer per key, no atomics; only
-            // the first chunk's block writes (every chunk sees the same dS).
-            if (want_dbias_cols && col0 == 0) {
-                sum_top = row_sum_quad(sum_top);
-                sum_bottom = row_sum_quad(sum_bottom);
-                float* cols = dbias_cols + (b * Hq + h) * Nk;
-                if (t == 0 && key_top < Nk) cols[key_top] += sum_top;
-                if (t == 0 && key_bottom < Nk) cols[key_bottom] += sum_bottom;
+            for (int st = 0; st < STAGES - 1; ++st) x = next(x);
+            return x;
+        };
+        // tile x's index in the walk: (head, row tile) in order (BM a power of two)
+        auto index = [&](Tile x) { return (x.h - h_kv * group) * m_tiles + (x.m0 - m_begin) / BM; };
+        auto issue = [&](Tile x) {  // copy tile x into its ring slot (one commit group per tile)
+            if (x.h < h_end) {
+                const int i = index(x);
+                const int h = x.h, m0 = x.m0;
+                const int slot = i % STAGES;
+                copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_st.b + h * q_st.h, q_st.r,
+                                             q_row0 + m0, q_row0 + Nq, d);
+                copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_st.b + h * do_st.h, do_st.r,
+                                             q_row0 + m0, q_row0 + Nq, d);
+                const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
+                copy_row_stats_async<Tr>(sL + slot * BM, lse + row_bh, Delta + row_bh, m0, Nq);
             }
-        } else {
-            // A padding query (i >= Nq) is hidden like a padding key. Where the hidden
-            // elements get P = dS = 0 decides spills, ptxas being at its register limit:
-            // after p_ds (hide) in the plain loop, in p_ds in the one loop of split tf32
-            // with chunks (swapped, fp16 D = 64 spilled on sm_75 and split D = 256 on sm_100).
-            constexpr bool kInline = !Tr::kPlainLoop;
-            const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
-            const Seen top = queries_seeing(mask, key_top);
-            const Seen bottom = queries_seeing(mask, key_bottom);
+            cp_async_commit();
+        };
+
+        // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
+        copy_tile_async<Tr, BN>(sK, k_bh, k_st.r, n0, Nk, d);
+        copy_tile_async<Tr, BN>(sV, v_bh, v_st.r, n0, Nk, d);
+        cp_async_commit();
+        const Tile first{h_kv * group, m_begin};
+        Tile x = first;
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) issue(x), x = next(x);
+        cp_async_wait<STAGES - 1>();  // K_j, V_j have landed (this thread's part)
+        __syncthreads();
+        typename Tr::OwnFrag kf[Tr::kQFrags], vf[Tr::kQFrags];
+        load_own_fragments<Tr>(kf, sK, warp_row0, lane);
+        load_own_fragments<Tr>(vf, sV, warp_row0, lane);
+
+        FragC dk_acc[Tr::kOTiles], dv_acc[Tr::kOTiles];
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j) {
+            dk_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+            dv_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+        }
+
+        // -- one iteration of the main loop, on tile i: plain (no variants, no dropout: P and dS
+        // in line) or with the variants' chain
+        auto iteration = [&](Tile tile, auto plain) {
+            cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies)
+            __syncthreads();              // ... everyone's; and everyone is done with tile i − 1
+            issue(ahead(tile));           // tile i + STAGES − 1, into the slot tile i − 1 used
+            const int slot = index(tile) % STAGES;
+            const T* sQi = sQ + slot * kSlot;
+            const T* sdOi = sdO + slot * kSlot;
+            const float* sLi = sL + slot * BM;
+            const float* sDi = sD + slot * BM;
+            const int m0 = tile.m0;
+
+            // -- Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ (rows: the warp's 16 keys; columns: queries)
+            FragC s[Tr::kSTiles], dp[Tr::kSTiles];
 #pragma unroll
             for (int j = 0; j < Tr::kSTiles; ++j) {
-                const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
-                const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
-                const float d0 = sDi[c], d1 = sDi[c + 1];
-                const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
-                const bool inline_mask = kInline && needs_mask;
-                p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, inline_mask && top.hides(i0));
-                p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, inline_mask && top.hides(i1));
-                p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, inline_mask && bottom.hides(i0));
-                p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, inline_mask && bottom.hides(i1));
+                s[j] = FragC{0.f, 0.f, 0.f, 0.f};
+                dp[j] = FragC{0.f, 0.f, 0.f, 0.f};
             }
-            if (!kInline && needs_mask) {
-#pragma unroll
-                for (int j = 0; j < Tr::kSTiles; ++j)
-                    hide(s[j], dp[j], top, bottom, m0 + j * 8 + 2 * t);
-            }
-        }
+            gemm_own_rows<Tr>(s, kf, sK, warp_row0, sQi, lane);
+            gemm_own_rows<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
 
-        // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ as A fragments in registers; the
-        // block's chunk of the columns of dO_i, Q_i)
-        gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
-        gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
+            // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
+            // D_i are per column (query), from the tile's row statistics
+            const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
+            if (!is_plain(plain)) {  // element e: key row key_top + 8·(e % 4 / 2), query column c
+                const int h = tile.h;
+                var.bind((int)b, h, Nq, Nk);  // short-lived registers
+                float sum_top = 0.f, sum_bottom = 0.f;  // the thread's Σ_i dS_ij of its two keys
+                p_ds_variants(s, dp, scale, var, [&](int e, int& qi, int& kj, float& lse2,
+                                                      float& Di, bool& hidden) {
+                    const int c = (e >> 2) * 8 + 2 * t + (e & 1);
+                    qi = m0 + c;
+                    kj = (e & 2) ? key_bottom : key_top;
+                    lse2 = lse_log2(sLi[c]);
+                    Di = sDi[c];
+                    hidden = qi >= Nq || mask.masked(qi, kj);
+                }, [&](int e, int, int, float ds_biased) {
+                    (e & 2 ? sum_bottom : sum_top) += ds_biased;
+                });
+                // dbias of a bias broadcast over query rows: cols[b, h, j] += Σ_i dS_ij over the
+                // tile's queries (Sᵀ's columns: the thread's, then its quad's), tiles in order,
+                // by lane t = 0 of the quad that owns key j. One writer per key, no atomics; only
+                // the first chunk's block writes (every chunk sees the same dS).
+                if (want_dbias_cols && col0 == 0) {
+                    sum_top = row_sum_quad(sum_top);
+                    sum_bottom = row_sum_quad(sum_bottom);
+                    float* cols = dbias_cols + (b * Hq + h) * Nk;
+                    if (t == 0 && key_top < Nk) cols[key_top] += sum_top;
+                    if (t == 0 && key_bottom < Nk) cols[key_bottom] += sum_bottom;
+                }
+            } else {
+                // A padding query (i >= Nq) is hidden like a padding key. Where the hidden
+                // elements get P = dS = 0 decides spills, ptxas being at its register limit:
+                // after p_ds (hide) in the plain loop, in p_ds in the one loop of split tf32
+                // with chunks (swapped, fp16 D = 64 spilled on sm_75 and split D = 256 on sm_100).
+                constexpr bool kInline = !Tr::kPlainLoop;
+                const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
+                const Seen top = queries_seeing(mask, key_top);
+                const Seen bottom = queries_seeing(mask, key_bottom);
+#pragma unroll
+                for (int j = 0; j < Tr::kSTiles; ++j) {
+                    const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
+                    const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
+                    const float d0 = sDi[c], d1 = sDi[c + 1];
+                    const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
+                    const bool inline_mask = kInline && needs_mask;
+                    p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, inline_mask && top.hides(i0));
+                    p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, inline_mask && top.hides(i1));
+                    p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, inline_mask && bottom.hides(i0));
+                    p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, inline_mask && bottom.hides(i1));
+                }
+                if (!kInline && needs_mask) {
+#pragma unroll
+                    for (int j = 0; j < Tr::kSTiles; ++j)
+                        hide(s[j], dp[j], top, bottom, m0 + j * 8 + 2 * t);
+                }
+            }
+
+            // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ as A fragments in registers; the
+            // block's chunk of the columns of dO_i, Q_i)
+            if constexpr (Tr::kDqParts) store_ds_t<Tr>(sdS, dp, warp_row0, lane);
+            gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
+            gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
+
+            // -- dQ_i += dS K_j into the worker's partial of dQ (5-GEMM backward)
+            if constexpr (Tr::kDqParts) {
+                __syncthreads();  // every warp's dSᵀ is in sdS (the next barrier: all have read it)
+                const int h = tile.h;
+                add_dq_part<Tr>(dq_parts + worker * dqp_w + b * dqp_st.b + h * dqp_st.h +
+                                    (long long)(q_row0 + m0) * dqp_st.r,
+                                dqp_st.r, sdS, sK, Nq - m0, d, lane);
+            }
+        };
+
+        // -- main loop over the group's query heads and their Q_i, dO_i tiles; a plain call's
+        // loop of its own: no test of the variants in its iterations
+        if constexpr (!Tr::kPlainLoop)
+            for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, plain);
+        else if (plain)
+            for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, Bool<true>{});
+        else
+            for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, Bool<false>{});
+
+        // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
+        // rows of sK, sV
+        // (the sequence's first key read again here, not held in a register through the loop)
+        if constexpr (Tr::kDqParts) __syncthreads();  // every warp's dS K_j read all of sK
+        const long long k_out0 = seq.start_k(b);
+        store_rows_16b<Tr>(dk + b * dk_st.b + h_kv * dk_st.h + k_out0 * dk_st.r, dk_st.r, dk_acc,
+                           scale, sK, warp_row0, n0, col0, Nk, d, lane);
+        store_rows_16b<Tr>(dv + b * dv_st.b + h_kv * dv_st.h + k_out0 * dv_st.r, dv_st.r, dv_acc,
+                           1.f, sV, warp_row0, n0, col0, Nk, d, lane);
     };
 
-    // -- main loop over the group's query heads and their Q_i, dO_i tiles; a plain call's
-    // loop of its own: no test of the variants in its iterations
-    if constexpr (!Tr::kPlainLoop)
-        for (int i = 0; i < n_tiles; ++i) iteration(i, plain);
-    else if (plain)
-        for (int i = 0; i < n_tiles; ++i) iteration(i, Bool<true>{});
-    else
-        for (int i = 0; i < n_tiles; ++i) iteration(i, Bool<false>{});
-
-    // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
-    // rows of sK, sV
-    // (the sequence's first key read again here, not held in a register through the loop)
-    const long long k_out0 = seq.start_k(b);
-    store_rows_16b<Tr>(dk + b * dk_st.b + h_kv * dk_st.h + k_out0 * dk_st.r, dk_st.r, dk_acc,
-                       scale, sK, warp_row0, n0, col0, Nk, d, lane);
-    store_rows_16b<Tr>(dv + b * dv_st.b + h_kv * dv_st.h + k_out0 * dv_st.r, dv_st.r, dv_acc, 1.f,
-                       sV, warp_row0, n0, col0, Nk, d, lane);
+    // The worker's key blocks (past this sequence's keys none: the grid fits the longest).
+    // Without DQ_PARTS a block has one key block: no loop, nothing carried across it.
+    if constexpr (Tr::kDqParts) {
+        for (int n0 = worker * BN; n0 < Nk; n0 += workers * BN) {
+            key_block(n0);
+            __syncthreads();  // every warp's staging in sK, sV is read before K_j, V_j land
+        }
+    } else if (worker * BN < Nk) {
+        key_block(worker * BN);
+    }
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
@@ -428,7 +481,7 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
 // T = float: float32 tiles on tf32 mma (sm_80+), SPLIT: 3xTF32 (about fp32 accuracy), else
 // one-pass tf32 (allow_tf32=True); 16-bit T has one kind of product (SPLIT is false).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool SPLIT, bool DQ_PARTS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, const T* __restrict__ dO,
@@ -438,14 +491,15 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          Strides q_st, Strides k_st, Strides v_st, Strides do_st,
                          Strides dk_st, Strides dv_st,
                          float scale, int causal, float* __restrict__ dbias_cols,
-                         int want_dbias_cols, CUFLASH_VARLEN_PARAMS,
-                         CUFLASH_VARIANT_PARAMS(T)) {
+                         int want_dbias_cols, float* __restrict__ dq_parts, Strides dqp_st,
+                         long long dqp_w, CUFLASH_VARLEN_PARAMS, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
-                           CHUNK_COLS, /*ROW_STATS=*/true, SPLIT>;
+                           CHUNK_COLS, /*ROW_STATS=*/true, SPLIT, DQ_PARTS>;
     if constexpr (TensorCores<T>::value) {
         flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_st,
                               k_st, v_st, do_st, dk_st, dv_st, scale, causal, dbias_cols,
-                              want_dbias_cols, CUFLASH_VARIANTS(T), CUFLASH_VARLEN);
+                              want_dbias_cols, dq_parts, dqp_st, dqp_w, CUFLASH_VARIANTS(T),
+                              CUFLASH_VARLEN);
     } else {
         __trap();  // no tensor cores for T on this architecture: the launch path never picks it
     }
@@ -480,4 +534,22 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
     } else {
         __trap();
     }
+}
+
+// dQ of the 5-GEMM backward: dq[e] = scale · Σ_w parts[w][e], the workers' float32 partials
+// summed in order w = 0, 1, …: one fixed sum per element, the same bits on every run. Four
+// elements per thread (n, a multiple of the head dim d, is a multiple of 8); 16-bit T.
+template <typename T>
+__global__ void __launch_bounds__(256)
+flash_bwd_dq_sum_kernel(const float* __restrict__ parts, T* __restrict__ dq, long long n,
+                        int workers, float scale) {
+    const long long e = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (e >= n) return;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int w = 0; w < workers; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(parts + w * n + e);
+        acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+    }
+    *reinterpret_cast<uint2*>(dq + e) =
+        make_uint2(pack2<T>(acc.x * scale, acc.y * scale), pack2<T>(acc.z * scale, acc.w * scale));
 }

@@ -36,6 +36,10 @@
 //                                               epilogue's staging of dK_j, dV_j | dQ_i)
 //   ring pair    2 x [STAGES][TILE_ROWS][D]     Q_i, dO_i |  K_j, V_j
 //   row stats    2 x [STAGES][TILE_ROWS] float  lse_i, D_i (dK/dV kernel only)
+//   dSᵀ          [BLOCK_ROWS][TILE_ROWS + 8]    the tile's dSᵀ for dQ_i += dS K_j (dK/dV
+//                                               kernel with DQ_PARTS only; rows padded by
+//                                               16 bytes: its stores and ldmatrix.trans
+//                                               reads hit 32 distinct banks)
 // cuflash/plans/tc_bwd.py:tc_bwd_smem_bytes mirrors kSmemBytes term for term.
 #pragma once
 
@@ -54,8 +58,10 @@ template <bool B> __device__ __forceinline__ constexpr bool is_plain(Bool<B>) { 
 __device__ __forceinline__ bool is_plain(bool plain) { return plain; }
 
 // T: __half or __nv_bfloat16 (k16 steps), or float (k8 steps of tf32; SPLIT: 3xTF32).
+// DQ_PARTS (dK/dV kernel, 16-bit, one chunk): the block also adds dQ_i += dS K_j into its
+// worker's float32 partial of dQ (the 5-GEMM backward, flash_bwd_tc.cu).
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
-          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT>
+          bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT, bool DQ_PARTS = false>
 struct TcBwdTraits {
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockRows = BLOCK_ROWS;       // own rows: Bc keys | Br queries
@@ -85,8 +91,15 @@ struct TcBwdTraits {
     static constexpr int kSmemOwn = BLOCK_ROWS * HEAD_DIM;           // elements, each of 2
     static constexpr int kSmemRing = STAGES * TILE_ROWS * HEAD_DIM;  // elements, each of 2
     static constexpr int kSmemStats = ROW_STATS ? STAGES * TILE_ROWS : 0;  // floats, each of 2
-    static constexpr int kSmemBytes =
-        (2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) + 2 * kSmemStats * (int)sizeof(float);
+    static constexpr bool kDqParts = DQ_PARTS;
+    static constexpr int kDsStride = TILE_ROWS + 8;                  // dSᵀ row, in elements
+    static constexpr int kSmemDs = DQ_PARTS ? BLOCK_ROWS * kDsStride : 0;  // elements
+    static constexpr int kSmemBytes = (2 * kSmemOwn + 2 * kSmemRing + kSmemDs) * (int)sizeof(T) +
+                                      2 * kSmemStats * (int)sizeof(float);
+    // dQ_i += dS K_j (DQ_PARTS): the warps tile dQ_i's TILE_ROWS x HEAD_DIM as kDqRowGroups
+    // 16-row groups by the rest of the warps in columns, kDqCols each.
+    static constexpr int kDqRowGroups = TILE_ROWS / 16;
+    static constexpr int kDqCols = HEAD_DIM * kDqRowGroups / NUM_WARPS;
 
     static_assert(sizeof(T) == 2 || kTf32, "tensor-core tiles hold f16, bf16 or float32");
     static_assert(!SPLIT || kTf32, "split tf32 is a float32 mode");
@@ -104,17 +117,34 @@ struct TcBwdTraits {
                   "a head-dim chunk must start on a swizzle period (8 chunks of 16 bytes)");
     static_assert((2 * kSmemOwn + 2 * kSmemRing) * (int)sizeof(T) % 16 == 0,
                   "the row statistics start 16-byte aligned");
+    static_assert(!DQ_PARTS || (sizeof(T) == 2 && !kChunked && ROW_STATS),
+                  "dQ partials come from the 16-bit dK/dV kernel over the whole head dim");
+    static_assert(!DQ_PARTS || (NUM_WARPS % kDqRowGroups == 0 && kDqCols % 16 == 0),
+                  "dQ_i's 16-row groups must divide the warps, leaving 16-column multiples");
     static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
 };
 
-// Rows [row0, row0 + ROWS) of a contiguous float vector (lse or D of one head) into s by
-// 4-byte cp.async (the rows are not 16-byte aligned); rows >= n_rows are zero-filled.
-template <class Tr, int ROWS>
-__device__ __forceinline__ void copy_stats_async(float* __restrict__ s, const float* __restrict__ g,
-                                                 int row0, int n_rows) {
-    for (int i = threadIdx.x; i < ROWS; i += Tr::kThreads) {
+// A streamed tile of the dK/dV kernel: query head h, rows m0 .. m0 + TILE_ROWS − 1.
+struct Tile {
+    int h, m0;
+};
+
+// The row statistics of the streamed tile's rows [row0, row0 + TILE_ROWS) of one head —
+// lse into sL, D into sL + kSmemStats (that ring slot of sD) — by 4-byte cp.async (the
+// rows are not 16-byte aligned), one element per thread of the first 2 · TILE_ROWS; rows
+// >= n_rows are zero-filled. One predicated copy per thread, no loop.
+template <class Tr>
+__device__ __forceinline__ void copy_row_stats_async(float* __restrict__ sL,
+                                                     const float* __restrict__ lse,
+                                                     const float* __restrict__ delta, int row0,
+                                                     int n_rows) {
+    static_assert(2 * Tr::kTileRows <= Tr::kThreads, "one thread per statistic of the tile");
+    const int i = threadIdx.x % Tr::kTileRows;
+    const bool is_d = threadIdx.x >= Tr::kTileRows;
+    if (threadIdx.x < 2 * Tr::kTileRows) {
         const bool valid = row0 + i < n_rows;
-        cp_async_4(s + i, valid ? g + row0 + i : g, valid);
+        const float* g = is_d ? delta : lse;
+        cp_async_4(sL + (is_d ? Tr::kSmemStats : 0) + i, valid ? g + row0 + i : g, valid);
     }
 }
 
@@ -192,6 +222,65 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
         dbias(e, i, j, ds_biased);
         rotate_fragments(s, p);
         rotate_fragments(dp, ds);
+    }
+}
+
+// The warp's dSᵀ (C fragments: rows its 16 keys, columns the tile's queries) into sdS as T,
+// the same rounding as the A fragments of dK_j += dSᵀ Q_i.
+template <class Tr, typename T>
+__device__ __forceinline__ void store_ds_t(T* sdS, const FragC (&ds)[Tr::kSTiles], int warp_row0,
+                                           int lane) {
+    const int g = lane >> 2, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < Tr::kSTiles; ++j) {
+        store_pair(sdS + (warp_row0 + g) * Tr::kDsStride + j * 8 + 2 * t, ds[j].c0, ds[j].c1);
+        store_pair(sdS + (warp_row0 + g + 8) * Tr::kDsStride + j * 8 + 2 * t, ds[j].c2, ds[j].c3);
+    }
+}
+
+// part[r, c] += (dS K_j)[r, c] for the tile's rows r < rows and columns c < d (row stride
+// sr): dS (TILE_ROWS queries x BLOCK_ROWS keys) read from sdS's dSᵀ by ldmatrix.trans, K_j
+// (keys x D) from sK by ldmatrix.trans as V_j in P̃ V_j. The warp takes one 16-row group
+// and kDqCols columns; its thread adds its own elements, the same ones at every tile, so
+// each element of the partial has one writer and its additions happen in program order.
+template <class Tr, typename T>
+__device__ __forceinline__ void add_dq_part(float* __restrict__ part, long long sr, const T* sdS,
+                                            const T* sK, int rows, int d, int lane) {
+    constexpr int NT = Tr::kDqCols / 8;
+    const int warp = threadIdx.x / 32;
+    const int r0 = (warp % Tr::kDqRowGroups) * 16, c0 = (warp / Tr::kDqRowGroups) * Tr::kDqCols;
+    FragC acc[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockRows / 16; ++kk) {
+        FragA a;  // matrices (keys, queries): (0, 0), (0, 8), (8, 0), (8, 8) → a0 .. a3
+        ldmatrix_x4_trans(a.a0, a.a1, a.a2, a.a3,
+                          sdS + (kk * 16 + lane % 8 + (lane / 16) * 8) * Tr::kDsStride + r0 +
+                              ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
+                              sK + tile_offset<Tr>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                                   c0 + np * 16 + (lane / 16) * 8));
+            mma_k16<T>(acc[2 * np], a, b_lo);
+            mma_k16<T>(acc[2 * np + 1], a, b_hi);
+        }
+    }
+    const int top = r0 + (lane >> 2), bottom = top + 8;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int c = c0 + j * 8 + 2 * (lane % 4);
+        if (c >= d) continue;  // d is a multiple of 8: c + 1 < d too
+        if (top < rows) {
+            atomicAdd(part + top * sr + c, acc[j].c0);
+            atomicAdd(part + top * sr + c + 1, acc[j].c1);
+        }
+        if (bottom < rows) {
+            atomicAdd(part + bottom * sr + c, acc[j].c2);
+            atomicAdd(part + bottom * sr + c + 1, acc[j].c3);
+        }
     }
 }
 

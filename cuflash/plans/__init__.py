@@ -9,7 +9,7 @@
   tc_bwd     tensor-core backward, `TcBwdTraits` (tc_bwd_tile.cuh)
   softmax    online softmax (online_softmax.cu)
   choose     `forward_path`, `backward_path`: which plans a call takes, and why
-  device     device limits, the occupancy model, split-KV
+  device     device limits, the occupancy model, split-KV, the 5-GEMM backward's workers
   catalog    `every_plan`, `specializations`: what the compile gate compiles
 
 A plan is a frozen dataclass naming its kernel family (`families.py`) and carrying the

@@ -7,7 +7,8 @@ from __future__ import annotations
 from .base import ELEMENTS, dtype_name
 from .simt_bwd import simt_backward_plans
 from .simt_fwd import simt_forward_plan
-from .tc_bwd import TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, tc_bwd_candidates
+from .tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, dq_parts_tiles,
+                     tc_bwd_candidates)
 from .tc_fwd import TC_HEAD_DIMS, TF32_DTYPE, TF32_HEAD_DIMS, tc_fwd_candidates
 
 # The first compute capability whose mma.sync takes each type (mma.cuh's TensorCores<T>):
@@ -100,7 +101,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
 
 
 def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
-                  sm_count=None, allow_tf32: bool = False):
+                  sm_count=None, allow_tf32: bool = False, dq_parts: bool = True):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
     Tensor cores (two `TcBwdPlan`s) where the dtype is float16 (sm_75+), bfloat16 or
@@ -111,7 +112,12 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     otherwise the SIMT kernels of `simt_backward_plans`. Attention variants (window,
     softcap, ALiBi, bias, mask, dropout) and dbias (every kernel family writes it) take
     the same path as a plain call. The reason names the instruction and, for chunked
-    plans, the chunks. `cc` as for `forward_path`."""
+    plans, the chunks. `cc` as for `forward_path`.
+
+    `dq_parts` (16-bit, one head-dim chunk, the tile fits): the 5-GEMM backward instead,
+    (the dK/dV plan with DQ_PARTS, `DqSumPlan`): the dK/dV blocks also accumulate dQ in
+    float32 partials that flash_bwd_dq_sum adds in order (`device.dq_workers` sizes them;
+    where it gives 0, and for dbias, the caller asks again without)."""
     name = dtype_name(dtype)
 
     def simt():
@@ -135,4 +141,9 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
         return simt(), _no_tile_fits(name, D, max_smem, "backward ")
     chunks = "".join(f", {p.kernel} in {p.num_d_chunks(d)} head-dim chunks of {p.chunk_cols}"
                      for p in fits if p.num_d_chunks(d) > 1)
-    return fits, f"tensor cores: {_instruction(name, cc, allow_tf32)}{chunks}"
+    why = f"tensor cores: {_instruction(name, cc, allow_tf32)}{chunks}"
+    fused = _first_fit(dq_parts_tiles(name, D, cc), max_smem) if dq_parts else None
+    if fused is not None:
+        return ((fused, DqSumPlan(name)),
+                f"{why}, 5 GEMMs (dQ from the dK/dV blocks in float32 partials)")
+    return fits, why

@@ -1,5 +1,6 @@
-"""What the device gives a plan: its limits, the occupancy model, and split-KV (how many
-key ranges keep every SM busy when the query blocks alone would not)."""
+"""What the device gives a plan: its limits, the occupancy model, split-KV (how many
+key ranges keep every SM busy when the query blocks alone would not), and the 5-GEMM
+backward's workers."""
 from __future__ import annotations
 
 import math
@@ -84,3 +85,29 @@ def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -
         return 1
     return max(1, min(math.ceil(units / tiles), math.ceil(max_keys / MIN_KEYS_PER_CALL),
                       MAX_CALL_SPLITS))
+
+
+# ── the 5-GEMM backward's workers ───────────────────────────────────────────────────────
+#
+# A worker is a dK/dV block that walks key blocks w, w + W, … of one (batch, K/V head) and
+# adds dS K_j into its own float32 partial of dQ; flash_bwd_dq_sum adds the W partials in
+# order. FlashAttention-2's deterministic rule sizes W to fill the SMs: ⌈SMs / units⌉. The
+# model per (batch, head): the 5-GEMM pass does 5 GEMM-units of work per tile, the
+# two-kernel backward 7 (its dQ kernel recomputes S and dP), each over the fraction of
+# the SMs its blocks fill.
+
+DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies of dQ
+BWD_GEMMS_DQ_PARTS, BWD_GEMMS_TWO_KERNELS = 5, 7
+
+
+def dq_workers(units: int, key_blocks: int, sm_count) -> int:
+    """Workers W per (batch, K/V head) of the 5-GEMM backward for `units` (batch × K/V
+    heads) over `key_blocks` key blocks each on `sm_count` SMs: ⌈SMs / units⌉, at most
+    the key blocks and DQ_PARTS_MAX; 0 where the two-kernel backward is predicted faster
+    (W capped so low that its blocks fill too few SMs) or the SM count is unknown."""
+    if not sm_count or units <= 0 or key_blocks <= 0:
+        return 0
+    w = min(-(-sm_count // units), key_blocks, DQ_PARTS_MAX)
+    fill_parts = min(1.0, w * units / sm_count)
+    fill_two = min(1.0, key_blocks * units / sm_count)
+    return w if BWD_GEMMS_DQ_PARTS * fill_two <= BWD_GEMMS_TWO_KERNELS * fill_parts else 0

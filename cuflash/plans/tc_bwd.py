@@ -1,10 +1,14 @@
 """Tensor-core backward plans (flash_bwd_tc.cu): mirrors `TcBwdTraits` in
-kernels/tc_bwd_tile.cuh, for float16, bfloat16 and float32 (tf32) alike.
+kernels/tc_bwd_tile.cuh, for float16, bfloat16 and float32 (tf32) alike, and the sum of
+the 5-GEMM backward's dQ partials (`DqSumPlan`).
 
 FA2's backward on mma.sync: each warp owns 16 rows of its block (keys in the dK/dV
 kernel, queries in the dQ kernel) and the other operand pair streams through a
 `stages`-deep cp.async ring in tiles of `tile_rows` rows; the dK/dV kernel computes
 Sᵀ = K Qᵀ, so Pᵀ and dSᵀ are already the A fragments of dV += Pᵀ dO and dK += dSᵀ Q.
+With `dq_parts` (16-bit, one head-dim chunk) the dK/dV blocks also add dQ_i += dS K_j
+into their worker's float32 partial of dQ, and `flash_bwd_dq_sum` sums the partials in
+order: five GEMMs per tile instead of the dQ kernel's recomputing three more.
 D = rowsum(dO ∘ O) stays flash_bwd.cu's preprocess kernel. float32 runs the same kernels
 with float32 tiles and m16n8k8 .tf32 products (sm_80+), split tf32 by default, one-pass
 with allow_tf32=True, as the float32 forward. See docs/kernels.md.
@@ -14,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC
+from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_SUM, FLASH_BWD_DQ_TC
 from .base import Plan, flag
 from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, tf32_mode
 
@@ -54,6 +58,19 @@ _TC_BWD_CANDIDATES_SM75 = {
     (FLASH_BWD_DKDV_TC.name, 64): ((64, 32, 4, 2, True, 64),),
 }
 _TC_BWD_BY_ARCH = {7: _TC_BWD_CANDIDATES_SM75}
+# The 5-GEMM backward's dK/dV tiles (DQ_PARTS: 16-bit, one head-dim chunk), per HEAD_DIM,
+# best first: dQ_i's accumulators (TILE_ROWS · D / threads) and the dSᵀ tile come on top,
+# so K_j, V_j stay in shared memory. 8 warps and 128 keys per block halve the dQ partials'
+# red.add per product and the barriers per HMMA against 4 warps and 64 keys (which spill
+# 4–52 bytes at D = 128, 12 at D = 64 under CUDA 13.5). D = 128's 32-row Q tiles need
+# 107 KB, so the 99 KB GPUs take 16-row ones, as do sm_80, sm_86 and sm_89, where CUDA
+# 13.5's ptxas spills the 32-row tile (12 bytes). Turing keeps its 32-row Q tiles with
+# K_j, V_j in registers (249 registers); its D = 128 spills (108 bytes) and runs the
+# two-kernel backward. ptxas registers (sm_80 / sm_90, CUDA 12.9): 255, 0 spills.
+_TC_BWD_DQ_PARTS = {64: ((128, 64, 8, 2, False, 64),),
+                    128: ((128, 32, 8, 2, False, 128), (128, 16, 8, 2, False, 128))}
+_TC_BWD_DQ_PARTS_BY_ARCH = {7: {64: ((64, 32, 4, 2, True, 64),), 128: ()},
+                            8: {128: ((128, 16, 8, 2, False, 128),)}}
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
 # float32: twice the bytes per tile and, split, hi/lo temporaries beside every mma: the
@@ -104,15 +121,17 @@ _TF32_BWD_BY_ARCH = {10: _TF32_BWD_CANDIDATES_SM100, 12: _TF32_BWD_CANDIDATES_SM
 
 
 def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: int,
-                      tile_rows: int, stages: int) -> int:
+                      tile_rows: int, stages: int, dq_parts: bool = False) -> int:
     """Dynamic shared memory of one tensor-core backward block: mirrors
     `TcBwdTraits::kSmemBytes` (kernels/tc_bwd_tile.cuh) term for term.
 
     own pair    2 · block_rows · D            K_j, V_j (dK/dV) | Q_i, dO_i (dQ), in T
     ring pair   2 · stages · tile_rows · D    Q_i, dO_i (dK/dV) | K_j, V_j (dQ), in T
+    dSᵀ         block_rows · (tile_rows + 8)  the tile's dSᵀ, in T (dK/dV with dq_parts)
     row stats   2 · stages · tile_rows        lse_i, D_i in float32 (dK/dV only)
     """
-    tiles = (2 * block_rows * head_dim + 2 * stages * tile_rows * head_dim) * elem_bytes
+    ds = block_rows * (tile_rows + 8) if dq_parts else 0
+    tiles = (2 * block_rows * head_dim + 2 * stages * tile_rows * head_dim + ds) * elem_bytes
     stats = 2 * stages * tile_rows * 4 if kernel == FLASH_BWD_DKDV_TC.name else 0
     return tiles + stats
 
@@ -121,7 +140,8 @@ def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: i
 class TcBwdPlan(Plan):
     """One launchable specialization of a tensor-core backward kernel; the fields after
     `dtype` are the kernel's template parameters, in order (HEAD_DIM, BLOCK_ROWS,
-    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS, CHUNK_COLS, then SPLIT in flash_bwd_tc.cu)."""
+    TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS, CHUNK_COLS, then SPLIT and, for the dK/dV
+    kernel, DQ_PARTS in flash_bwd_tc.cu)."""
 
     dynamic_smem = True
     _split_flag = False    # SPLIT: 16-bit types have one kind of product (Tf32BwdPlan: its field)
@@ -135,6 +155,8 @@ class TcBwdPlan(Plan):
     stages: int            # depth of the cp.async ring
     own_in_regs: bool      # the own operands' A fragments held in registers
     chunk_cols: int        # output columns per block (< head_dim: head-dim chunks)
+    # DQ_PARTS (dK/dV only): the blocks also accumulate dQ into float32 partials
+    dq_parts: bool = dataclasses.field(default=False, kw_only=True)
 
     @property
     def num_threads(self) -> int:
@@ -156,22 +178,23 @@ class TcBwdPlan(Plan):
     @property
     def smem_bytes(self) -> int:
         return tc_bwd_smem_bytes(self.kernel, self.element.bytes, self.head_dim,
-                                 self.block_rows, self.tile_rows, self.stages)
+                                 self.block_rows, self.tile_rows, self.stages, self.dq_parts)
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} rows={self.block_rows} "
                 f"tile={self.tile_rows} warps={self.num_warps} stages={self.stages} "
                 f"{'regs' if self.own_in_regs else 'smem'}"
-                f"{f' chunks of {self.chunk_cols}' if self.chunked else ''} "
-                f"smem={self.smem_bytes} B")
+                f"{f' chunks of {self.chunk_cols}' if self.chunked else ''}"
+                f"{' +dQ parts' if self.dq_parts else ''} smem={self.smem_bytes} B")
 
     @property
     def name_expression(self) -> str:
         return self._instantiate(*self._template_args())
 
     def _template_args(self) -> tuple:
-        return (self.head_dim, self.block_rows, self.tile_rows, self.num_warps, self.stages,
+        args = (self.head_dim, self.block_rows, self.tile_rows, self.num_warps, self.stages,
                 flag(self.own_in_regs), self.chunk_cols, flag(self._split_flag))
+        return args + (flag(self.dq_parts),) if self.kernel == FLASH_BWD_DKDV_TC.name else args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +212,25 @@ class Tf32BwdPlan(TcBwdPlan):
         return self.split
 
 
+@dataclasses.dataclass(frozen=True)
+class DqSumPlan(Plan):
+    """flash_bwd_dq_sum_kernel<T>: dQ = scale · Σ_w partial_w of the 5-GEMM backward,
+    `elements_per_thread` elements per thread. No shared memory."""
+
+    dtype: str
+    kernel = FLASH_BWD_DQ_SUM.name
+    num_threads = 256
+    elements_per_thread = 4
+    smem_bytes = 0
+
+    def __str__(self) -> str:
+        return f"{self.kernel} {self.dtype} threads={self.num_threads}"
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate()
+
+
 def tc_bwd_candidates(kernel: str, dtype: str, head_dim: int, *, split: bool,
                       cc=None) -> list[TcBwdPlan]:
     """The tiles of tensor-core backward `kernel` for `dtype` and HEAD_DIM on compute
@@ -202,15 +244,28 @@ def tc_bwd_candidates(kernel: str, dtype: str, head_dim: int, *, split: bool,
     return [TcBwdPlan(kernel, dtype, head_dim, *c) for c in table[(kernel, head_dim)]]
 
 
+def dq_parts_tiles(dtype: str, head_dim: int, cc=None) -> list[TcBwdPlan]:
+    """The 5-GEMM backward's dK/dV tiles (DQ_PARTS) for a 16-bit `dtype` and HEAD_DIM on
+    compute capability `cc`, best first; none for float32, D = 256 and Turing's D = 128."""
+    table = {**_TC_BWD_DQ_PARTS, **_TC_BWD_DQ_PARTS_BY_ARCH.get(cc and cc[0], {})}
+    if dtype not in TC_DTYPES:
+        return []
+    return [TcBwdPlan(FLASH_BWD_DKDV_TC.name, dtype, head_dim, *c, dq_parts=True)
+            for c in table.get(head_dim, ())]
+
+
 @functools.cache
-def all_tc_bwd_plans(cc=None) -> tuple[TcBwdPlan, ...]:
+def all_tc_bwd_plans(cc=None) -> tuple[TcBwdPlan | DqSumPlan, ...]:
     """Every 16-bit tensor-core backward specialization a device of compute capability
-    `cc` can launch (for the gate; bfloat16 is a trap on sm_75); None: of any device,
-    sm_75's own last."""
-    plans = (p for c in ((None, (7, 5)) if cc is None else (cc,))
-             for dt in TC_DTYPES for D in TC_BWD_HEAD_DIMS for kernel in TC_BWD_KERNELS
-             for p in tc_bwd_candidates(kernel, dt, D, split=False, cc=c))
-    return tuple(dict.fromkeys(plans))
+    `cc` can launch (for the gate; bfloat16 is a trap on sm_75), the 5-GEMM backward's
+    tiles and its partials' sum included; None: of any device, sm_75's and sm_80's own
+    last."""
+    plans = [p for c in ((None, (7, 5), (8, 0)) if cc is None else (cc,))
+             for dt in TC_DTYPES for D in TC_BWD_HEAD_DIMS
+             for p in (*(q for kernel in TC_BWD_KERNELS
+                         for q in tc_bwd_candidates(kernel, dt, D, split=False, cc=c)),
+                       *dq_parts_tiles(dt, D, c))]
+    return tuple(dict.fromkeys([*plans, *(DqSumPlan(dt) for dt in TC_DTYPES)]))
 
 
 @functools.cache
