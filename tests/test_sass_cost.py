@@ -93,6 +93,35 @@ MASKED = """
 """
 
 
+# A worker's walk (the 5-GEMM dK/dV kernel): an outer loop around the main loop, holding
+# more HMMA (one in its epilogue) but not the main loop; the main loop's red.add to the dQ
+# partial sit in a block its bounds test may skip, and count.
+WALKED = """
+        /*0000*/                   MOV R20, RZ ;
+.L_x_0:
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+.L_x_1:
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   HMMA.16816.F32 R8, R12, R14, R8 ;
+        /*0050*/                   HMMA.16816.F32 R16, R12, R15, R16 ;
+        /*0060*/               @P0 BRA `(.L_x_2) ;
+        /*0070*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R6.64], R8 ;
+        /*0080*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R6.64+0x4], R9 ;
+.L_x_2:
+        /*0090*/                   IADD3 R21, R21, 0x1, RZ ;
+        /*00a0*/                   ISETP.NE.AND P1, PT, R21, R22, PT ;
+        /*00b0*/               @P1 BRA `(.L_x_1) ;
+        /*00c0*/                   HMMA.16816.F32 R24, R12, R14, RZ ;
+        /*00d0*/                   STG.E [R2.64], R24 ;
+        /*00e0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*00f0*/                   IADD3 R20, R20, 0x1, RZ ;
+        /*0100*/                   ISETP.NE.AND P2, PT, R20, R23, PT ;
+        /*0110*/               @P2 BRA `(.L_x_0) ;
+        /*0120*/                   EXIT ;
+"""
+
+
 def _cfg(text):
     """[(first address, instructions, successors' first addresses)] of each block."""
     blocks = sass_cost.basic_blocks(*sass_cost.parse_function(text))
@@ -145,6 +174,15 @@ def test_cheapest_path_skips_the_mask_and_keeps_the_copy():
     assert cost.counts == _counts(**{"LDGSTS": 2, "HMMA": 2, "FP32": 1, "MUFU.EX2": 2,
                                      "int/addr": 3, "branch/barrier": 4})
     assert cost.per_hmma == 7.0
+
+
+def test_main_loop_inside_a_walk_and_its_reductions():
+    cost = sass_cost.loop_cost(WALKED)
+    # the inner loop: 0x30 (4) → 0x70, the red.add (2) → 0x90 (3); not the outer loop's
+    # 3 HMMA, and not the cheaper path around the red.add
+    assert (cost.found, cost.loop_blocks, cost.path_blocks, cost.total) == (True, 3, 3, 9)
+    assert cost.counts == _counts(**{"HMMA": 2, "LDG/STG": 2, "int/addr": 2,
+                                     "branch/barrier": 3})
 
 
 def test_no_loop_holding_an_mma():
