@@ -97,7 +97,8 @@ def cmd_info(args):
               f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
         targets.append(_device_target(cupy, dev, name))
     from .emulator import archs
-    known = tuple(archs.ARCHS)  # the architectures whose limits cuflash holds
+    # the architectures whose limits cuflash holds (sm_90a's plans are sm_90's)
+    known = tuple(a for a, x in archs.ARCHS.items() if not x.specific)
     for arch in args.arch or (known if args.verbose else ()):
         targets.append(_gate_target(arch))
     if not targets:
@@ -109,7 +110,7 @@ def cmd_info(args):
               f"check-kernels {' '.join('--arch ' + a for a in unknown)}` once")
     if args.verbose:
         from . import compile_gate
-        missing = [a for a in compile_gate.ARCHS if a not in known]
+        missing = [a for a in compile_gate.ARCHS if a not in known and a not in compile_gate.SPECIFIC]
         if missing:
             print(f"no device limits for {', '.join(missing)} (cuflash.emulator.archs): the "
                   f"compile gate builds them, info cannot list their plans")
@@ -506,9 +507,10 @@ def main(argv=None):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":
         from .emulator import archs
+        known = [a for a, x in archs.ARCHS.items() if not x.specific]   # sm_90a runs sm_90's plans
         for arch in args.arch or ():
-            if arch not in archs.ARCHS:
-                parser.error(f"info --arch: got {arch!r}; choose from {', '.join(archs.ARCHS)}")
+            if arch not in known:
+                parser.error(f"info --arch: got {arch!r}; choose from {', '.join(known)}")
     for name in ("n", "batch", "heads", "d", "repeat", "check_heads"):
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:

@@ -53,7 +53,13 @@ CACHE_VERSION = 2
 # The architectures the gate proves: compiler.GATE_ARCHS and Blackwell, which runs the
 # sm_80/sm_90 mma.sync plans (B200 sm_100 with 227 KB of shared memory per block, the
 # consumer sm_120 with 99 KB) and which NVRTC targets from CUDA 12.8 on.
-ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120")))
+ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120", "sm_90a")))
+
+# The kernels of an architecture-specific target ("a": sm_90a's wgmma and setmaxnreg), built
+# for it alone, and the SASS each must show: the proof that Hopper's machinery reached the
+# machine code (warpgroup MMA, tensor-memory loads, the mbarrier's SYNCS unit).
+SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"]}}
+REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS")}
 
 # Why an NVRTC may lack an arch of ARCHS: each CUDA release adds and drops some.
 _ARCH_RANGE = {"sm_70": "CUDA 12.9 is the last toolkit that targets sm_70",
@@ -100,9 +106,16 @@ class Row:
         return need is not None and self.cost.mufu_ex2 < need
 
     @property
+    def missing_sass(self):
+        """The opcodes REQUIRED_SASS asks of this kernel that its disassembly lacks."""
+        if self.sass is None:
+            return ()
+        return tuple(o for o in REQUIRED_SASS.get(self.kernel, ()) if not self.sass.get(o))
+
+    @property
     def ok(self):
         return (not self.error and self.spill_stores == 0 and self.spill_loads == 0
-                and not self.local_memory and not self.rolled_softmax)
+                and not self.local_memory and not self.rolled_softmax and not self.missing_sass)
 
     @property
     def status(self):
@@ -112,6 +125,8 @@ class Row:
             return "SPILL"
         if self.local_memory:
             return "LOCAL MEMORY"
+        if self.missing_sass:
+            return "NO " + ", ".join(self.missing_sass)
         if self.rolled_softmax:
             return (f"ROLLED SOFTMAX ({self.cost.mufu_ex2} MUFU.EX2 per iteration, "
                     f"{self.exp2_needed} scores per thread)")
@@ -149,8 +164,9 @@ def ptxas_path():
 
 
 # Instructions counted in the disassembly (nvdisasm) of a sass=True build: tensor-core
-# mma, ldmatrix, cp.async, and local memory (which must stay absent).
-SASS_OPCODES = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL")
+# mma, ldmatrix, cp.async, and local memory (which must stay absent); and what REQUIRED_SASS asks.
+_REQUIRED_OPCODES = tuple(dict.fromkeys(o for v in REQUIRED_SASS.values() for o in v))
+SASS_OPCODES = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL", *_REQUIRED_OPCODES)
 
 # The kernels whose main loop's static cost a sass=True build counts: the tensor-core ones.
 COSTED = tuple(f.function for f in (FLASH_FWD_TC, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC))
@@ -188,7 +204,7 @@ def nvdisasm_reads(arch):
     return not (arch == "sm_70" and _nvdisasm_major() >= 13)
 
 
-_SASS_FUNCTION = re.compile(r"^//-+ \.text\.(\S+) -+$", re.M)
+_SASS_FUNCTION = re.compile(r"^//-+ \.text\.(\S+) +-+$", re.M)
 _SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -331,6 +347,7 @@ def _key(source_text, names, arch, options, sass=False):
     if sass:  # the listing's counts and cost: the counter's own source is part of the key
         h.update(f"sass\0{nvdisasm_path()}\0".encode())
         h.update(pathlib.Path(sass_cost.__file__).read_bytes())
+        h.update(repr((SASS_OPCODES, _SASS_FUNCTION.pattern, _SASS_OPCODE.pattern)).encode())
     h.update("\0".join(options).encode() + b"\1")
     h.update("\0".join(names).encode() + b"\1")
     h.update(source_text.encode())
@@ -388,9 +405,16 @@ def arch_cc(arch: str) -> tuple[int, int]:
 
 def collect_specializations(arch=None):
     """{filename: [name expressions]}: every specialization cuflash can launch on `arch`
-    ("sm_80"; None: on any arch). Plans depend on the arch (sm_120's float32 tiles)."""
+    ("sm_80"; None: on any arch). Plans depend on the arch (sm_120's float32 tiles); an
+    architecture-specific target ("sm_90a") builds its own kernels (SPECIFIC) alone."""
     from . import tiling
-    return tiling.specializations(None if arch is None else arch_cc(arch))
+    if arch in SPECIFIC:
+        return dict(SPECIFIC[arch])
+    specs = tiling.specializations(None if arch is None else arch_cc(arch))
+    if arch is None:
+        for extra in SPECIFIC.values():
+            specs.update(extra)
+    return specs
 
 
 def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None, sass=False,
@@ -493,11 +517,14 @@ def format_table(rows):
     (where disassembled), the main loop's cost (tensor-core kernels) and the predicted
     blocks and warps per SM."""
     plans = _plans()
-    head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", *SASS_OPCODES,
+    # the opcodes REQUIRED_SASS asks for only where a table holds a kernel that must show them
+    ops = [o for o in SASS_OPCODES
+           if o not in _REQUIRED_OPCODES or any(o in REQUIRED_SASS.get(r.kernel, ()) for r in rows)]
+    head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", *ops,
             *COST_COLUMNS, "blocks/SM", "warps/SM", "status")
     body = []
     for r in rows:
-        counts = [str(r.sass[op]) if r.sass else "-" for op in SASS_OPCODES]
+        counts = [str(r.sass[op]) if r.sass else "-" for op in ops]
         blocks = blocks_per_sm(r)
         warps = "-" if blocks is None else str(blocks * -(-plans[r.kernel].num_threads // 32))
         body.append((r.kernel, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
@@ -524,6 +551,8 @@ def split_archs(requested, supported, nvrtc_version):
     Volta, sm_70; Blackwell needs CUDA 12.8): those are reported, not failed, so the gate
     proves what the installed toolkit can build."""
     version = ".".join(map(str, nvrtc_version))
+    # an "a" target comes with its architecture (NVRTC lists sm_90, and compiles sm_90a too)
+    supported = tuple(supported) + tuple(f"{a}a" for a in supported)
     build = tuple(a for a in requested if a in supported)
     skipped = {a: f"NVRTC {version} cannot target {a}"
                   + (f" ({_ARCH_RANGE[a]})" if a in _ARCH_RANGE else "")

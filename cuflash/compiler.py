@@ -73,6 +73,15 @@ def nvrtc_options(arch=None):
     return tuple(options)
 
 
+def arch_specific_options(cc):
+    """The option that opens a GPU's architecture-specific features to its kernels (sm_90a:
+    wgmma, setmaxnreg), for compute capability `cc`. CuPy's RawModule appends its own
+    -arch=sm_XY after the caller's options and cannot name an "a" target itself (its
+    _get_arch_for_options_for_nvrtc takes int("90a")); given both, NVRTC compiles for the
+    "a" target."""
+    return ("-arch=sm_90a",) if tuple(cc) == (9, 0) else ()
+
+
 @functools.cache
 def read_source(filename):
     """The text of one kernel source file in cuflash/kernels/."""

@@ -32,7 +32,11 @@ def test_gate_covers_every_arch_and_backward_kernel(gate_rows):
     seen = {(r.kernel, r.arch) for r in gate_rows}
     for name in tiling.specializations()["flash_bwd.cu"]:
         for arch in archs:
-            assert (name, arch) in seen
+            if arch not in compile_gate.SPECIFIC:   # sm_90a builds its own kernels alone
+                assert (name, arch) in seen
+    for arch, specs in compile_gate.SPECIFIC.items():
+        if arch in archs:
+            assert {(name, arch) for names in specs.values() for name in names} <= seen
 
 
 def test_backward_smem_formula_matches_ptxas(gate_rows):
@@ -40,7 +44,8 @@ def test_backward_smem_formula_matches_ptxas(gate_rows):
     by_name = {(r.kernel, r.arch): r for r in gate_rows}
     for p in tiling.all_simt_bwd_plans():
         for arch in compile_gate.gate_archs()[0]:
-            assert by_name[(p.name_expression, arch)].smem == p.smem_bytes, str(p)
+            if arch not in compile_gate.SPECIFIC:
+                assert by_name[(p.name_expression, arch)].smem == p.smem_bytes, str(p)
 
 
 PLANTED = r"""
@@ -133,7 +138,7 @@ def test_gate_archs_are_what_the_toolkit_targets(monkeypatch, version, supported
     monkeypatch.setattr(compile_gate, "nvrtc_archs", lambda: supported)
     monkeypatch.setattr(nvrtc, "getVersion", lambda: version)
     build, why = compile_gate.gate_archs()
-    every = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+    every = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "sm_90a")
     assert build == tuple(a for a in every if a not in skipped)
     assert tuple(why) == skipped
     for arch in skipped:
@@ -189,3 +194,47 @@ def test_check_kernels_rejects_an_unknown_source(capsys):
         compile_gate.check_kernels(["--source", "flash_fwd.cuh"])
     err = capsys.readouterr().err
     assert "'flash_fwd.cuh'" in err and "flash_fwd.cu" in err
+
+
+# -- sm_90a: the Hopper kernels' machine code ------------------------------------------------
+
+def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
+    """sm90_gemm.cu built for sm_90a shows warpgroup MMA, TMA loads and mbarrier operations in
+    its SASS; with its wgmma or its TMA taken out the gate fails it, naming what is missing
+    (ptxas turns a lone wgmma.fence/commit/wait into placeholder HGMMA: all go)."""
+    if compile_gate.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed")
+    [row] = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
+    assert row.ok and all(row.sass[o] > 0 for o in ("HGMMA", "UTMALDG", "SYNCS")), compile_gate.format_table([row])
+    source = compiler.read_source("sm90_gemm.cu")
+    for lines, missing in ((("sm90::wgmma_fence();", "sm90::wgmma_m64n128k16_f16(acc, da + 2 * kk, db + 2 * kk, 1);",
+                             "sm90::wgmma_commit();", "sm90::wgmma_wait<0>();"), "NO HGMMA"),
+                           (("sm90::tma_load_2d(stage[s].a, map_a, t * kBlockK, m0, &full[s]);",
+                             "sm90::tma_load_2d(stage[s].b, map_b, t * kBlockK, n0, &full[s]);"), "NO UTMALDG")):
+        text = source
+        for line in lines:
+            assert line in text
+            text = text.replace(line, "")
+        [row] = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False, sources={"sm90_gemm.cu": text})
+        assert not row.ok and row.status == missing, row.status
+
+
+def test_cupy_arch_option_keeps_the_specific_target():
+    """CuPy's RawModule appends its own -arch=sm_90 (its _get_arch_for_options_for_nvrtc, called
+    here as CuPy calls it on an H100) after the caller's options; the run-time options add
+    -arch=sm_90a, and NVRTC compiles for sm_90a: the PTX targets it and wgmma assembles."""
+    from cupy.cuda import compiler as cupy_compiler
+    from cupy.cuda import nvrtc
+    cupy_arch, method = cupy_compiler._get_arch_for_options_for_nvrtc.__wrapped__("90")
+    assert (cupy_arch, method) == ("-arch=sm_90", "cubin")
+    options = compiler.nvrtc_options() + compiler.arch_specific_options((9, 0)) + \
+        compile_gate.CUPY_APPENDED_OPTIONS + (cupy_arch,)
+    prog = nvrtc.createProgram(compiler.read_source("sm90_gemm.cu"), "sm90_gemm.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, options)
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
+    assert compiler.arch_specific_options((8, 0)) == () and compiler.arch_specific_options((10, 0)) == ()

@@ -508,7 +508,7 @@ def test_cuda_arch_follows_the_emulated_arch(arch, value, monkeypatch):
 
 
 def test_arch_table():
-    assert set(archs.ARCHS) == {"sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100",
+    assert set(archs.ARCHS) == {"sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100",
                                 "sm_120"}
     lim = archs.gpu_limits("sm_90")
     assert lim.shared_per_block_optin == 232448 and lim.sm_count == 132

@@ -35,13 +35,14 @@ def test_dry_run_plans_every_section_from_a_plain_checkout(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     # the three sections, in their order, each with its plan
-    starts = [out.index(f"[{name}] would run") for name in ("tests", "sanitize", "bench")]
+    starts = [out.index(f"[{name}] would run") for name in ("tests", "sanitize", "bench", "capture")]
     assert starts == sorted(starts)
     summary = out.split("gpu_check --dry-run summary:")[1]
     n_tests = int(summary.split("tests     ok: ")[1].split()[0])
     assert n_tests > 0
     assert "sanitize  ok: " in summary and "memcheck, synccheck, racecheck" in summary
     assert "bench     ok: plan written, cuflash validated in the emulator" in summary
+    assert "capture   ok: 6 captures (mma.sync and wgmma, fp16/bf16/tf32) recorded in the emulator" in summary
     for check in ("memcheck", "racecheck", "synccheck"):
         assert f"would run: compute-sanitizer --tool {check}" in out
     peers = out.split("peers a GPU run would compare against:")[1]

@@ -10,10 +10,12 @@ Sections, in this order, each under a time cap:
             flash, cuDNN and memory-efficient backends, JAX's cuDNN attention, flash-attn),
             forward, backward and forward+backward; sizes stop being added when its
             budget is spent
+  capture   tools/capture_tensor_cores.py: mma.sync's (and on an H100 wgmma's) block dot
+            products, recorded for the emulator's tensor-core model (tensor-core/)
 
 With the default caps the whole run takes at most about 9½ minutes: one command of 10
 minutes at most, on an H100 (tests about 40 s, memcheck about 70 s cold, synccheck 10 s,
-racecheck what is left; the benchmark its whole cap). Where commands are shorter, run it in
+racecheck what is left; the benchmark its whole cap; the capture a few seconds). Where commands are shorter, run it in
 stages that share --out, e.g.
   python3 tools/gpu_check.py --only tests sanitize
   python3 tools/gpu_check.py --only bench
@@ -48,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -55,10 +58,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-SECTIONS = ("tests", "sanitize", "bench")
-# Seconds per section: all three fit a 10-minute command, with room for the start and the
+SECTIONS = ("tests", "sanitize", "bench", "capture")
+# Seconds per section: all four fit a 10-minute command, with room for the start and the
 # summary.
-CAPS = {"tests": 120, "sanitize": 240, "bench": 200}
+CAPS = {"tests": 120, "sanitize": 240, "bench": 180, "capture": 30}
 # The sanitizer's selection, most telling first (a tool stopped at its cap has done
 # these): the forward and backward kernels against the reference over dtypes and odd
 # shapes, then split-KV, varlen and the paged KV cache; all small shapes.
@@ -294,6 +297,15 @@ def bench_budget(args):
     return args.cap["bench"] - 60
 
 
+def run_capture(args, log):
+    cmd = [sys.executable, "tools/capture_tensor_cores.py", "--out", str(args.out / "tensor-core")]
+    rc, text, seconds, timed_out = run_logged(cmd, args.cap["capture"], log)
+    captures = re.findall(r"^(\S+): (\d+) samples$", text, re.M)
+    return {"exit": rc, "seconds": round(seconds), "timed_out": timed_out, "ok": rc == 0 and bool(captures),
+            "captures": [f"{pathlib.Path(p).parent.name}/{pathlib.Path(p).name}: {n}" for p, n in captures],
+            "command": " ".join(["python", *map(str, cmd[1:])])}
+
+
 # ── the summary ──────────────────────────────────────────────────────────────────────
 
 def _geomean(xs):
@@ -445,7 +457,8 @@ def summary_markdown(state, rows):
              "sections' own runs (gpu_check.json, bench_gpu.csv, gpu_check.log).", "",
              "## Machine", "", machine_table(env)]
     titles = {"tests": "GPU tests (`pytest -m gpu`)", "sanitize": "compute-sanitizer",
-              "bench": "Benchmark (`benchmarks/bench_gpu.py`)"}
+              "bench": "Benchmark (`benchmarks/bench_gpu.py`)",
+              "capture": "Tensor-core captures (`tools/capture_tensor_cores.py`)"}
     for name in SECTIONS:
         parts += ["", f"## {titles[name]}", ""]
         sec = state.get(name)
@@ -457,6 +470,10 @@ def summary_markdown(state, rows):
             parts.append(tests_markdown(sec))
         elif name == "sanitize":
             parts.append(sanitize_markdown(sec))
+        elif name == "capture":
+            parts.append(f"`{sec['command']}` ({_when(sec)}): **{'PASS' if sec['ok'] else 'FAIL'}** "
+                         f"(exit {sec['exit']}); samples per capture, under tensor-core/:")
+            parts += [""] + [f"- {c}" for c in sec["captures"]]
         else:
             parts.append(bench_markdown(sec, rows))
     return "\n".join(parts) + "\n"
@@ -537,6 +554,16 @@ def dry_run(args, log):
                         else f"bench_gpu.py --dry-run failed (exit {rc})")
     print(f"[bench] {results['bench']}\n")
 
+    print("[capture] would run tools/capture_tensor_cores.py; in the emulator (sm_90a) here:")
+    with tempfile.TemporaryDirectory() as tmp:
+        rc, text, _, _ = run_logged([sys.executable, "tools/capture_tensor_cores.py", "--emulator", "sm_90a",
+                                     "--samples", "64", "--out", tmp], 600, log)
+    n = len(re.findall(r": \d+ samples$", text, re.M))
+    ok["capture"] = rc == 0 and n == 6
+    results["capture"] = (f"{n} captures (mma.sync and wgmma, fp16/bf16/tf32) recorded in the emulator"
+                          if ok["capture"] else f"capture_tensor_cores.py --emulator failed (exit {rc})")
+    print(f"[capture] {results['capture']}\n")
+
     print("gpu_check --dry-run summary:")
     for name in SECTIONS:
         print(f"  {name:9s} {'ok' if ok[name] else 'FAILED'}: {results[name]}")
@@ -575,7 +602,7 @@ def main(argv=None):
         state_path = args.out / "gpu_check.json"
         state = json.loads(state_path.read_text()) if state_path.exists() else {}
         state["environment"] = env
-        runners = {"tests": run_tests, "sanitize": run_sanitize, "bench": run_bench}
+        runners = {"tests": run_tests, "sanitize": run_sanitize, "bench": run_bench, "capture": run_capture}
         for name in SECTIONS:
             if name not in args.only:
                 continue

@@ -6,7 +6,9 @@ Both backends run the very same `.cu` sources. They differ only in
   (g++, fibers on the CPU, with its options: checked mode, thread schedule, emulated arch),
 * the array module: cupy or numpy,
 * where the device limits come from: the device's attributes, or the limits of the GPU
-  the emulator stands for (`cuflash.emulator.archs`).
+  the emulator stands for (`cuflash.emulator.archs`),
+* who encodes the tensor maps of TMA copies: the driver (`tensor_map.driver_encode_tiled`)
+  or the emulator (`cuflash.emulator.tma.encode_tiled`), with the same arguments.
 
 Everything else is shared: `KernelBackend` compiles and memoises kernels and delegates
 to the launch modules `kernel_forward`, `kernel_backward` and `kernel_softmax`, which
@@ -33,10 +35,11 @@ class KernelBackend:
     """
 
     def __init__(self, name, xp, module_class, *, device_key, limits, module_options=None,
-                 device_of=None):
+                 device_of=None, encode_tensor_map=None):
         self.name = name
         self.xp = xp
         self._module_class = module_class
+        self.encode_tensor_map = encode_tensor_map   # cuTensorMapEncodeTiled's arguments -> a map
         self._device_key = device_key    # () -> hashable id of the current device
         self._limits = limits            # () -> {"max_smem", "sm_count", "cc"}
         self.module_options = dict(module_options or {})
@@ -73,6 +76,14 @@ class KernelBackend:
                 self._functions[key] = fn
         return fn
 
+    def module(self, source, name_expressions=()):
+        """A module of `source` (a file of cuflash/kernels) compiled with the options of the
+        run-time path and the device's architecture-specific target (sm_90a on an H100)."""
+        cc = self.limits()["cc"]
+        return self._module_class(code=compiler.read_source(source),
+                                  options=compiler.nvrtc_options() + compiler.arch_specific_options(cc),
+                                  name_expressions=list(name_expressions), **self.module_options)
+
     def forward(self, q, k, v, *, causal, scale, algorithm="fa2", variants=None,
                 allow_tf32=False, segments=None, num_splits=None):
         with self._device_of(q):
@@ -99,10 +110,11 @@ class KernelBackend:
 @functools.cache
 def _cuda_backend():
     import cupy
+    from .tensor_map import driver_encode_tiled
     return KernelBackend("cuda", cupy, cupy.RawModule,
                          device_key=lambda: cupy.cuda.Device().id,
                          limits=lambda: _cuda_limits(cupy.cuda.Device().id),
-                         device_of=lambda a: a.device)
+                         device_of=lambda a: a.device, encode_tensor_map=driver_encode_tiled)
 
 
 @functools.cache
@@ -156,4 +168,5 @@ def _emulator_backend(checked, schedule, seed, arch):
     return KernelBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
                          limits=lambda: emulator_limits(arch),
                          module_options=dict(checked=checked, schedule=schedule, seed=seed,
-                                             arch=arch))
+                                             arch=arch),
+                         encode_tensor_map=emulator.tma.encode_tiled)

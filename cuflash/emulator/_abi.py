@@ -19,6 +19,7 @@ class ErrorKind(enum.IntEnum):
     DEADLOCK = 4
     TRAP = 5
     FAULT = 6
+    HAZARD = 7
 
 
 class Space(enum.IntEnum):

@@ -24,12 +24,12 @@ from .archs import Arch
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 SHIM = RUNTIME_DIR / "shim.h"
 _ABI_H = RUNTIME_DIR / "abi.h"
-_RUNTIME_SRCS = (RUNTIME_DIR / "runtime.cpp", RUNTIME_DIR / "ptx.cpp")
-_RUNTIME_HEADERS = (_ABI_H, RUNTIME_DIR / "ptx.h")
+_RUNTIME_SRCS = (RUNTIME_DIR / "runtime.cpp", RUNTIME_DIR / "ptx.cpp", RUNTIME_DIR / "sm90.cpp")
+_RUNTIME_HEADERS = (_ABI_H, RUNTIME_DIR / "ptx.h", RUNTIME_DIR / "runtime.h")
 # what the emulator itself puts into every library: the runtime, the shim, the compile flags
 # (this file), the generated launcher and the inline-PTX translator with its arch table
 _EMULATOR_FILES = (*_RUNTIME_SRCS, *_RUNTIME_HEADERS, SHIM, Path(__file__),
-                   *(Path(__file__).with_name(n) for n in ("_launcher.py", "_ptx.py", "archs.py")))
+                   *(Path(__file__).with_name(n) for n in ("_launcher.py", "_ptx.py", "_ptx_sm90.py", "archs.py")))
 _SOURCE_EXTS = (".h", ".hpp", ".cuh", ".cu", ".inc", ".inl", ".hh", ".hxx")
 # macros that must reach the CUDA headers, so they stay on the command line (see build())
 _EARLY_MACROS = ("__CUDA", "CUDA", "__CUDACC", "_GLIBCXX", "__STDC", "_GNU")
@@ -159,7 +159,10 @@ def _compile_and_link(code, src_path, options, names, checked, arch, cxx, cuda_d
                 flags.append(f"-U{name}" if value is None else f"-D{name}={value}")
         # __CUDA_ARCH__ is defined after the shim: the CUDA headers must take their host paths
         launcher = tmp / "launcher.cpp"
-        launcher.write_text(launcher_source(src_file, names, [("__CUDA_ARCH__", str(arch.cuda_arch))] + late))
+        arch_macros = [("__CUDA_ARCH__", str(arch.cuda_arch))]
+        if arch.feature_macro:
+            arch_macros.append((arch.feature_macro, "1"))
+        launcher.write_text(launcher_source(src_file, names, arch_macros + late))
         # preprocess (the precompiled shim stays a pragma), put runtime calls in place of inline
         # PTX, compile the result
         src_display = str(src_path) if src_path else "the kernel source"

@@ -13,6 +13,11 @@ class RaceError(EmulatorError):
     """Checked mode found a data race (shared memory within a block, or global memory between blocks)."""
 
 
+class AsyncHazardError(RaceError):
+    """Checked mode found an operand of an asynchronous operation (``wgmma.mma_async``, a bulk or
+    tensor copy) touched before the operation completed, or an mbarrier misused."""
+
+
 class BoundsError(EmulatorError):
     """Checked mode found an access outside the launch's arrays or its dynamic shared memory."""
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import tma
 from ._abi import ErrorRecord, ParamKind, Schedule
 from ._build import build
 from ._errors import EmulatorCompileError, EmulatorError
@@ -275,6 +276,9 @@ class RawKernel:
                 if kind in (ParamKind.SIGNED, ParamKind.UNSIGNED) and a.dtype.kind not in "iub":
                     raise TypeError(f"{where}: the kernel parameter is an integer, got {a.dtype}")
                 holders.append(ctypes.create_string_buffer(a.tobytes(), max(size, 1)))
+                span = tma.extent(a.tobytes()) if kind == ParamKind.RECORD else None
+                if span:   # a tensor map: its tensor is an array the kernel reads and writes
+                    ranges += [span[0], span[1], i]
             elif isinstance(a, (bool, int, float, complex)):
                 raise TypeError(f"{where}: Python {type(a).__name__} {a!r} has no fixed C type; wrap it in a NumPy "
                                 "scalar of the kernel's parameter type (e.g. numpy.int32(n), numpy.float32(x))")

@@ -20,12 +20,13 @@ import re
 from dataclasses import dataclass
 
 from ._errors import EmulatorCompileError
+from ._ptx_sm90 import SUPPORTED as _SUPPORTED_SM90, Sm90Instructions
 from .archs import Arch
 
 SUPPORTED = ("mma.sync.aligned.{m16n8k16,m16n8k8}.row.col.f32.{f16,bf16,tf32}.{f16,bf16,tf32}.f32, "
              "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16, cp.async.{ca,cg}.shared.global, "
              "cp.async.commit_group, cp.async.wait_group, cp.async.wait_all, cvt.rn.{f16x2,bf16x2}.f32, "
-             "cvt.rna.tf32.f32, ex2.approx{,.ftz}.f32")
+             "cvt.rna.tf32.f32, ex2.approx{,.ftz}.f32, setp, selp, bra, " + _SUPPORTED_SM90)
 
 # what an operand constraint puts in a register: C type of the temporary, bits
 _CONSTRAINTS = {"r": ("uint32_t", 32), "h": ("uint16_t", 16), "l": ("uint64_t", 64), "f": ("float", 32),
@@ -169,9 +170,10 @@ def _statement(body: str, site: Site, arch: Arch) -> str:
             if not 0 <= op.tied < len(outputs):
                 raise _Error(f"operand {op.index} is tied to %{op.tied}, which is not an output")
             op.kind = outputs[op.tied].kind
-    emitter = _Emitter(ops, site, arch)
-    for instr in _instructions(_substitute(template, ops)):
-        emitter.instruction(instr)
+    instrs, regs = _instructions(_substitute(template, ops))
+    emitter = _Emitter(ops, site, arch, regs)
+    for instr in instrs:
+        emitter.statement(instr)
     return emitter.code()
 
 
@@ -221,44 +223,91 @@ def _substitute(template: str, ops: list) -> str:
 @dataclass
 class Instr:
     opcode: str
-    text: str          # the operands, parsed once the opcode is known
+    text: str                   # the operands, parsed once the opcode is known
+    labels: tuple = ()          # PTX labels that mark this instruction
+    guard: tuple | None = None  # (predicate name, negated) of `@p` / `@!p`
+    names: frozenset = frozenset()   # the statement's own registers (`.reg`)
 
     @property
     def operands(self) -> list:
-        """Each ("ref", n) | ("imm", text) | ("list", [...]) | ("addr", base, offset)."""
-        return [_operand(o) for o in _split_top(self.text, ",") if o.strip()]
+        """Each ("ref", n) | ("imm", text) | ("list", [...]) | ("addr", base, offset) |
+        ("local", name) | ("sink",)."""
+        return [_operand(o, self.names) for o in _split_top(self.text, ",") if o.strip()]
 
 
-def _instructions(ptx: str) -> list:
+# the PTX register types a statement may declare with `.reg`: C type, bits
+_REG_TYPES = {"pred": ("bool", 1), "b32": ("uint32_t", 32), "u32": ("uint32_t", 32), "s32": ("uint32_t", 32),
+              "b64": ("uint64_t", 64), "u64": ("uint64_t", 64), "s64": ("uint64_t", 64), "f32": ("uint32_t", 32)}
+_LABEL = re.compile(r"([A-Za-z_$][\w$]*)\s*:(?!:)")
+
+
+def _instructions(ptx: str) -> tuple:
+    """(the instructions, {name: PTX type} of the registers the statement declares)."""
     ptx = re.sub(r"//[^\n]*|/\*.*?\*/", " ", ptx, flags=re.S)
-    out = []
+    out, regs, labels = [], {}, []
     for stmt in ptx.split(";"):
         # braces before an opcode open or close a scope: harmless around plain instructions
         stmt = stmt.strip().lstrip("{} \t\n")
+        while True:
+            m = _LABEL.match(stmt)
+            if not m:
+                break
+            labels.append(m.group(1))
+            stmt = stmt[m.end():].strip().lstrip("{} \t\n")
         if not stmt:
             continue
-        if stmt.startswith("@"):
-            raise _Error(f"predicated PTX (`{_show(stmt)}`) is not supported by the CPU emulator")
+        if stmt.startswith(".reg"):
+            m = re.fullmatch(r"\.reg\s+\.(\w+)\s+(%?[A-Za-z_$][\w$]*(?:\s*,\s*%?[A-Za-z_$][\w$]*)*)",
+                             stmt.rstrip("} \t\n"))
+            if not m or m.group(1) not in _REG_TYPES:
+                raise _Error(f"PTX declaration `{_show(stmt)}` is not supported by the CPU emulator (it takes "
+                             f"`.reg .{{{','.join(_REG_TYPES)}}} name, ...;`)")
+            for name in re.split(r"\s*,\s*", m.group(2)):
+                regs[name] = m.group(1)
+            continue
+        guard = None
+        m = re.match(r"@(!?)(%?[A-Za-z_$][\w$]*)\s+", stmt)
+        if m:
+            if regs.get(m.group(2)) != "pred":
+                raise _Error(f"`{_show(stmt)}`: the guard {m.group(2)} is not a .pred register of the statement")
+            guard = (m.group(2), bool(m.group(1)))
+            stmt = stmt[m.end():]
         opcode, _, rest = stmt.replace("\t", " ").replace("\n", " ").partition(" ")
-        out.append(Instr(opcode.strip(), rest))
-    return out
+        out.append(Instr(opcode.strip(), rest, tuple(labels), guard))
+        labels = []
+    if labels:
+        out.append(Instr("", "", tuple(labels)))   # labels at the end of the statement
+    names = frozenset(regs)
+    for i in out:
+        i.names = names
+    return out, regs
+
+
+def _local(name: str) -> str:
+    """The C++ variable of a register the statement declares (`%r` as CUTLASS writes it too)."""
+    return "__l_" + name.replace("%", "pct_")
 
 
 def _show(s: str) -> str:
     return re.sub(r"\0(\d+)\0", r"%\1", " ".join(s.split()))
 
 
-def _operand(tok: str):
+def _operand(tok: str, names=frozenset()):
     tok = tok.strip()
     if tok.startswith("{"):
         if not tok.endswith("}"):
             raise _Error(f"cannot parse PTX register list `{_show(tok)}`")
-        return ("list", [_operand(t) for t in tok[1:-1].split(",")])
+        return ("list", [_operand(t, names) for t in tok[1:-1].split(",")])
+    if tok.startswith("[") and "{" in tok:   # a tensor copy's [tensorMap, {c0, ...}]
+        parts = _split_top(tok[1:-1] if tok.endswith("]") else "", ",")
+        if len(parts) != 2 or not parts[1].strip().startswith("{"):
+            raise _Error(f"cannot parse PTX tensor operand `{_show(tok)}`")
+        return ("tensor", _operand(parts[0], names), _operand(parts[1], names))
     if tok.startswith("["):
-        m = re.fullmatch(r"\[\s*(\0\d+\0|\w+)\s*(?:\+\s*(-?(?:0x[0-9a-fA-F]+|\d+)))?\s*\]", tok)
+        m = re.fullmatch(r"\[\s*(\0\d+\0|[A-Za-z_$][\w$]*)\s*(?:\+\s*(-?(?:0x[0-9a-fA-F]+|\d+)))?\s*\]", tok)
         if not m:
             raise _Error(f"cannot parse PTX address `{_show(tok)}`")
-        return ("addr", _operand(m.group(1)), int(m.group(2), 0) if m.group(2) else 0)
+        return ("addr", _operand(m.group(1), names), int(m.group(2), 0) if m.group(2) else 0)
     m = re.fullmatch(r"\0(\d+)\0", tok)
     if m:
         return ("ref", int(m.group(1)))
@@ -266,8 +315,15 @@ def _operand(tok: str):
         return ("imm", str(int(tok.rstrip("uU"), 0)))
     if re.fullmatch(r"0[fF][0-9a-fA-F]{8}", tok):
         return ("imm", f"{int(tok[2:], 16)}u")   # a float's bits
-    raise _Error(f"PTX operand `{_show(tok)}` is not an asm operand or an immediate "
-                 "(PTX registers and special registers are not supported by the CPU emulator)")
+    if "|" in tok:   # elect.sync's d|p
+        a, _, b = tok.partition("|")
+        return ("pair", _operand(a, names), _operand(b, names))
+    if tok in names:
+        return ("local", tok)
+    if tok == "_":
+        return ("sink",)
+    raise _Error(f"inline PTX operand `{_show(tok)}` is not an asm operand, an immediate or a register the "
+                 "statement declares (other PTX registers and special registers are not supported by the CPU emulator)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,18 +335,35 @@ _CP_ASYNC = re.compile(r"cp\.async\.(ca|cg)\.shared(?:::cta)?\.global(\.L2::cach
 _MMA_FORMS = {("m16n8k16", "f16"): (4, 2, 800), ("m16n8k16", "bf16"): (4, 2, 800),
               ("m16n8k8", "f16"): (2, 1, 750), ("m16n8k8", "bf16"): (2, 1, 800), ("m16n8k8", "tf32"): (4, 2, 800)}
 _TYPE_ENUM = {"f16": "EMU_MMA_F16", "bf16": "EMU_MMA_BF16", "tf32": "EMU_MMA_TF32"}
+_SETP = re.compile(r"setp\.(eq|ne|lt|le|gt|ge)\.([bsu])(32|64)")
+_SELP = re.compile(r"selp\.([bsu])(32|64)")
+_BRA = re.compile(r"bra(\.uni)?")
+_CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
 
-class _Emitter:
+class _Emitter(Sm90Instructions):
     """C++ for one asm statement: operand temporaries, one call per instruction, write-back."""
 
-    def __init__(self, ops: list, site: Site, arch: Arch):
+    def __init__(self, ops: list, site: Site, arch: Arch, regs: dict | None = None):
         self.ops, self.site, self.arch = ops, site, arch
+        self.regs = regs or {}        # the statement's own registers: name -> PTX type
         self.calls = []
+        self.labels = []
+        self.byref = set()            # operands an instruction takes by address (no copy in or out)
+        self.targets = set()          # labels a branch goes to
 
     def code(self) -> str:
-        pre, post = [], []
+        missing = self.targets - set(self.labels)
+        if missing:
+            raise _Error(f"`bra` to {', '.join(sorted(missing))}, which the statement does not define")
+        # GCC's local labels keep two expansions of one statement in a function apart
+        pre = [f"__label__ {', '.join(f'__L_{n}' for n in self.labels)};"] if self.labels else []
+        pre += [f"{_REG_TYPES[t][0]} {_local(n)} = 0;" for n, t in self.regs.items()]
+        post = []
         for op in self.ops:
+            if op.index in self.byref:
+                pre.append(f"auto&& __r{op.index} = ({op.expr});")
+                continue
             ctype = _CONSTRAINTS[op.kind][0]
             if op.mode:
                 pre.append(f"auto&& __r{op.index} = ({op.expr});")
@@ -303,6 +376,9 @@ class _Emitter:
                 pre.append(f"const {ctype} __p{op.index} = __emu_ptx_in<{ctype}>({op.expr});")
         return "do { " + " ".join(pre + self.calls + post) + " } while (0)"
 
+    def fail(self, msg: str):
+        raise _Error(msg)
+
     # -- operands
     def _var(self, ref: int) -> str:
         op = self.ops[ref]
@@ -312,6 +388,11 @@ class _Emitter:
         """C++ expression of a register operand of `bits` bits (raw bits for 32)."""
         if o[0] == "imm" and not out:
             return o[1]
+        if o[0] == "local":
+            have = _REG_TYPES[self.regs[o[1]]][1]
+            if have != bits:
+                raise _Error(f"{what}: register {o[1]} has {have} bit(s), the instruction needs {bits}")
+            return _local(o[1])
         if o[0] != "ref":
             raise _Error(f"{what} must be a register operand")
         op = self.ops[o[1]]
@@ -360,10 +441,35 @@ class _Emitter:
         if len(instr.operands) not in n:
             raise _Error(f"`{instr.opcode}` takes {' or '.join(map(str, n))} operands, got {len(instr.operands)}")
 
+    def _pred(self, o, what: str, out: bool = False) -> str:
+        """C++ expression of a predicate operand: a .pred register (or, read, 0 / 1)."""
+        if o[0] == "imm" and not out and o[1] in ("0", "1"):
+            return o[1]
+        if o[0] != "local" or self.regs[o[1]] != "pred":
+            raise _Error(f"{what} must be a .pred register the statement declares")
+        return _local(o[1])
+
+    # -- statements
+    def statement(self, instr: Instr):
+        for label in instr.labels:
+            if label in self.labels:
+                raise _Error(f"PTX label {label} is defined twice")
+            self.labels.append(label)
+            self.calls.append(f"__L_{label}:;")
+        if not instr.opcode:
+            return
+        first = len(self.calls)
+        self.instruction(instr)
+        if instr.guard:
+            name, negated = instr.guard
+            body = " ".join(self.calls[first:])
+            self.calls[first:] = [f"if ({'!' if negated else ''}{_local(name)}) {{ {body} }}"]
+
     # -- instructions
     def instruction(self, instr: Instr):
         op = instr.opcode
-        for pattern, handler in ((_MMA, self._mma), (_LDMATRIX, self._ldmatrix), (_CP_ASYNC, self._cp_async)):
+        for pattern, handler in ((_MMA, self._mma), (_LDMATRIX, self._ldmatrix), (_CP_ASYNC, self._cp_async),
+                                 (_SETP, self._setp), (_SELP, self._selp), (_BRA, self._bra), *self.patterns()):
             m = pattern.fullmatch(op)
             if m:
                 return handler(instr, m)
@@ -371,6 +477,7 @@ class _Emitter:
                   "cp.async.wait_all": self._wait_all, "cvt.rn.f16x2.f32": self._cvt_x2,
                   "cvt.rn.bf16x2.f32": self._cvt_x2, "cvt.rna.tf32.f32": self._cvt_tf32,
                   "ex2.approx.f32": self._ex2, "ex2.approx.ftz.f32": self._ex2}
+        simple.update(self.simple())
         if op in simple:
             return simple[op](instr)
         raise _Error(f"inline PTX instruction `{op}` is not supported by the CPU emulator "
@@ -470,3 +577,28 @@ class _Emitter:
         ftz = 1 if ".ftz" in instr.opcode else 0
         self.calls.append(f"__emu_ptx_set({self._reg(d, 32, 'ex2 destination', out=True)}, "
                           f"__emu_ptx_ex2_approx_f32({self._reg(a, 32, 'ex2 source')}, {ftz}));")
+
+    def _setp(self, instr: Instr, m):
+        cmp, kind, bits = m.group(1), m.group(2), int(m.group(3))
+        if kind == "b" and cmp not in ("eq", "ne"):
+            raise _Error(f"`{instr.opcode}`: .b{bits} compares only with eq or ne")
+        self._count(instr, 3)
+        p, a, b = instr.operands
+        ctype = f"int{bits}_t" if kind == "s" else f"uint{bits}_t"
+        self.calls.append(f"{self._pred(p, 'setp destination', out=True)} = ({ctype}){self._reg(a, bits, 'setp a')} "
+                          f"{_CMP[cmp]} ({ctype}){self._reg(b, bits, 'setp b')};")
+
+    def _selp(self, instr: Instr, m):
+        bits = int(m.group(2))
+        self._count(instr, 4)
+        d, a, b, p = instr.operands
+        self.calls.append(f"__emu_ptx_set({self._reg(d, bits, 'selp destination', out=True)}, "
+                          f"{self._pred(p, 'selp predicate')} ? {self._reg(a, bits, 'selp a')} "
+                          f": {self._reg(b, bits, 'selp b')});")
+
+    def _bra(self, instr: Instr, m):
+        target = instr.text.strip()
+        if not re.fullmatch(r"[A-Za-z_$][\w$]*", target):
+            raise _Error(f"`bra` needs a label of the statement, got `{_show(target)}`")
+        self.targets.add(target)
+        self.calls.append(f"goto __L_{target};")

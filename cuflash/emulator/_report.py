@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._abi import ErrorKind, ErrorRecord, Space
-from ._errors import BoundsError, DeadlockError, EmulatorError, KernelFault, KernelTrap, RaceError
+from ._errors import AsyncHazardError, BoundsError, DeadlockError, EmulatorError, KernelFault, KernelTrap, RaceError
 from ._library import Library
 
 
@@ -20,6 +20,11 @@ def launch_error(err: ErrorRecord, lib: Library, kname: str, args) -> EmulatorEr
     who = f"thread {_fmt3(err.thread)} of block {_fmt3(err.block)}"
     if kind == ErrorKind.RACE:
         return RaceError(f"{kname}: {_race(err, lib, args, who, msg)}")
+    if kind == ErrorKind.HAZARD:
+        at = f" at {lib.where(err.pc)}" if err.pc else ""
+        rw = "writes" if err.is_write else "reads"
+        access = f" {rw} {err.size} byte(s){at}" if err.size else at
+        return AsyncHazardError(f"{kname}: {who}{access}: {msg}")
     if kind == ErrorKind.BOUNDS and err.space == Space.NONE:   # found by an inline-PTX instruction
         return BoundsError(f"{kname}: {who}: {msg}")
     if kind == ErrorKind.BOUNDS:

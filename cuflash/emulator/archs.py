@@ -15,6 +15,10 @@ it, truncated; the sum is exact, then truncated to fp32; blocks chain through th
 sm_75 uses the V100 parameters (the captures are V100's); its exponent floor is not measured.
 sm_100 and sm_120 run the mma.sync kernels with Hopper's parameters: an assumption, as no
 capture of theirs exists.
+
+``sm_90a`` is the H100 with its architecture-specific features (``wgmma``, ``setmaxnreg``),
+which PTX for plain ``sm_90`` may not use. Its ``wgmma`` sums follow the ``mma.sync`` model of
+sm_90: an assumption until a capture of ``wgmma`` exists (``tools/capture_tensor_cores.py``).
 """
 from __future__ import annotations
 
@@ -54,12 +58,20 @@ class Arch:
     cuda_arch: int                     # __CUDA_ARCH__, 800
     limits: GpuLimits
     mma: TensorCoreArithmetic | None   # None: no mma.sync of the emulated kind (sm_70)
+    specific: bool = False             # the "a" target: architecture-specific features on
+
+    @property
+    def feature_macro(self) -> str | None:
+        """The macro NVRTC defines for an "a" target (__CUDA_ARCH_FEAT_SM90_ALL)."""
+        return f"__CUDA_ARCH_FEAT_SM{self.cuda_arch // 10}_ALL" if self.specific else None
 
 
 _KIB = 1024
 _V100_MMA = TensorCoreArithmetic(block_k_f16=4, block_k_tf32=4, extra_bits=0, min_exponent=-132)
 _AMPERE_MMA = TensorCoreArithmetic(block_k_f16=8, block_k_tf32=4, extra_bits=1, min_exponent=-132)
 _HOPPER_MMA = TensorCoreArithmetic(block_k_f16=16, block_k_tf32=8, extra_bits=2, min_exponent=-133)
+
+_H100 = GpuLimits("H100 SXM5", 132, 2048, 32, 65536, 255, 48 * _KIB, 227 * _KIB, 228 * _KIB, _KIB)
 
 ARCHS = {a.name: a for a in (
     Arch("sm_70", 700, GpuLimits("Tesla V100 SXM2", 80, 2048, 32, 65536, 255, 48 * _KIB, 96 * _KIB, 96 * _KIB, 0),
@@ -72,8 +84,8 @@ ARCHS = {a.name: a for a in (
          _AMPERE_MMA),
     Arch("sm_89", 890, GpuLimits("L4", 58, 1536, 24, 65536, 255, 48 * _KIB, 99 * _KIB, 100 * _KIB, _KIB),
          _AMPERE_MMA),
-    Arch("sm_90", 900, GpuLimits("H100 SXM5", 132, 2048, 32, 65536, 255, 48 * _KIB, 227 * _KIB, 228 * _KIB, _KIB),
-         _HOPPER_MMA),
+    Arch("sm_90", 900, _H100, _HOPPER_MMA),
+    Arch("sm_90a", 900, _H100, _HOPPER_MMA, specific=True),
     Arch("sm_100", 1000, GpuLimits("B200", 148, 2048, 32, 65536, 255, 48 * _KIB, 227 * _KIB, 228 * _KIB, _KIB),
          _HOPPER_MMA),
     Arch("sm_120", 1200, GpuLimits("GeForce RTX 5090", 170, 1536, 32, 65536, 255, 48 * _KIB, 99 * _KIB, 100 * _KIB,

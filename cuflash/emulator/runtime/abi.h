@@ -17,6 +17,7 @@ enum EmuErrorKind {
     EMU_ERROR_DEADLOCK = 4,
     EMU_ERROR_TRAP = 5,   // __trap() or a failed device assert
     EMU_ERROR_FAULT = 6,  // segmentation fault or fiber stack overflow
+    EMU_ERROR_HAZARD = 7, // an operand of an asynchronous operation touched before it completed
 };
 
 // EmuError::space: the memory an offending access touched.
@@ -80,6 +81,9 @@ enum EmuWarpOp {
     EMU_WARP_ALLGATHER = 8,
     EMU_WARP_MMA = 9,        // mma.sync.aligned: all 32 lanes at one instruction
     EMU_WARP_LDMATRIX = 10,  // ldmatrix.sync.aligned: likewise
+    EMU_WG_MMA = 11,         // wgmma.mma_async.sync.aligned: all 128 threads of a warpgroup
+    EMU_WARP_STMATRIX = 12,  // stmatrix.sync.aligned: all 32 lanes at one instruction
+    EMU_WG_SETMAXNREG = 13,  // setmaxnreg.sync.aligned: the warpgroup
 };
 
 // __emu_ptx_mma: the type of the A and B operands.

@@ -5,6 +5,7 @@
 #include "abi.h"
 
 #include <stdint.h>
+#include <vector>
 
 namespace {
 
@@ -162,4 +163,137 @@ void emu_ldmatrix(int num, int trans, EmuLdmatrixLane* const lanes[32]) {
             lanes[lane]->d[j] = (uint32_t)hi << 16 | lo;
         }
     }
+}
+
+void emu_stmatrix(int num, int trans, EmuStmatrixLane* const lanes[32]) {
+    // ldmatrix in reverse: register j of lane l holds row l>>2, columns 2(l%4), 2(l%4)+1 of matrix j
+    for (int lane = 0; lane < 32; ++lane) {
+        const int r = lane >> 2, c = 2 * (lane % 4);
+        for (int j = 0; j < num; ++j) {
+            const uint16_t lo = lanes[lane]->r[j] & 0xffff, hi = lanes[lane]->r[j] >> 16;
+            if (!trans) {
+                lanes[8 * j + r]->row[c] = lo;
+                lanes[8 * j + r]->row[c + 1] = hi;
+            } else {   // stored column-major: element (r, c) goes to row c's address, position r
+                lanes[8 * j + c]->row[r] = lo;
+                lanes[8 * j + c + 1]->row[r] = hi;
+            }
+        }
+    }
+}
+
+// block_fma for blocks of finite operands and accumulator with at least one nonzero term (what
+// almost every block is): the same alignment and sum, without the special-value bookkeeping.
+// Zeros carry m = 0 and an exponent below any, so they neither count nor align.
+namespace {
+struct Fast {
+    uint64_t m;
+    int q, e;
+    bool neg;
+};
+constexpr int kZeroExponent = -100000;
+
+Fast fast(const Term& t) {
+    return t.kind == FINITE ? Fast{t.m, t.q, t.e, t.neg} : Fast{0, 0, kZeroExponent, t.neg};
+}
+
+// the sum, or false when the block needs block_fma (a special value, or zeros only)
+bool fast_block(const Fast* a, const Fast* b, int b_stride, int n, const Term& c, const EmuMmaArith& arith,
+                uint32_t* out) {
+    if (c.kind == INF || c.kind == NAN_) return false;
+    int emax = arith.min_exponent, nonzero = c.kind == FINITE;
+    if (nonzero && c.e > emax) emax = c.e;
+    for (int i = 0; i < n; ++i) {
+        const int e = a[i].e + b[i * b_stride].e;
+        const bool live = a[i].m && b[i * b_stride].m;
+        nonzero |= live;
+        if (live && e > emax) emax = e;
+    }
+    if (!nonzero) return false;
+    const int lsb = emax - 23 - arith.extra_bits;
+    int64_t sum = 0;
+    for (int i = 0; i < n; ++i) {
+        const Fast& x = a[i];
+        const Fast& y = b[i * b_stride];
+        const uint64_t p = x.m * y.m;
+        if (!p) continue;
+        const int sh = lsb - (x.q + y.q);
+        const uint64_t v = sh >= 64 ? 0 : sh >= 0 ? p >> sh : p << -sh;
+        sum += x.neg != y.neg ? -(int64_t)v : (int64_t)v;
+    }
+    if (c.kind == FINITE) {
+        const int sh = lsb - c.q;
+        const uint64_t v = sh >= 64 ? 0 : sh >= 0 ? c.m >> sh : c.m << -sh;
+        sum += c.neg ? -(int64_t)v : (int64_t)v;
+    }
+    *out = to_f32_rz(sum < 0, sum < 0 ? (uint64_t)-sum : (uint64_t)sum, lsb);
+    return true;
+}
+}  // namespace
+
+void emu_wgmma(int n, int k, int type, const EmuMmaArith& arith, const uint32_t* A, const uint32_t* B,
+               const uint32_t* C, uint32_t* D) {
+    // decoded operands (~100 KB at n = 256: on the heap, not a fiber's stack; "__emu_" in the
+    // name keeps the emulator from taking a thread-local for a __shared__ variable)
+    static thread_local std::vector<Term> __emu_at, __emu_bt;
+    static thread_local std::vector<Fast> __emu_af, __emu_bf;
+    std::vector<Term>& at = __emu_at;
+    std::vector<Term>& bt = __emu_bt;
+    std::vector<Fast>& af = __emu_af;
+    std::vector<Fast>& bf = __emu_bf;
+    at.resize(64 * 16);
+    bt.resize(16 * 256);
+    af.resize(64 * 16);
+    bf.resize(16 * 256);
+    bool special = false;   // an inf or NaN operand: every block takes block_fma
+    for (int i = 0; i < 64; ++i)
+        for (int kk = 0; kk < k; ++kk) {
+            const Term t = decode_operand(type, A[i * k + kk]);
+            at[i * 16 + kk] = t;
+            af[i * 16 + kk] = fast(t);
+            special |= t.kind == INF || t.kind == NAN_;
+        }
+    for (int kk = 0; kk < k; ++kk)
+        for (int j = 0; j < n; ++j) {
+            const Term t = decode_operand(type, B[kk * n + j]);
+            bt[j * 16 + kk] = t;   // column-major: a column's k contiguous
+            bf[j * 16 + kk] = fast(t);
+            special |= t.kind == INF || t.kind == NAN_;
+        }
+    for (int row = 0; row < 64; ++row)
+        for (int col = 0; col < n; ++col) {
+            uint32_t acc = C[row * n + col];
+            for (int k0 = 0; k0 < k; k0 += arith.block_k) {
+                const int nb = k - k0 < arith.block_k ? k - k0 : arith.block_k;
+                if (special || !fast_block(&af[row * 16 + k0], &bf[col * 16 + k0], 1, nb, decode(acc, 8, 23), arith,
+                                           &acc))
+                    acc = block_fma(&at[row * 16 + k0], &bt[col * 16 + k0], 1, nb, acc, arith);
+            }
+            D[row * n + col] = acc;
+        }
+}
+
+EmuWgmmaDesc emu_wgmma_desc(uint64_t d) {
+    static const int swizzle[4] = {0, 128, 64, 32};   // bits 62-63
+    return EmuWgmmaDesc{(uint32_t)(d & 0x3fff) << 4, (uint32_t)(d >> 16 & 0x3fff) << 4,
+                        (uint32_t)(d >> 32 & 0x3fff) << 4, (int)(d >> 49 & 7), swizzle[d >> 62]};
+}
+
+uint32_t emu_wgmma_address(const EmuWgmmaDesc& d, bool k_major, int elem, int mn, int k) {
+    const int t = 16 / elem;   // elements in 16 bytes
+    uint32_t off;
+    if (d.swizzle == 0) {
+        // core matrices of 8 rows of 16 bytes, rows along MN (K-major) or along K (MN-major)
+        off = k_major ? (mn / 8) * d.sbo + (k / t) * d.lbo + (mn % 8) * 16 + (k % t) * elem
+                      : (mn / t) * d.sbo + (k / 8) * d.lbo + (k % 8) * 16 + (mn % t) * elem;
+    } else {
+        // swizzle atoms of 8 rows of `swizzle` bytes
+        const int w = d.swizzle / elem;   // elements in an atom row (MN-major)
+        // (K-major: one atom row holds the instruction's 32 bytes of K; LBO is not used)
+        off = k_major ? (mn / 8) * d.sbo + (mn % 8) * d.swizzle + k * elem
+                      : (mn / w) * d.lbo + (k / 8) * d.sbo + (k % 8) * d.swizzle + (mn % w) * elem;
+    }
+    uint32_t a = d.start + off;
+    if (d.swizzle) a ^= (a >> 7 & (uint32_t)(d.swizzle / 16 - 1)) << 4;   // 16-byte chunk ^= row in the atom
+    return a;
 }

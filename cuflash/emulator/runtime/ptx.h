@@ -28,4 +28,29 @@ struct EmuLdmatrixLane {
 };
 void emu_ldmatrix(int num, int trans, EmuLdmatrixLane* const lanes[32]);
 
+// One lane of stmatrix.sync.aligned.m8n8.xN{.trans}.b16: its N registers, and the 16-byte row
+// it addresses (lanes 8j..8j+7 give matrix j's rows).
+struct EmuStmatrixLane {
+    uint32_t r[4];
+    uint16_t* row;
+};
+void emu_stmatrix(int num, int trans, EmuStmatrixLane* const lanes[32]);
+
+// D (64 x n) = A (64 x k) · B (k x n) + C of wgmma.mma_async, every element summed as
+// emu_mma sums (blocks of block_k products along k); matrices row-major, as element bit
+// patterns (16-bit in the low half for .f16/.bf16, the fp32 register for .tf32; C, D fp32).
+void emu_wgmma(int n, int k, int type, const EmuMmaArith& arith, const uint32_t* A, const uint32_t* B,
+               const uint32_t* C, uint32_t* D);
+
+// A wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format").
+struct EmuWgmmaDesc {
+    uint32_t start, lbo, sbo;   // bytes
+    int base_offset;
+    int swizzle;                // bytes of the swizzle pattern's row: 0 (none), 32, 64, 128
+};
+EmuWgmmaDesc emu_wgmma_desc(uint64_t d);
+// The shared address of element (mn, k) of an MN x K operand (A: m, k; B: n, k) stored
+// K-major (`k_major`) or MN-major, `elem` bytes per element, as the descriptor lays it out.
+uint32_t emu_wgmma_address(const EmuWgmmaDesc& d, bool k_major, int elem, int mn, int k);
+
 #endif

@@ -24,16 +24,10 @@
 #include <vector>
 #include <algorithm>
 
-#include "abi.h"
-#include "ptx.h"
+#include "runtime.h"
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
-
-#define EMU_EXPORT extern "C" __attribute__((visibility("default")))
-
-struct uint3_ { unsigned x, y, z; };
-struct dim3_ { unsigned x, y, z; };
 
 // These match `uint3`/`dim3` (three unsigned ints) used by the shim.
 extern "C" {
@@ -43,11 +37,9 @@ thread_local dim3_ __emu_blockDim;
 thread_local dim3_ __emu_gridDim;
 }
 
-#ifndef EMU_DYN_SMEM_MAX
-#define EMU_DYN_SMEM_MAX (232448)  // 227 KiB, the largest opt-in shared memory of any GPU
-#endif
 extern "C" {
-__attribute__((visibility("default"), aligned(128))) thread_local unsigned char __emu_dyn_smem[EMU_DYN_SMEM_MAX];
+// 1024-byte aligned: the largest alignment a swizzle pattern (wgmma, TMA) asks of shared memory
+__attribute__((visibility("default"), aligned(1024))) thread_local unsigned char __emu_dyn_smem[EMU_DYN_SMEM_MAX];
 __attribute__((visibility("default"))) thread_local char __emu_tls_anchor;
 }
 
@@ -74,126 +66,21 @@ __asm__(
     ".size __emu_ctx_switch, .-__emu_ctx_switch\n");
 #endif
 
-enum { F_RUNNABLE = 0, F_WAIT_BAR = 1, F_WAIT_WARP = 2, F_EXITED = 3, F_ABORTED = 4 };
 static const char* op_name(int op) {
     static const char* n[] = {"__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync",
                               "__ballot_sync", "__any_sync", "__all_sync", "__syncwarp",
-                              "__cuflash_emu_warp_allgather", "mma.sync", "ldmatrix"};
-    return (op >= EMU_WARP_SHFL_IDX && op <= EMU_WARP_LDMATRIX) ? n[op] : "warp op";
+                              "__cuflash_emu_warp_allgather", "mma.sync", "ldmatrix", "wgmma.mma_async",
+                              "stmatrix", "setmaxnreg"};
+    return (op >= EMU_WARP_SHFL_IDX && op <= EMU_WG_SETMAXNREG) ? n[op] : "warp op";
 }
 
-// A cp.async in flight: issued by its thread, landed by that thread's wait.
-struct CpAsync {
-    char* dst;
-    const char* src;
-    int cp_size, src_size;
-    int group;          // commit-group number, -1 until cp.async.commit_group
-    uint32_t pc;        // module-relative pc of the issue
-    const char* file;
-    int line;
-};
-
-struct Fiber {
-    void* sp;
-#if !defined(__x86_64__)
-    ucontext_t uc;
-#endif
-    char* stack_lo;
-    char* stack_hi;
-    int state;
-    int linear;
-    uint3_ tid;
-    const char* wfile;
-    int wline;
-    const void* wpc;  // the call site of an .aligned instruction (one asm line, inlined in many places)
-    // warp op
-    int op;
-    unsigned mask;
-    int arg, width;
-    unsigned long long val, result;
-    const void* gsrc;
-    void* gdst;
-    unsigned long gbytes;
-    // cp.async groups: copies not yet landed, and how many groups were committed
-    std::vector<CpAsync> cp;
-    int cp_groups;
-    // barrier op
-    int bar_op;  // EmuBarrierOp
-};
-
-struct KernelEntry {
-    const char* name;
-    void (*invoke)(void* fn, void** argv);
-    void* fn;
-    int nparams;
-    const int* params;  // pairs (size, kind)
-};
-extern "C" const KernelEntry __emu_kernel_table[];
-extern "C" const int __emu_kernel_count;
-
-struct Launch;
-
-struct Worker {
-    void* sched_sp;
-#if !defined(__x86_64__)
-    ucontext_t sched_uc;
-#endif
-    Fiber* cur;
-    std::vector<Fiber> fibers;
-    char* stacks;
-    size_t stacks_size;
-    size_t stack_size;
-    int nthreads;
-    int live;
-    int exited;
-    int bar_count;
-    int bar_sum, bar_and, bar_or;
-    unsigned warp_waiting[32];
-    unsigned warp_exist[32];
-    unsigned warp_exited[32];
-    unsigned warp_sync[32];
-    uint32_t epoch;
-    Launch* L;
-    int block_linear;
-    uint3_ block;
-    sigjmp_buf jb;
-    volatile int in_fiber;
-};
-
-static thread_local Worker* __emu_t_worker = nullptr;
-
-struct Range { uintptr_t lo, hi; int arg; };
-struct SShadow;
-struct GRegion { uintptr_t lo, hi; int32_t* wr; int32_t* rd; SShadow* sh; };
-
-struct Launch {
-    const KernelEntry* k;
-    void** argv;
-    unsigned grid[3], block[3];
-    unsigned long long shmem;
-    int checked, schedule;
-    unsigned long long seed;
-    std::atomic<long> next_block;
-    long nblocks;
-    std::atomic<int> failed;
-    std::atomic<int> cancelled;  // the caller gave up (Ctrl-C): stop at the next fiber switch or block
-    std::mutex err_mu;
-    EmuError* err;
-    EmuError record;   // the launch's own: __emu_launch_end copies it out
-    std::vector<Range> args;
-    std::vector<GRegion> regions;
-    std::vector<std::thread> workers;
-    bool handlers = false;   // install_signals() was called
-    int running = 0;         // workers not yet finished
-    std::mutex run_mu;
-    std::condition_variable run_cv;
-};
+thread_local Worker* __emu_t_worker = nullptr;
 
 static bool stopping(const Launch* L) {
     return L->failed.load(std::memory_order_relaxed) || L->cancelled.load(std::memory_order_relaxed);
 }
 
-static uintptr_t g_module_base = 0;
+uintptr_t g_module_base = 0;
 static std::vector<std::pair<uintptr_t, uintptr_t>> g_module_ranges;  // PT_LOAD segments
 static size_t g_tls_memsz = 0;
 static std::vector<std::pair<int64_t, int64_t>> g_static_shared;    // (TLS offset, size)
@@ -202,7 +89,13 @@ static int64_t g_static_lo_off = 0, g_static_hi_off = 0;
 static size_t g_stack_kb = 256;
 static std::atomic<unsigned> g_shadow_epoch{1};
 
-static uintptr_t tls_base() { return (uintptr_t)&__emu_tls_anchor - (uintptr_t)g_anchor_off; }
+// A synchronisation point for checked mode: accesses before it and after it do not race.
+void new_epoch(Worker* w) {
+    w->epoch = g_shadow_epoch.fetch_add(1) + 1;
+    for (int i = 0; i < 32; ++i) w->warp_sync[i] = 0;
+}
+
+uintptr_t tls_base() { return (uintptr_t)&__emu_tls_anchor - (uintptr_t)g_anchor_off; }
 
 static int phdr_cb(struct dl_phdr_info* info, size_t, void*) {
     if (info->dlpi_addr != g_module_base) return 0;
@@ -248,7 +141,7 @@ EMU_EXPORT int __emu_kernel_info(int k, const char** name, int* nparams, const i
 
 // ------------------------------------------------------------------------------------------
 // error reporting
-static uint64_t rel_pc(const void* pc) { return pc ? (uint64_t)((uintptr_t)pc - g_module_base) : 0; }
+uint64_t rel_pc(const void* pc) { return pc ? (uint64_t)((uintptr_t)pc - g_module_base) : 0; }
 
 static void fill_ids(Worker* w, EmuError* e) {
     e->block[0] = w->block.x; e->block[1] = w->block.y; e->block[2] = w->block.z;
@@ -256,7 +149,7 @@ static void fill_ids(Worker* w, EmuError* e) {
 }
 
 // Returns the error record to fill, or null when another error was already recorded.
-static EmuError* begin_error(Worker* w, int code) {
+EmuError* begin_error(Worker* w, int code) {
     Launch* L = w->L;
     std::lock_guard<std::mutex> g(L->err_mu);
     if (L->failed.load()) return nullptr;
@@ -269,7 +162,7 @@ static EmuError* begin_error(Worker* w, int code) {
     return e;
 }
 
-static void emsg(EmuError* e, const char* fmt, ...) {
+void emsg(EmuError* e, const char* fmt, ...) {
     size_t n = strlen(e->msg);
     if (n + 1 >= sizeof(e->msg)) return;
     va_list ap;
@@ -278,7 +171,7 @@ static void emsg(EmuError* e, const char* fmt, ...) {
     va_end(ap);
 }
 
-static void switch_to_sched(Worker* w) {
+void switch_to_sched(Worker* w) {
     Fiber* f = w->cur;
 #if defined(__x86_64__)
     __emu_ctx_switch(&f->sp, w->sched_sp);
@@ -287,7 +180,7 @@ static void switch_to_sched(Worker* w) {
 #endif
 }
 
-[[noreturn]] static void abort_fiber(Worker* w) {
+[[noreturn]] void abort_fiber(Worker* w) {
     w->cur->state = F_ABORTED;
     switch_to_sched(w);
     __builtin_trap();  // never resumed
@@ -378,8 +271,7 @@ static void release_barrier(Worker* w) {
     }
     w->bar_count = 0;
     w->bar_sum = 0; w->bar_and = 1; w->bar_or = 0;
-    w->epoch = g_shadow_epoch.fetch_add(1) + 1;
-    for (int i = 0; i < 32; ++i) w->warp_sync[i] = 0;
+    new_epoch(w);
 }
 
 static void barrier_check_release(Worker* w) {
@@ -481,7 +373,7 @@ static void warp_try_release(Worker* w, int warp, unsigned mask) {
     if ((w->warp_waiting[warp] & mask) == mask) warp_compute(w, warp, mask);
 }
 
-static unsigned long long warp_op_common(Worker* w, Fiber* f, int op, unsigned mask, const char* file, int line) {
+unsigned long long warp_op_common(Worker* w, Fiber* f, int op, unsigned mask, const char* file, int line) {
     int lane = f->linear & 31, warp = f->linear >> 5;
     mask &= w->warp_exist[warp];
     if (!(mask >> lane & 1)) {
@@ -558,17 +450,6 @@ extern "C" __attribute__((visibility("default"), noreturn)) void __assert_fail(
 
 // ------------------------------------------------------------------------------------------
 // checked mode: shared-memory race detection, bounds checks, inter-block global races
-struct SShadow {
-    int32_t w_tid;      // last writer (linear thread id), -1 none
-    uint32_t w_epoch;   // barrier epoch of that write
-    uint32_t w_wsync;   // writer's warp sync count at the write
-    int32_t r_tid;      // reader since: -1 none, -2 several
-    uint32_t r_epoch;
-    uint32_t r_wsync;
-    int16_t r_warp;     // warp of readers, -2 several warps
-    uint16_t pend;      // 1 + linear id of a thread whose cp.async to this byte may be in flight
-    uint32_t w_pc, r_pc; // module-relative pcs of the accesses
-};  // all-zero bytes mean "no access recorded" (epoch 0 is never current)
 static thread_local SShadow* __emu_t_dyn_shadow = nullptr;
 static thread_local SShadow* __emu_t_stat_shadow = nullptr;
 
@@ -629,6 +510,7 @@ static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintpt
             if (cp) report_pending(w, space, off + b, addr + b, size, wr, s.pend - 1, cp, pc);
             s.pend = 0;
         }
+        if (s.async_rd | s.bulk_wr) sm90_shared_access(w, s, addr + b, size, wr, pc);   // asynchronous operations
         if (s.w_tid >= 0 && s.w_epoch == ep && s.w_tid != me && !ordered(w, me, s.w_tid, s.w_wsync))
             report_race(w, space, off + b, addr + b, size, wr, {w->block_linear, s.w_tid, true, s.w_pc}, pc);
         if (wr) {
@@ -639,6 +521,7 @@ static void shared_access(Worker* w, SShadow* sh, int space, int64_t off, uintpt
                     report_race(w, space, off + b, addr + b, size, wr, {w->block_linear, -1, false, s.r_pc}, pc);
             }
             s.w_tid = me; s.w_epoch = ep; s.w_wsync = ws; s.w_pc = (uint32_t)rel_pc(pc);
+            s.w_fence = w->cur->sm90.proxy_fences;
             s.r_tid = -1;
         } else {
             if (s.r_tid == -1 || s.r_epoch != ep) {
@@ -709,10 +592,12 @@ static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, b
     report_bounds(w, EMU_SPACE_GLOBAL, a, size, wr, 0, pc);
 }
 
-static inline void check_access(uintptr_t a, int size, bool wr, void* pc, bool atomic = false) {
+
+void check_access(uintptr_t a, int size, bool wr, void* pc, bool atomic) {
     Worker* w = __emu_t_worker;
     if (!w || !w->in_fiber || !w->cur || !w->L->checked) return;
-    // fiber stacks: private
+    // fiber stacks: private, but for the registers a wgmma in flight owns
+    if (a < w->cur->sm90.wg_hi && a + size > w->cur->sm90.wg_lo) sm90_guard(w, w->cur, a, size, wr, pc);
     if (a - (uintptr_t)w->stacks < w->stacks_size) return;
     uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
     if (a - dyn < (uintptr_t)EMU_DYN_SMEM_MAX) {
@@ -761,7 +646,7 @@ EMU_EXPORT void __emu_atomic_check(const void* p, unsigned long size, const char
 // ------------------------------------------------------------------------------------------
 // inline PTX (cuflash/emulator/_ptx.py emits the calls): shared-window addresses, the
 // warp-wide mma.sync/ldmatrix, cp.async groups
-[[noreturn]] static void ptx_fail(Worker* w, int code, const char* fmt, ...) {
+[[noreturn]] void ptx_fail(Worker* w, int code, const char* fmt, ...) {
     EmuError* e = begin_error(w, code);
     if (e) {
         va_list ap;
@@ -774,7 +659,7 @@ EMU_EXPORT void __emu_atomic_check(const void* p, unsigned long size, const char
 
 // The address of `size` bytes at shared-window address `addr` (a generic pointer when
 // `generic`), 0 unless they lie in a __shared__ variable or the launch's dynamic shared memory.
-static uintptr_t shared_ptr(Worker* w, uint64_t addr, bool generic, int size) {
+uintptr_t shared_ptr(Worker* w, uint64_t addr, bool generic, int size) {
     const uintptr_t tb = tls_base();
     const uintptr_t p = generic ? (uintptr_t)addr : tb + (uint32_t)addr;
     const uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
@@ -799,7 +684,7 @@ EMU_EXPORT void* __emu_cvta_shared_to_generic(size_t a) { return (void*)(tls_bas
 struct MmaCall { EmuMmaLane lane; int k, type; EmuMmaArith arith; };
 struct LdmatrixCall { EmuLdmatrixLane lane; int num, trans; };
 
-static void aligned_op(Worker* w, Fiber* f, int op, void* call, const void* pc, const char* file, int line) {
+void aligned_op(Worker* w, Fiber* f, int op, void* call, const void* pc, const char* file, int line) {
     const int warp = f->linear >> 5;
     if (w->warp_exist[warp] != 0xffffffffu)
         ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: warp %d of the block has only %d thread(s); the .aligned "
@@ -839,11 +724,16 @@ static void aligned_compute(Worker* w, int warp, unsigned group) {
         for (int l = 0; l < 32; ++l) lanes[l] = &((MmaCall*)base[l].gsrc)->lane;
         const MmaCall* c = (const MmaCall*)f0.gsrc;
         emu_mma(c->k, c->type, c->arith, lanes);
-    } else {
+    } else if (f0.op == EMU_WARP_LDMATRIX) {
         EmuLdmatrixLane* lanes[32];
         for (int l = 0; l < 32; ++l) lanes[l] = &((LdmatrixCall*)base[l].gsrc)->lane;
         const LdmatrixCall* c = (const LdmatrixCall*)f0.gsrc;
         emu_ldmatrix(c->num, c->trans, lanes);
+    } else {
+        EmuStmatrixLane* lanes[32];
+        for (int l = 0; l < 32; ++l) lanes[l] = &((StmatrixCall*)base[l].gsrc)->lane;
+        const StmatrixCall* c = (const StmatrixCall*)f0.gsrc;
+        emu_stmatrix(c->num, c->trans, lanes);
     }
 }
 
@@ -887,7 +777,7 @@ EMU_EXPORT void __emu_ptx_ldmatrix(int num, int trans, int generic, uint64_t add
     aligned_op(w, f, EMU_WARP_LDMATRIX, &call, __builtin_return_address(0), file, line);
 }
 
-static SShadow* shared_shadow(Worker* w, uintptr_t a, int* space, int64_t* off) {
+SShadow* shared_shadow(Worker* w, uintptr_t a, int* space, int64_t* off) {
     const uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
     if (a - dyn < (uintptr_t)EMU_DYN_SMEM_MAX) {
         *space = EMU_SPACE_SHARED_DYNAMIC;
@@ -1017,18 +907,20 @@ static void describe_deadlock(Worker* w) {
     int groups = 0;
     for (int i = 0; i < w->nthreads && groups < 24; ++i) {
         Fiber& f = w->fibers[i];
-        if (done[i] || (f.state != F_WAIT_BAR && f.state != F_WAIT_WARP)) continue;
+        if (done[i] || f.state == F_RUNNABLE || f.state == F_EXITED || f.state == F_ABORTED) continue;
         ++groups;
         int count = 0, first = i, last = i;
         for (int j = i; j < w->nthreads; ++j) {
             Fiber& g = w->fibers[j];
             if (done[j] || g.state != f.state || g.wfile != f.wfile || g.wline != f.wline ||
-                (f.state == F_WAIT_WARP && g.op != f.op)) continue;
+                (f.state != F_WAIT_BAR && g.op != f.op)) continue;
             done[j] = 1; ++count; last = j;
         }
-        const char* what = f.state == F_WAIT_BAR ? "__syncthreads()" : op_name(f.op);
+        const char* what = f.state == F_WAIT_BAR ? "__syncthreads()" : f.state == F_WAIT_WARP || f.state == F_WAIT_WG
+                         ? op_name(f.op) : sm90_wait_name(f);
         emsg(e, "  %d thread(s) wait in %s at %s:%d (threads with linear ids %d..%d",
              count, what, f.wfile ? f.wfile : "?", f.wline, first, last);
+        sm90_describe(w, e, f, count, first, last);
         if (f.state == F_WAIT_WARP) {
             int warp = f.linear >> 5;
             unsigned missing = f.mask & ~w->warp_waiting[warp];
@@ -1063,8 +955,9 @@ static void run_block(Worker* w, long b) {
     w->live = n;
     w->exited = 0;
     w->bar_count = 0; w->bar_sum = 0; w->bar_and = 1; w->bar_or = 0;
-    w->epoch = g_shadow_epoch.fetch_add(1) + 1;
+    w->epoch = w->block_epoch = g_shadow_epoch.fetch_add(1) + 1;
     for (int i = 0; i < 32; ++i) { w->warp_waiting[i] = 0; w->warp_sync[i] = 0; w->warp_exited[i] = 0; w->warp_exist[i] = 0; }
+    sm90_block_begin(w);
     for (int i = 0; i < n; ++i) {
         Fiber& f = w->fibers[i];
         f.state = F_RUNNABLE;
@@ -1075,6 +968,7 @@ static void run_block(Worker* w, long b) {
         f.wfile = nullptr; f.wline = 0;
         f.cp.clear();
         f.cp_groups = 0;
+        sm90_fiber_begin(&f);
         w->warp_exist[i >> 5] |= 1u << (i & 31);
         init_fiber(w, &f, i);
     }
@@ -1112,7 +1006,8 @@ static void run_block(Worker* w, long b) {
                     Fiber& f = w->fibers[wp * 32 + l];
                     if ((w->warp_waiting[wp] & f.mask) == f.mask) { warp_compute(w, wp, f.mask); rel = true; }
                 }
-            if (!rel) { describe_deadlock(w); return; }
+            if (!rel && !sm90_progress(w)) { describe_deadlock(w); return; }
+            if (stopping(L)) return;
         }
     }
 }
@@ -1216,6 +1111,7 @@ static void worker_run(Launch* L) {
     w->in_fiber = 0;
     w->cur = nullptr;
     __emu_t_worker = nullptr;
+    sm90_worker_end(w);
     sigaltstack(&old_ss, nullptr);
     free(__emu_t_dyn_shadow);
     __emu_t_dyn_shadow = nullptr;

@@ -145,6 +145,31 @@ void __emu_ptx_ldmatrix(int num, int trans, int generic, uint64_t addr, uint32_t
 void __emu_ptx_cp_async(uint64_t dst, uint64_t src, int cp_size, int src_size, int cg, const char* file, int line);
 void __emu_ptx_cp_async_commit(void);
 void __emu_ptx_cp_async_wait(int n, const char* file, int line);
+void __emu_ptx_wgmma(int n, int k, int type, uint64_t desc_a, const uint32_t* a, const void* const* a_lv,
+                     uint64_t desc_b, int scale_d, int scale_a, int scale_b, int trans_a, int trans_b, uint32_t* const* d,
+                     int block_k, int extra_bits, int min_exponent, const char* file, int line);
+void __emu_ptx_wgmma_fence(const char* file, int line);
+void __emu_ptx_wgmma_commit(const char* file, int line);
+void __emu_ptx_wgmma_wait(int n, const char* file, int line);
+void __emu_ptx_fence_proxy_async(void);
+void __emu_ptx_mbar_init(uint64_t addr, int generic, int count, const char* file, int line);
+void __emu_ptx_mbar_inval(uint64_t addr, int generic, const char* file, int line);
+uint64_t __emu_ptx_mbar_arrive(uint64_t addr, int generic, int count, int64_t tx, const char* file, int line);
+void __emu_ptx_mbar_tx(uint64_t addr, int generic, int64_t tx, int complete, const char* file, int line);
+int __emu_ptx_mbar_wait(uint64_t addr, int generic, uint64_t phase, int parity, int blocking, const char* file,
+                        int line);
+void __emu_ptx_cp_async_mbar_arrive(uint64_t addr, int generic, int noinc, const char* file, int line);
+void __emu_ptx_bulk_load(uint64_t dst, uint64_t src, uint32_t size, uint64_t mbar, const char* file, int line);
+void __emu_ptx_bulk_store(uint64_t dst, uint64_t src, uint32_t size, const char* file, int line);
+void __emu_ptx_bulk_commit(void);
+void __emu_ptx_tensor_load(int dim, uint64_t dst, uint64_t map, const int32_t* coords, uint64_t mbar, const char* file,
+                           int line);
+void __emu_ptx_tensor_store(int dim, uint64_t map, const int32_t* coords, uint64_t src, const char* file, int line);
+void __emu_ptx_bulk_wait(int n, const char* file, int line);
+void __emu_ptx_bar(int id, int count, int arrive, const char* file, int line);
+void __emu_ptx_setmaxnreg(int count, int inc, const char* file, int line);
+unsigned __emu_ptx_elect(unsigned mask, const char* file, int line);
+void __emu_ptx_stmatrix(int num, int trans, int generic, uint64_t addr, const uint32_t* r, const char* file, int line);
 size_t __emu_cvta_generic_to_shared(const void* p, const char* file, int line);
 void* __emu_cvta_shared_to_generic(size_t a);
 }
@@ -168,10 +193,24 @@ template <class D, class T> static inline void __emu_ptx_out(D& dst, T v) {
         memcpy(&dst, &v, sizeof(T));
     }
 }
+// the calling thread's lane
+static inline unsigned __emu_ptx_lane() {
+    return (__emu_threadIdx.x + __emu_blockDim.x * (__emu_threadIdx.y + __emu_blockDim.y * __emu_threadIdx.z)) & 31;
+}
+// wgmma's A registers: a variable goes by address (the runtime reads it and, in checked mode,
+// guards it until the wgmma retires), any other value by its bits
+template <class T> static inline const void* __emu_ptx_lvalue(T&& x) {
+    return std::is_lvalue_reference<T>::value ? (const void*)&x : nullptr;
+}
+template <class T> static inline uint32_t __emu_ptx_rvalue_bits(T&& x) {
+    if constexpr (std::is_lvalue_reference<T>::value) return 0u;
+    else return __emu_ptx_in<uint32_t>(x);
+}
 static inline uint32_t __emu_ptx_bits(uint32_t v) { return v; }
 static inline uint32_t __emu_ptx_bits(float v) { uint32_t u; memcpy(&u, &v, 4); return u; }
 static inline void __emu_ptx_set(uint32_t& r, uint32_t bits) { r = bits; }
 static inline void __emu_ptx_set(float& r, uint32_t bits) { memcpy(&r, &bits, 4); }
+static inline void __emu_ptx_set(uint64_t& r, uint64_t bits) { r = bits; }
 
 // cvt.rn.{f16x2,bf16x2}.f32 d, a, b: a to the upper half, b to the lower; NaN is canonical
 static inline uint32_t __emu_ptx_cvt_rn_f16x2_f32(uint32_t a, uint32_t b) {
