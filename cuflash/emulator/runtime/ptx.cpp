@@ -279,21 +279,3 @@ EmuWgmmaDesc emu_wgmma_desc(uint64_t d) {
                         (uint32_t)(d >> 32 & 0x3fff) << 4, (int)(d >> 49 & 7), swizzle[d >> 62]};
 }
 
-uint32_t emu_wgmma_address(const EmuWgmmaDesc& d, bool k_major, int elem, int mn, int k) {
-    const int t = 16 / elem;   // elements in 16 bytes
-    uint32_t off;
-    if (d.swizzle == 0) {
-        // core matrices of 8 rows of 16 bytes, rows along MN (K-major) or along K (MN-major)
-        off = k_major ? (mn / 8) * d.sbo + (k / t) * d.lbo + (mn % 8) * 16 + (k % t) * elem
-                      : (mn / t) * d.sbo + (k / 8) * d.lbo + (k % 8) * 16 + (mn % t) * elem;
-    } else {
-        // swizzle atoms of 8 rows of `swizzle` bytes
-        const int w = d.swizzle / elem;   // elements in an atom row (MN-major)
-        // (K-major: one atom row holds the instruction's 32 bytes of K; LBO is not used)
-        off = k_major ? (mn / 8) * d.sbo + (mn % 8) * d.swizzle + k * elem
-                      : (mn / w) * d.lbo + (k / 8) * d.sbo + (k % 8) * d.swizzle + (mn % w) * elem;
-    }
-    uint32_t a = d.start + off;
-    if (d.swizzle) a ^= (a >> 7 & (uint32_t)(d.swizzle / 16 - 1)) << 4;   // 16-byte chunk ^= row in the atom
-    return a;
-}

@@ -50,7 +50,25 @@ struct EmuWgmmaDesc {
 };
 EmuWgmmaDesc emu_wgmma_desc(uint64_t d);
 // The shared address of element (mn, k) of an MN x K operand (A: m, k; B: n, k) stored
-// K-major (`k_major`) or MN-major, `elem` bytes per element, as the descriptor lays it out.
-uint32_t emu_wgmma_address(const EmuWgmmaDesc& d, bool k_major, int elem, int mn, int k);
+// K-major (`k_major`) or MN-major, 2 or 4 bytes per element, as the descriptor lays it out
+// (every count a power of two: shifts and masks)
+static inline uint32_t emu_wgmma_address(const EmuWgmmaDesc& d, bool k_major, int elem, int mn, int k) {
+    const int es = elem == 2 ? 1 : 2, ts = 4 - es;   // log2 of the element size, of the elements in 16 bytes
+    uint32_t off;
+    if (d.swizzle == 0) {
+        // core matrices of 8 rows of 16 bytes, rows along MN (K-major) or along K (MN-major)
+        off = k_major ? (mn >> 3) * d.sbo + (k >> ts) * d.lbo + (mn & 7) * 16 + ((k & ((1 << ts) - 1)) << es)
+                      : (mn >> ts) * d.sbo + (k >> 3) * d.lbo + (k & 7) * 16 + ((mn & ((1 << ts) - 1)) << es);
+    } else {
+        // swizzle atoms of 8 rows of `swizzle` bytes (K-major: one atom row holds the
+        // instruction's 32 bytes of K; LBO is not used)
+        const int ws = __builtin_ctz((unsigned)d.swizzle) - es;   // log2 of the elements in an atom row
+        off = k_major ? (mn >> 3) * d.sbo + (mn & 7) * d.swizzle + (k << es)
+                      : (mn >> ws) * d.lbo + (k >> 3) * d.sbo + (k & 7) * d.swizzle + ((mn & ((1 << ws) - 1)) << es);
+    }
+    uint32_t a = d.start + off;
+    if (d.swizzle) a ^= (a >> 7 & (uint32_t)(d.swizzle / 16 - 1)) << 4;   // 16-byte chunk ^= row in the atom
+    return a;
+}
 
 #endif

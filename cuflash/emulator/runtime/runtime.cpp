@@ -657,15 +657,31 @@ EMU_EXPORT void __emu_atomic_check(const void* p, unsigned long size, const char
     abort_fiber(w);
 }
 
+bool shared_region(Worker* w, uintptr_t p, int size, uintptr_t* lo, uintptr_t* hi);
+
 // The address of `size` bytes at shared-window address `addr` (a generic pointer when
 // `generic`), 0 unless they lie in a __shared__ variable or the launch's dynamic shared memory.
 uintptr_t shared_ptr(Worker* w, uint64_t addr, bool generic, int size) {
-    const uintptr_t tb = tls_base();
-    const uintptr_t p = generic ? (uintptr_t)addr : tb + (uint32_t)addr;
-    const uintptr_t dyn = (uintptr_t)__emu_dyn_smem;
-    if (p >= dyn && p + size <= dyn + w->L->shmem) return p;
-    if (!g_static_shared.empty() && p >= tb + g_static_lo_off && p + size <= tb + g_static_hi_off) return p;
-    return 0;
+    uintptr_t lo, hi;
+    const uintptr_t p = generic ? (uintptr_t)addr : tls_base() + (uint32_t)addr;
+    return shared_region(w, p, size, &lo, &hi) ? p : 0;
+}
+
+// The shared memory [lo, hi) that holds [p, p + size): the launch's dynamic shared memory or the
+// __shared__ variables (false when neither does).
+bool shared_region(Worker* w, uintptr_t p, int size, uintptr_t* lo, uintptr_t* hi) {
+    const uintptr_t tb = tls_base(), dyn = (uintptr_t)__emu_dyn_smem;
+    if (p >= dyn && p + size <= dyn + w->L->shmem) {
+        *lo = dyn;
+        *hi = dyn + w->L->shmem;
+        return true;
+    }
+    if (!g_static_shared.empty() && p >= tb + g_static_lo_off && p + size <= tb + g_static_hi_off) {
+        *lo = tb + g_static_lo_off;
+        *hi = tb + g_static_hi_off;
+        return true;
+    }
+    return false;
 }
 
 EMU_EXPORT size_t __emu_cvta_generic_to_shared(const void* p, const char* file, int line) {

@@ -256,6 +256,7 @@ void switch_to_sched(Worker* w);
 [[noreturn]] void ptx_fail(Worker* w, int code, const char* fmt, ...);
 uintptr_t tls_base();
 uintptr_t shared_ptr(Worker* w, uint64_t addr, bool generic, int size);
+bool shared_region(Worker* w, uintptr_t p, int size, uintptr_t* lo, uintptr_t* hi);
 SShadow* shared_shadow(Worker* w, uintptr_t a, int* space, int64_t* off);
 void check_access(uintptr_t a, int size, bool wr, void* pc, bool atomic = false);
 void new_epoch(Worker* w);

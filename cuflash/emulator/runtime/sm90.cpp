@@ -197,15 +197,20 @@ struct WgmmaCall {
     EmuMmaArith arith;
 };
 
-static int wg_find(const Sm90Fiber& f, const uint32_t* addr, size_t hint) {
-    if (hint < f.wg_regs.size() && f.wg_regs[hint].addr == addr) return (int)hint;
-    for (size_t i = 0; i < f.wg_regs.size(); ++i)
+// The index of the register at `addr` among the first `limit` in flight (-1: none); a wgmma's
+// accumulators follow each other, so `hint` (the previous one's index + 1) usually hits.
+static int wg_find(const Sm90Fiber& f, const uint32_t* addr, size_t hint, size_t limit) {
+    if (hint < limit && f.wg_regs[hint].addr == addr) return (int)hint;
+    for (size_t i = 0; i < limit; ++i)
         if (f.wg_regs[i].addr == addr) return (int)i;
     return -1;
 }
 
-static void wg_own(Sm90Fiber& f, uint32_t* addr, uint32_t value, AsyncOp* op, bool accumulator, size_t hint) {
-    const int i = accumulator ? wg_find(f, addr, hint) : -1;
+// Registers the wgmma `op` owns from now on; `limit`: how many were in flight before it (the
+// accumulators of earlier wgmmas it may accumulate into).
+static void wg_own(Sm90Fiber& f, uint32_t* addr, uint32_t value, AsyncOp* op, bool accumulator, size_t hint,
+                   size_t limit) {
+    const int i = accumulator ? wg_find(f, addr, hint, limit) : -1;
     if (i >= 0) {
         f.wg_regs[i] = {addr, value, -1, op, true};   // a later wgmma accumulating into the same register
     } else {
@@ -224,20 +229,29 @@ static EmuWgmmaDesc wg_desc(Worker* w, uint64_t desc, const char* which, const A
     return d;
 }
 
-// An operand element from shared memory, through a descriptor.
-static uint32_t wg_load(Worker* w, AsyncOp* op, const EmuWgmmaDesc& d, bool k_major, int elem, int mn, int k,
-                        const char* which) {
-    const uint32_t a = emu_wgmma_address(d, k_major, elem, mn, k);
-    const uintptr_t p = shared_ptr(w, a, false, elem);
-    if (!p)
-        ptx_fail(w, EMU_ERROR_BOUNDS, "wgmma.mma_async at %s:%d: element (%d, %d) of %s lies at shared address 0x%x, "
-                 "outside every __shared__ variable and the launch's %llu bytes of dynamic shared memory (check the "
-                 "descriptor's start address, LBO, SBO and swizzle)", op->file, op->line, mn, k, which, a,
-                 w->L->shmem);
-    uint32_t v = 0;
-    memcpy(&v, (const void*)p, elem);
-    if (w->L->checked) async_read(w, p, elem, op, (uint32_t)w->sm90.ops.size());
-    return v;
+// The elements (mn, k) of an operand from shared memory, through its descriptor, into
+// out[mn * mn_stride + k * k_stride]; the region of shared memory the last element lay in
+// bounds-checks the next with two compares.
+static void wg_gather(Worker* w, AsyncOp* op, uint64_t desc, bool k_major, int elem, int rows, int k, uint32_t* out,
+                      int mn_stride, int k_stride, const char* which) {
+    const EmuWgmmaDesc d = wg_desc(w, desc, which, op);
+    const uintptr_t tb = tls_base();
+    const bool checked = w->L->checked;
+    uintptr_t lo = 0, hi = 0;
+    for (int mn = 0; mn < rows; ++mn)
+        for (int kk = 0; kk < k; ++kk) {
+            const uint32_t a = emu_wgmma_address(d, k_major, elem, mn, kk);
+            const uintptr_t p = tb + a;
+            if ((p < lo || p + elem > hi) && !shared_region(w, p, elem, &lo, &hi))
+                ptx_fail(w, EMU_ERROR_BOUNDS, "wgmma.mma_async at %s:%d: element (%d, %d) of %s lies at shared address "
+                         "0x%x, outside every __shared__ variable and the launch's %llu bytes of dynamic shared memory "
+                         "(check the descriptor's start address, LBO, SBO and swizzle)", op->file, op->line, mn, kk,
+                         which, a, w->L->shmem);
+            uint32_t v = 0;
+            memcpy(&v, (const void*)p, elem);
+            out[mn * mn_stride + kk * k_stride] = v;
+            if (checked) async_read(w, p, elem, op, (uint32_t)w->sm90.ops.size());
+        }
 }
 
 static void wg_compute(Worker* w, int wg) {
@@ -289,24 +303,31 @@ static void wg_compute(Worker* w, int wg) {
             }
         }
     } else {
-        const EmuWgmmaDesc d = wg_desc(w, c.desc_a, "A", op);
-        for (int m = 0; m < 64; ++m)
-            for (int kk = 0; kk < k; ++kk) A[m * k + kk] = wg_load(w, op, d, !c.trans_a, elem, m, kk, "A");
+        wg_gather(w, op, c.desc_a, !c.trans_a, elem, 64, k, A.data(), k, 1, "A");
     }
-    const EmuWgmmaDesc db = wg_desc(w, c.desc_b, "B", op);
-    for (int kk = 0; kk < k; ++kk)
-        for (int j = 0; j < n; ++j) B[kk * n + j] = wg_load(w, op, db, !c.trans_b, elem, j, kk, "B");
+    wg_gather(w, op, c.desc_b, !c.trans_b, elem, n, k, B.data(), 1, n, "B");
     if (c.neg_a) for (uint32_t& v : A) v ^= sign;
     if (c.neg_b) for (uint32_t& v : B) v ^= sign;
     // C: each thread's accumulators as its registers hold them, or as an earlier wgmma in flight leaves them
     // (accumulator i of a thread: row 16w + g (+8 for i % 4 >= 2), column 8 (i / 4) + 2q + i % 2)
+    size_t limit[128];   // per thread: its registers in flight before this wgmma that may be its accumulators
+    for (int t = 0; t < 128; ++t) {
+        const Sm90Fiber& f = base[t].sm90;
+        uint32_t* const* d = ((const WgmmaCall*)base[t].gsrc)->d;
+        uintptr_t lo = UINTPTR_MAX, hi = 0;
+        for (int i = 0; i < n / 2; ++i) {
+            lo = std::min(lo, (uintptr_t)d[i]);
+            hi = std::max(hi, (uintptr_t)d[i] + 4);
+        }
+        limit[t] = lo < f.wg_hi && f.wg_lo < hi ? f.wg_regs.size() : 0;
+    }
     for (int t = 0; t < 128 && c.scale_d; ++t) {
         const Fiber& f = base[t];
         uint32_t* const* d = ((const WgmmaCall*)f.gsrc)->d;
         const int r0 = 16 * (t >> 5) + ((t & 31) >> 2), c0 = 2 * (t & 3);
-        const int first = wg_find(f.sm90, d[0], 0);
+        const int first = wg_find(f.sm90, d[0], 0, limit[t]);
         for (int i = 0; i < n / 2; ++i) {
-            const int j = wg_find(f.sm90, d[i], first >= 0 ? (size_t)(first + i) : 0);
+            const int j = limit[t] ? wg_find(f.sm90, d[i], first >= 0 ? (size_t)(first + i) : 0, limit[t]) : -1;
             C[(r0 + 8 * ((i >> 1) & 1)) * n + 8 * (i >> 2) + c0 + (i & 1)] = j >= 0 ? f.sm90.wg_regs[j].value : *d[i];
         }
     }
@@ -315,13 +336,13 @@ static void wg_compute(Worker* w, int wg) {
         Fiber& f = base[t];
         const WgmmaCall& o = *(const WgmmaCall*)f.gsrc;
         const int r0 = 16 * (t >> 5) + ((t & 31) >> 2), c0 = 2 * (t & 3);
-        const int first = wg_find(f.sm90, o.d[0], 0);
+        const int first = wg_find(f.sm90, o.d[0], 0, limit[t]);
         for (int i = 0; i < n / 2; ++i)
             wg_own(f.sm90, o.d[i], D[(r0 + 8 * ((i >> 1) & 1)) * n + 8 * (i >> 2) + c0 + (i & 1)], op, true,
-                   first >= 0 ? (size_t)(first + i) : f.sm90.wg_regs.size());
+                   first >= 0 ? (size_t)(first + i) : 0, limit[t]);
         if (w->L->checked && c.a_regs)
             for (int i = 0; i < 4; ++i)
-                if (o.a_lv[i]) wg_own(f.sm90, (uint32_t*)o.a_lv[i], 0, op, false, 0);
+                if (o.a_lv[i]) wg_own(f.sm90, (uint32_t*)o.a_lv[i], 0, op, false, 0, 0);
         f.sm90.wg_ops.push_back({op, -1});
         f.state = F_RUNNABLE;
     }
@@ -409,7 +430,7 @@ static uint32_t shared_addr(Worker* w, uint64_t addr, int generic, int size, con
     return (uint32_t)(p - tls_base());
 }
 
-// The mbarrier at `addr`; its shared address in *a.
+// The mbarrier at `addr`; its shared address in *shared.
 static MBarrier& mbar_at(Worker* w, uint64_t addr, int generic, const char* what, const char* file, int line,
                          uint32_t* shared = nullptr) {
     const uint32_t a = shared_addr(w, addr, generic, 8, what, file, line);
