@@ -1,6 +1,9 @@
-"""Hopper's warpgroup PTX in cuflash.emulator (sm_90a): wgmma against the NumPy model of the PTX
-ISA's layouts in tests/wgmma_model.py (written from the ISA, not from the emulator), its
-asynchronous hazards planted and caught, and the arch rules ptxas applies.
+"""Hopper's PTX in cuflash.emulator (sm_90a): wgmma against the NumPy model of the PTX ISA's
+layouts in tests/wgmma_model.py (written from the ISA, not from the emulator) and against the
+block model on special values; mbarriers, bulk and tensor copies (TMA boxes against NumPy
+slicing), named barriers, setmaxnreg, elect and stmatrix (kernels: tests/emulator_kernels/sm90.cu);
+every asynchronous hazard planted and caught; cuflash/kernels/sm90_gemm.cu end to end; the
+capture tool; and the arch rules ptxas applies.
 """
 from __future__ import annotations
 
