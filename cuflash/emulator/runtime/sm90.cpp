@@ -7,8 +7,8 @@
 //  - wgmma.mma_async computes when its warpgroup meets, from the operands of that moment; each
 //    thread's accumulators receive the result at the wgmma.wait_group that retires it;
 //  - a bulk copy into shared memory reads its source at issue, fills its destination with NaN
-//    bytes, and lands at the next operation on its mbarrier (a wait, an arrival) or when nothing
-//    else can run;
+//    bytes, and lands at the next arrival or expect_tx on its mbarrier, at a wait on it that
+//    would otherwise block, or when nothing else can run;
 //  - a bulk store reads shared memory at the issuing thread's cp.async.bulk.wait_group.
 #include <stdarg.h>
 #include <stdio.h>
