@@ -936,7 +936,7 @@ static void describe_deadlock(Worker* w) {
                          ? op_name(f.op) : sm90_wait_name(f);
         emsg(e, "  %d thread(s) wait in %s at %s:%d (threads with linear ids %d..%d",
              count, what, f.wfile ? f.wfile : "?", f.wline, first, last);
-        sm90_describe(w, e, f, count, first, last);
+        sm90_describe(w, e, f);
         if (f.state == F_WAIT_WARP) {
             int warp = f.linear >> 5;
             unsigned missing = f.mask & ~w->warp_waiting[warp];

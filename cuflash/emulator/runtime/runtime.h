@@ -269,7 +269,7 @@ void sm90_fiber_begin(Fiber* f);
 void sm90_guard(Worker* w, Fiber* f, uintptr_t a, int size, bool wr, void* pc);   // checked: a fiber's own memory
 void sm90_shared_access(Worker* w, SShadow& s, uintptr_t a, int size, bool wr, void* pc);   // checked: one byte
 bool sm90_progress(Worker* w);        // no fiber can run: land copies in flight; true if that woke one
-void sm90_describe(Worker* w, EmuError* e, const Fiber& f, int count, int first, int last);
+void sm90_describe(Worker* w, EmuError* e, const Fiber& f);   // what a waiting fiber waits for
 const char* sm90_wait_name(const Fiber& f);
 
 #endif

@@ -148,7 +148,6 @@ void __emu_ptx_cp_async_wait(int n, const char* file, int line);
 void __emu_ptx_wgmma(int n, int k, int type, uint64_t desc_a, const uint32_t* a, const void* const* a_lv,
                      uint64_t desc_b, int scale_d, int scale_a, int scale_b, int trans_a, int trans_b, uint32_t* const* d,
                      int block_k, int extra_bits, int min_exponent, const char* file, int line);
-void __emu_ptx_wgmma_fence(const char* file, int line);
 void __emu_ptx_wgmma_commit(const char* file, int line);
 void __emu_ptx_wgmma_wait(int n, const char* file, int line);
 void __emu_ptx_fence_proxy_async(void);

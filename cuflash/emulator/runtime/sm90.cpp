@@ -379,8 +379,6 @@ EMU_EXPORT void __emu_ptx_wgmma(int n, int k, int type, uint64_t desc_a, const u
     switch_to_sched(w);
 }
 
-EMU_EXPORT void __emu_ptx_wgmma_fence(const char*, int) {}
-
 EMU_EXPORT void __emu_ptx_wgmma_commit(const char*, int) {
     Sm90Fiber& f = __emu_t_worker->cur->sm90;
     for (WgReg& r : f.wg_regs)
@@ -603,9 +601,8 @@ EMU_EXPORT void __emu_ptx_bulk_load(uint64_t dst, uint64_t src, uint32_t size, u
     if (size == 0 || size % 16 || src % 16)
         ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: size %u must be a positive multiple of 16 and the global source "
                  "0x%llx 16-byte aligned", what, file, line, size, (unsigned long long)src);
-    shared_addr(w, dst, 0, (int)size, what, file, line);
+    char* d = (char*)(tls_base() + shared_addr(w, dst, 0, (int)size, what, file, line));
     MBarrier& m = mbar_at(w, mbar, 0, what, file, line);
-    char* d = (char*)shared_ptr(w, dst, false, (int)size);
     if (w->L->checked) check_access((uintptr_t)src, (int)size, false, __builtin_return_address(0));
     BulkCopy* c = bulk_copy(w, d, size, what, file, line);
     memcpy(c->data.data(), (const void*)(uintptr_t)src, size);
@@ -629,9 +626,8 @@ EMU_EXPORT void __emu_ptx_bulk_store(uint64_t dst, uint64_t src, uint32_t size, 
     if (size == 0 || size % 16 || dst % 16)
         ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: size %u must be a positive multiple of 16 and the global "
                  "destination 0x%llx 16-byte aligned", what, file, line, size, (unsigned long long)dst);
-    shared_addr(w, src, 0, (int)size, what, file, line);
-    bulk_store(w, (char*)(uintptr_t)dst, (const char*)shared_ptr(w, src, false, (int)size), size, {}, 0,
-               __builtin_return_address(0), what, file, line);
+    const char* s = (const char*)(tls_base() + shared_addr(w, src, 0, (int)size, what, file, line));
+    bulk_store(w, (char*)(uintptr_t)dst, s, size, {}, 0, __builtin_return_address(0), what, file, line);
 }
 
 EMU_EXPORT void __emu_ptx_bulk_commit(void) {
@@ -724,12 +720,13 @@ static uint32_t box_bytes(const EmuTensorMap& m) {
     return n;
 }
 
-static void box_aligned(Worker* w, const EmuTensorMap& m, uint64_t smem, const char* what, const char* file, int line) {
+// The box's bytes at shared address `smem`, checked: aligned, inside shared memory.
+static char* box_at(Worker* w, const EmuTensorMap& m, uint64_t smem, const char* what, const char* file, int line) {
     const uint32_t align = m.swizzle ? 128 : 16;
     if (smem % align)
         ptx_fail(w, EMU_ERROR_BOUNDS, "%s at %s:%d: the shared address 0x%llx of the box is not %u-byte aligned%s", what,
                  file, line, (unsigned long long)smem, align, m.swizzle ? " (a swizzled box)" : "");
-    shared_addr(w, smem, 0, (int)box_bytes(m), what, file, line);
+    return (char*)(tls_base() + shared_addr(w, smem, 0, (int)box_bytes(m), what, file, line));
 }
 
 // cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes [dst], [map, {c...}], [mbar]
@@ -738,10 +735,9 @@ EMU_EXPORT void __emu_ptx_tensor_load(int dim, uint64_t dst, uint64_t map, const
     Worker* w = __emu_t_worker;
     const char* what = "cp.async.bulk.tensor";
     const EmuTensorMap& m = tensor_map(w, map, dim, what, file, line);
-    box_aligned(w, m, dst, what, file, line);
+    char* d = box_at(w, m, dst, what, file, line);
     MBarrier& mb = mbar_at(w, mbar, 0, what, file, line);
     const uint32_t bytes = box_bytes(m);
-    char* d = (char*)shared_ptr(w, dst, false, (int)bytes);
     BulkCopy* c = bulk_copy(w, d, bytes, what, file, line);
     const char* base = (const char*)(uintptr_t)m.address;
     const bool checked = w->L->checked;
@@ -768,15 +764,15 @@ EMU_EXPORT void __emu_ptx_tensor_store(int dim, uint64_t map, const int32_t* coo
     Worker* w = __emu_t_worker;
     const char* what = "cp.async.bulk.tensor (store)";
     const EmuTensorMap& m = tensor_map(w, map, dim, what, file, line);
-    box_aligned(w, m, src, what, file, line);
+    const char* box = box_at(w, m, src, what, file, line);
     for (int i = 0; i < dim; ++i)
         if (coords[i] < 0)
             ptx_fail(w, EMU_ERROR_BOUNDS, "%s at %s:%d: coordinate %d is %d; a store's box starts at non-negative "
                      "coordinates", what, file, line, i, coords[i]);
     std::vector<std::pair<int64_t, int64_t>> elems;
     for_box(m, coords, (uint32_t)src, [&](int64_t g, int64_t s) { if (g >= 0) elems.push_back({g, s}); });
-    bulk_store(w, (char*)(uintptr_t)m.address, (const char*)shared_ptr(w, src, false, (int)box_bytes(m)),
-               box_bytes(m), std::move(elems), m.elem, __builtin_return_address(0), what, file, line);
+    bulk_store(w, (char*)(uintptr_t)m.address, box, box_bytes(m), std::move(elems), m.elem, __builtin_return_address(0),
+               what, file, line);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -927,7 +923,7 @@ const char* sm90_wait_name(const Fiber& f) {
     return f.state == F_WAIT_MBAR ? "mbarrier.try_wait" : f.state == F_WAIT_NAMED ? "a named barrier (bar.sync)" : "?";
 }
 
-void sm90_describe(Worker* w, EmuError* e, const Fiber& f, int, int, int) {
+void sm90_describe(Worker* w, EmuError* e, const Fiber& f) {
     if (f.state == F_WAIT_MBAR) {
         auto it = w->sm90.mbar.find(f.sm90.wait_mbar);
         if (it == w->sm90.mbar.end()) return;
