@@ -60,7 +60,7 @@ def _check(be, q, k, v, *, causal, expect_plan=None):
 SPECS = [
     (F16, 64, 4, "sm_75", None),             # two row tiles per warp (32 rows)
     (F16, 64, 4, "sm_80", None),
-    (F16, 128, 4, "sm_75", None),            # T4: 64 KB, two row tiles, Q_i re-read
+    (F16, 128, 4, "sm_75", None),            # T4: 64 KB, two row tiles, Q_i re-read, general loop
     (F16, 128, 4, "sm_86", 64 * 1024),       # the 100 KB GPUs' fallback
     (F16, 128, 8, "sm_86", None),            # 100 KB: one row tile per warp, the lean loop
     (F16, 256, 4, "sm_75", None),            # one row tile per warp
@@ -145,7 +145,7 @@ def test_strided_inputs_aligned_and_not():
     ("sm_80", F16, 64, 4, None, "round-robin"),
     ("sm_75", F16, 128, 4, None, "random"),          # synchronous copies, two m16n8k8
     ("sm_90", BF16, 256, 4, None, "reversed"),       # Q_i re-read from shared memory
-    ("sm_90", BF16, 128, 4, None, "random"),         # two row tiles, Q_i re-read
+    ("sm_90", BF16, 128, 4, None, "random"),         # two row tiles, one lean loop
     ("sm_86", BF16, 128, 8, None, "reversed"),       # 8 warps, the lean loop
 ])
 def test_checked(arch, dt, D, warps, smem, schedule):
@@ -280,11 +280,11 @@ def test_sass_has_mma_ldmatrix_cp_async_and_no_local_memory():
 
 @pytest.mark.parametrize("dt,D,warps,arch", [
     (F16, 64, 4, "sm_80"),     # lean, two row tiles
-    (BF16, 128, 4, "sm_90"),   # general loop, two row tiles
+    (BF16, 128, 4, "sm_90"),   # one lean loop, two row tiles
     (F16, 128, 8, "sm_86"),    # lean, one row tile
     (F16, 256, 4, "sm_75"),    # general loop, synchronous copies
     (F32, 128, 8, "sm_80"),    # one-pass tf32
-    (F16, 128, 4, "sm_100"),   # general loop on Blackwell
+    (F16, 128, 4, "sm_100"),   # one lean loop on Blackwell
     (BF16, 128, 8, "sm_120"),  # consumer Blackwell's 8-warp tiles
     (F16, 256, 8, "sm_120"),
 ], ids=lambda x: x if isinstance(x, (int, str)) else np.dtype(x).name)

@@ -22,9 +22,11 @@
 namespace cuflash {
 
 // A compile-time flag as a value, to pick a lambda's code path (`if constexpr
-// (decltype(tag)::value)`): one body written once, instantiated per path.
+// (decltype(tag)::value)`, or a plain `if (tag)` that also takes a run-time bool): one
+// body written once, instantiated per path.
 template <bool B> struct Bool {
     static constexpr bool value = B;
+    constexpr operator bool() const { return B; }
 };
 
 // ---------------------------------------------------------------------------------

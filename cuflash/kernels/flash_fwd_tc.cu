@@ -81,7 +81,7 @@ __device__ __forceinline__ void softmax_general(
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+        float max_top, max_bottom;
         tile_row_max(s[r], max_top, max_bottom);
         alpha_top[r] = row_top[r].update(row_max_quad(max_top));  // also ℓ_i *= α
         alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom));
@@ -90,7 +90,7 @@ __device__ __forceinline__ void softmax_general(
             if constexpr (Tr::kLean) rescale_acc(acc[r], alpha_top[r], alpha_bottom[r]);
             else rescale_acc_if_moved<Tr>(acc[r], alpha_top[r], alpha_bottom[r]);
         }
-        float sum_top = 0.f, sum_bottom = 0.f;  // S → P̃ = exp2(S − m_new)
+        float sum_top, sum_bottom;  // S → P̃ = exp2(S − m_new)
         exp2_rows(s[r], row_top[r].shift(), row_bottom[r].shift(), sum_top, sum_bottom);
         row_top[r].l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
         row_bottom[r].l_i += sum_bottom;
@@ -109,9 +109,10 @@ __device__ __forceinline__ void flash_fwd_tc(
     float scale, int causal, int num_m_blocks, const Seqlens& seq, float* __restrict__ o_part,
     Variants<T> var) {
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
-    // The lean main loop (16-bit tiles, see TcTileTraits::kLean): a plain steady state
-    // peeled from the general iterations, copies and fragment loads addressed once
-    // (TileCopy, FragAddrs). Otherwise one general loop recomputing its addresses.
+    // The lean main loop (16-bit tiles, see TcTileTraits::kLean): copies and fragment loads
+    // addressed once (TileCopy, FragAddrs), a plain steady state (peeled from the general
+    // iterations, or tested per iteration: kPeeled). Otherwise one general loop
+    // recomputing its addresses.
     constexpr bool kLean = Tr::kLean;
     static_assert(!kLean || !Tr::kTf32, "the lean loop's fragment loads are ldmatrix (16-bit)");
     // The products: 16-bit tiles' ldmatrix addressed once (FragAddrs, K_j in the K layout),
@@ -258,10 +259,9 @@ __device__ __forceinline__ void flash_fwd_tc(
 
     if constexpr (kLean) {
         // -- one iteration of the main loop, on tile j in ring slot `slot`: plain (the steady
-        // state: no mask, no variant) or general
+        // state: no mask, no variant) or general; `plain` a Bool<> (peeled loops) or a bool
         unsigned slot = 0;
-        auto iteration = [&](int j, auto plain_tag) {
-            constexpr bool kPlain = decltype(plain_tag)::value;
+        auto iteration = [&](int j, auto plain) {
             cp_async_wait<STAGES - 2>();  // tile j has landed (this thread's copies)
             __syncthreads();              // ... everyone's; and everyone is done with tile j − 1
             {
@@ -288,10 +288,10 @@ __device__ __forceinline__ void flash_fwd_tc(
             // branch, D = 128 spilled on sm_75), with one after the dropout branch (before
             // it, split tf32 D = 256 spilled).
             float alpha_top[R], alpha_bottom[R];
-            if constexpr (kPlain) {  // S raw: the row max of S, scaled; P̃ = exp2(S·c − c·max)
+            if (plain) {  // S raw: the row max of S, scaled; P̃ = exp2(S·c − c·max)
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+                    float max_top, max_bottom;
                     tile_row_max(s[r], max_top, max_bottom);
                     alpha_top[r] = row_top[r].update(row_max_quad(max_top) * scale_log2);
                     alpha_bottom[r] = row_bottom[r].update(row_max_quad(max_bottom) * scale_log2);
@@ -302,7 +302,7 @@ __device__ __forceinline__ void flash_fwd_tc(
                         rescale_acc_if_moved<Tr>(acc[r], alpha_top[r], alpha_bottom[r]);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    float sum_top = 0.f, sum_bottom = 0.f;
+                    float sum_top, sum_bottom;
                     exp2_rows_scaled(s[r], scale_log2, row_top[r].shift(), row_bottom[r].shift(),
                                      sum_top, sum_bottom);
                     row_top[r].l_i += sum_top;
@@ -323,12 +323,15 @@ __device__ __forceinline__ void flash_fwd_tc(
 
         // -- main loop over K_j, V_j: the general iterations before the steady state (a
         // window's left edge), the steady state, and the general ones after it (the causal
-        // diagonal, the sequence's last partial tile)
-
-        int j = t_begin;
-        for (; j < t_lo; ++j) iteration(j, Bool<false>{});
-        for (; j < t_hi; ++j) iteration(j, Bool<true>{});
-        for (; j < t_end; ++j) iteration(j, Bool<false>{});
+        // diagonal, the sequence's last partial tile); in three loops, or in one (kPeeled)
+        if constexpr (Tr::kPeeled) {
+            int j = t_begin;
+            for (; j < t_lo; ++j) iteration(j, Bool<false>{});
+            for (; j < t_hi; ++j) iteration(j, Bool<true>{});
+            for (; j < t_end; ++j) iteration(j, Bool<false>{});
+        } else {
+            for (int j = t_begin; j < t_end; ++j) iteration(j, j >= t_lo && j < t_hi);
+        }
     } else {  // one general loop; its copies addressed per tile
         constexpr int kSlot = BN * Tr::kHeadDim;  // elements of one ring slot
         for (int j = t_begin; j < t_end; ++j) {

@@ -47,14 +47,18 @@ struct TcTileTraits {
     static constexpr int kSTiles = BLOCK_N / 8;        // n-tiles of S (and P̃)
     static constexpr int kPVSteps = BLOCK_N / 16;      // k16 steps of P̃ V
     static constexpr int kOTiles = HEAD_DIM / 8;       // n-tiles of O
+    // The forward's lean main loop (flash_fwd_tc.cu): copies and fragment loads addressed
+    // once before the loop. sm_75's tiles of D = 128 and 256 keep the general loop,
+    // addressing their copies per tile: they take all of its 64 KB, leaving no room for
+    // the lean loop's paged-cache state (a static shared array); and at D = 256 its
+    // copies, passing through registers without cp.async, spilled 16 bytes.
+    static constexpr bool kLean = !(HEAD_DIM >= 128 && CUFLASH_ARCH < 800);
+    // The lean loop's plain steady state peeled into a loop of its own, between the
+    // general iterations before and after it; else one loop tests per iteration which
+    // softmax it runs. Two row tiles at D = 128 hold O's 128 registers beside S's: their
+    // three loops made ptxas spill (40-56 bytes, sm_80 and sm_90), the one loop does not.
+    static constexpr bool kPeeled = !(kRowTiles == 2 && HEAD_DIM == 128);
     // Q_i's A fragments held in registers: kRowTiles · D / 4 registers, up to 32
-    // The forward's lean main loop (flash_fwd_tc.cu). Two row tiles at D = 128 hold O's
-    // 128 registers beside S's: there its extra per-thread state (addresses fixed before
-    // the loop, a peeled steady state) made ptxas spill (36-372 bytes, sm_80), so that
-    // tile keeps the general loop, addressing its copies per tile; so does D = 256 on sm_75
-    // (16 bytes: without cp.async its copies pass through registers).
-    static constexpr bool kLean = !(kRowTiles == 2 && HEAD_DIM == 128) &&
-                                  !(HEAD_DIM == 256 && CUFLASH_ARCH < 800);
     static constexpr bool kQInRegs = kLean ? kRowTiles * HEAD_DIM <= (kRowTiles == 1 ? 128 : 64)
                                            : kRowTiles * HEAD_DIM <= 128;
     static constexpr int kQFrags = kQInRegs ? kKSteps : 1;
@@ -385,17 +389,20 @@ __device__ __forceinline__ void gemm_pv_fwd(FragC (&acc)[R][Tr::kOTiles],
 __device__ __forceinline__ float row_max_quad(float v) { return warp_reduce_max<4>(v); }
 __device__ __forceinline__ float row_sum_quad(float v) { return warp_reduce_sum<4>(v); }
 
-// rowmax of the thread's part of S (top: row g, bottom: row g + 8).
+// rowmax of the thread's part of S (top: row g, bottom: row g + 8), from its first pair
+// rather than from −inf: one max fewer per row.
 template <int N>
 __device__ __forceinline__ void tile_row_max(const FragC (&s)[N], float& top, float& bottom) {
+    top = max_(s[0].c0, s[0].c1);
+    bottom = max_(s[0].c2, s[0].c3);
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
+    for (int j = 1; j < N; ++j) {
         top = max_(top, max_(s[j].c0, s[j].c1));
         bottom = max_(bottom, max_(s[j].c2, s[j].c3));
     }
 }
 
-// P̃ = exp2(S − shift) in place; returns the thread's part of rowsum P̃ in top, bottom.
+// P̃ = exp2(S − shift) in place; the thread's part of rowsum P̃ into sum_top, sum_bottom.
 template <int N>
 __device__ __forceinline__ void exp2_rows(FragC (&s)[N], float shift_top, float shift_bottom,
                                           float& sum_top, float& sum_bottom) {
@@ -405,8 +412,9 @@ __device__ __forceinline__ void exp2_rows(FragC (&s)[N], float shift_top, float 
         s[j].c1 = fast_exp2(s[j].c1 - shift_top);
         s[j].c2 = fast_exp2(s[j].c2 - shift_bottom);
         s[j].c3 = fast_exp2(s[j].c3 - shift_bottom);
-        sum_top += s[j].c0 + s[j].c1;
-        sum_bottom += s[j].c2 + s[j].c3;
+        // the first pair starts the sums: P̃ ≥ +0, so 0 + x = x, one add fewer per row
+        sum_top = j == 0 ? s[j].c0 + s[j].c1 : sum_top + (s[j].c0 + s[j].c1);
+        sum_bottom = j == 0 ? s[j].c2 + s[j].c3 : sum_bottom + (s[j].c2 + s[j].c3);
     }
 }
 
@@ -423,8 +431,9 @@ __device__ __forceinline__ void exp2_rows_scaled(FragC (&s)[N], float c, float s
         s[j].c1 = fast_exp2(fmaf(s[j].c1, c, -shift_top));
         s[j].c2 = fast_exp2(fmaf(s[j].c2, c, -shift_bottom));
         s[j].c3 = fast_exp2(fmaf(s[j].c3, c, -shift_bottom));
-        sum_top += s[j].c0 + s[j].c1;
-        sum_bottom += s[j].c2 + s[j].c3;
+        // the first pair starts the sums: P̃ ≥ +0, so 0 + x = x, one add fewer per row
+        sum_top = j == 0 ? s[j].c0 + s[j].c1 : sum_top + (s[j].c0 + s[j].c1);
+        sum_bottom = j == 0 ? s[j].c2 + s[j].c3 : sum_bottom + (s[j].c2 + s[j].c3);
     }
 }
 

@@ -26,9 +26,10 @@ TF32_HEAD_DIMS = (64, 128, 256)  # HEAD_DIM buckets; d a multiple of 4 up to 256
 # each fits 64 KB (sm_75's opt-in limit). block_m = 16 · row_tiles · num_warps: D = 64 and
 # 128 give each warp two 16-row mma tiles (32 rows, FlashAttention-2's d = 128 layout),
 # sharing every K and V fragment load between them. ptxas registers (sm_80): D=64 128x64
-# 253, D=128 128x32 248, D=256 64x16 210. Tried and rejected (spills, sm_80): D=128 128x64
-# with two row tiles (148 bytes), D=256 with Q_i's fragments in registers (64x16: 8 bytes),
-# D=256 64x32 (56 bytes) and 64x64 (424 bytes) even with Q_i in shared memory.
+# 255, D=128 128x32 248, D=256 64x16 254. Tried and rejected (spills, sm_80): D=128 128x64
+# with two row tiles (148 bytes; 40 in the lean loop), D=256 with Q_i's fragments in
+# registers (64x16: 8 bytes), D=256 64x32 (56 bytes) and 64x64 (424 bytes) even with Q_i in
+# shared memory.
 _TC_CANDIDATES = {
     64: ((128, 64, 4, 2),),
     128: ((128, 32, 4, 2),),
@@ -38,8 +39,8 @@ _TC_CANDIDATES = {
 # the 64 KB tiles above run one block of 4 warps per SM, one warp per scheduler, which
 # every barrier and copy then stalls, while their tensor cores (half sm_80's rate per SM)
 # keep the loop tensor-bound whatever its ldmatrix traffic. 8 warps of one row tile each
-# (96 KB) keep 8 warps per SM; at D = 128 they also run the lean main loop (3.70
-# instructions per HMMA against the two row tiles' 7.30; docs/kernels.md's model).
+# (96 KB) keep 8 warps per SM (at D = 128, 3.24 instructions per HMMA against the two row
+# tiles' 3.80 on sm_86; docs/kernels.md).
 _TC_CANDIDATES_100KB = {
     128: ((128, 64, 8, 2), (128, 32, 4, 2)),
     256: ((128, 16, 8, 2), (64, 16, 4, 2)),
