@@ -116,6 +116,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     float* sD = sL + Tr::kSmemStats;                             // D_i
     T* sdS = reinterpret_cast<T*>(sD + Tr::kSmemStats);          // dSᵀ (DQ_PARTS)
     constexpr int kSlot = BM * Tr::kHeadDim;  // elements of one ring slot
+    // The products: 16-bit tiles' ldmatrix addressed once (BwdFragAddrs); float32's
+    // tc_gemm.cuh products, addressed per tile.
+    constexpr bool kFragProducts = !Tr::kTf32;
 
     const int lane = threadIdx.x % 32;
     const int warp_row0 = (threadIdx.x / 32) * Tr::kWarpRows;
@@ -123,6 +126,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     const bool plain = !var.scores() && !var.dropout();
     const float scale_log2 = softmax_scale_log2(scale);
+    constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
+    // the shared tiles as addresses: the warp's own rows of K_j, V_j; the rings' first slots
+    const unsigned s_k = smem_addr(sK) + warp_row0 * kRowBytes;
+    const unsigned s_v = smem_addr(sV) + warp_row0 * kRowBytes;
+    const unsigned s_q = smem_addr(sQ), s_do = smem_addr(sdO);
+    const BwdFragAddrs<Tr> ad(lane);
 
     // -- key block n0: dK_j, dV_j (and dQ's partial) of keys n0 .. n0 + BN − 1
     auto key_block = [&](const int n0) {
@@ -203,8 +212,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 s[j] = FragC{0.f, 0.f, 0.f, 0.f};
                 dp[j] = FragC{0.f, 0.f, 0.f, 0.f};
             }
-            gemm_own_rows<Tr>(s, kf, sK, warp_row0, sQi, lane);
-            gemm_own_rows<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
+            constexpr unsigned kSlotBytes = kSlot * sizeof(T);
+            if constexpr (kFragProducts) {
+                gemm_own_rows<Tr>(s, kf, s_k, s_q + slot * kSlotBytes, ad);
+                gemm_own_rows<Tr>(dp, vf, s_v, s_do + slot * kSlotBytes, ad);
+            } else {
+                gemm_own_rows<Tr>(s, kf, sK, warp_row0, sQi, lane);
+                gemm_own_rows<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
+            }
 
             // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
             // D_i are per column (query), from the tile's row statistics
@@ -266,8 +281,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ as A fragments in registers; the
             // block's chunk of the columns of dO_i, Q_i)
             if constexpr (Tr::kDqParts) store_ds_t<Tr>(sdS, dp, warp_row0, lane);
-            gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
-            gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
+            if constexpr (kFragProducts) {  // the chunk's columns: a whole swizzle period on
+                gemm_c_tile<Tr>(dv_acc, s, s_do + slot * kSlotBytes + col0 * sizeof(T), ad);
+                gemm_c_tile<Tr>(dk_acc, dp, s_q + slot * kSlotBytes + col0 * sizeof(T), ad);
+            } else {
+                gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
+                gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
+            }
 
             // -- dQ_i += dS K_j into the worker's partial of dQ (5-GEMM backward)
             if constexpr (Tr::kDqParts) {
@@ -395,6 +415,13 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     FragC dq_acc[Tr::kOTiles];
 #pragma unroll
     for (int j = 0; j < Tr::kOTiles; ++j) dq_acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
+    // The products (as the dK/dV kernel's): 16-bit tiles' ldmatrix addressed once
+    constexpr bool kFragProducts = !Tr::kTf32;
+    constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T), kSlotBytes = kSlot * sizeof(T);
+    const unsigned s_q = smem_addr(sQ) + warp_row0 * kRowBytes;
+    const unsigned s_do = smem_addr(sdO) + warp_row0 * kRowBytes;
+    const unsigned s_k = smem_addr(sK), s_v = smem_addr(sV);
+    const BwdFragAddrs<Tr> ad(lane);
 
     // -- one iteration of the main loop, on tile j: plain or with the variants' chain
     auto iteration = [&](int j, auto plain) {
@@ -412,8 +439,14 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
             s[i] = FragC{0.f, 0.f, 0.f, 0.f};
             dp[i] = FragC{0.f, 0.f, 0.f, 0.f};
         }
-        gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
-        gemm_own_rows<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
+        const unsigned slot = (j % STAGES) * kSlotBytes;
+        if constexpr (kFragProducts) {
+            gemm_own_rows<Tr>(s, qf, s_q, s_k + slot, ad);
+            gemm_own_rows<Tr>(dp, dof, s_do, s_v + slot, ad);
+        } else {
+            gemm_own_rows<Tr>(s, qf, sQ, warp_row0, sKj, lane);
+            gemm_own_rows<Tr>(dp, dof, sdO, warp_row0, sVj, lane);
+        }
 
         // -- P = exp2(S·scale·log2 e − lse_i·log2 e), dS = P ∘ (dP − D_i)
         if (!is_plain(plain)) {  // element e: query row r_top + 8·(e % 4 / 2), key column c
@@ -457,7 +490,10 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
         }
 
         // -- dQ_i += dS K_j  (dS as A fragments; the chunk of K_j's columns)
-        gemm_c_tile<Tr>(dq_acc, dp, sKj, lane, col0);
+        if constexpr (kFragProducts)
+            gemm_c_tile<Tr>(dq_acc, dp, s_k + slot + col0 * sizeof(T), ad);
+        else
+            gemm_c_tile<Tr>(dq_acc, dp, sKj, lane, col0);
     };
 
     // -- main loop over K_j, V_j (a plain call's loop of its own)

@@ -63,6 +63,7 @@ __device__ __forceinline__ bool is_plain(bool plain) { return plain; }
 template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS, int STAGES,
           bool OWN_IN_REGS, int CHUNK_COLS, bool ROW_STATS, bool SPLIT, bool DQ_PARTS = false>
 struct TcBwdTraits {
+    using Elem = T;
     static constexpr int kHeadDim = HEAD_DIM;
     static constexpr int kBlockRows = BLOCK_ROWS;       // own rows: Bc keys | Br queries
     static constexpr int kTileRows = TILE_ROWS;         // streamed rows per tile
@@ -123,6 +124,72 @@ struct TcBwdTraits {
                   "dQ_i's 16-row groups must divide the warps, leaving 16-column multiples");
     static_assert(kSmemBytes <= 227 * 1024, "tile exceeds the largest shared memory of any GPU (227 KB)");
 };
+
+// The ldmatrix addresses of the backward's 16-bit products, fixed before the main loop. A
+// streamed tile (swizzled, rows of D elements) is read two ways: its rows as a B operand
+// (Sᵀ = K_j Q_iᵀ: keys of the tile as the B columns; lanes 0-7 address rows 0-7, lanes 8-15
+// the same rows 8 columns on, lanes 16-31 rows 8-15 likewise: `rows`), and transposed (dK_j
+// += dSᵀ Q_i; lanes 0-15 rows 0-15, lanes 16-31 the same rows 8 columns on, FragAddrs'
+// pattern: `cols`, also the own rows' A fragments). Either way a lane's row mod 8 is the same
+// in every step, so its address for column step m (16 columns) of a 16-row step is one of
+// four per-thread offsets plus immediates, and the four differ only in bits 5-6 (the
+// swizzle's XOR, tc_tile.cuh): offset m = offset 0 ^ (m << 5). One register per pattern.
+template <class Tr> struct BwdFragAddrs {
+    static constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(typename Tr::Elem);
+    unsigned rows0, cols0;  // column step 0 of each pattern, from a tile's start
+    __device__ __forceinline__ explicit BwdFragAddrs(int lane) {
+        const int x = lane & 7;
+        rows0 = (x + 8 * (lane / 16)) * kRowBytes + (((lane / 8) % 2) ^ x) * 16;
+        cols0 = (lane % 16) * kRowBytes + ((lane / 16) ^ x) * 16;
+    }
+    // rows 16·row_step + 0..15, columns 16·col_step + 0..15 of the tile at `tile`
+    __device__ __forceinline__ static unsigned at(unsigned tile, unsigned off0, int row_step,
+                                                  int col_step) {
+        return tile + (off0 ^ ((col_step % 4) << 5)) + (col_step / 4) * 128 +
+               row_step * 16 * kRowBytes;
+    }
+};
+
+// c += own · rowsᵀ (16-bit): the warp's 16 own rows (A: f, or read at s_own) times the rows
+// of the streamed tile at s_rows, as gemm_qk_tc.
+template <class Tr>
+__device__ __forceinline__ void gemm_own_rows(FragC (&c)[Tr::kSTiles], const FragA (&f)[Tr::kQFrags],
+                                              unsigned s_own, unsigned s_rows,
+                                              const BwdFragAddrs<Tr>& ad) {
+    using T = typename Tr::Elem;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kKSteps; ++kk) {
+        FragA a;
+        if constexpr (Tr::kQInRegs) a = f[kk];
+        else ldmatrix_x4(a.a0, a.a1, a.a2, a.a3, ad.at(s_own, ad.cols0, 0, kk));
+#pragma unroll
+        for (int np = 0; np < Tr::kSTiles / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, ad.at(s_rows, ad.rows0, np, kk));
+            mma_k16<T>(c[2 * np], a, b_lo);
+            mma_k16<T>(c[2 * np + 1], a, b_hi);
+        }
+    }
+}
+
+// acc += c · tile (16-bit): C fragments (Pᵀ, dSᵀ, dS) as A times the streamed tile at
+// s_tile (its chunk's first column), as gemm_pv_tc.
+template <class Tr>
+__device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const FragC (&c)[Tr::kSTiles],
+                                            unsigned s_tile, const BwdFragAddrs<Tr>& ad) {
+    using T = typename Tr::Elem;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
+        const FragA a = p_fragment<T>(c[2 * kk], c[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < Tr::kOTiles / 2; ++np) {
+            FragB b_lo, b_hi;
+            ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, ad.at(s_tile, ad.cols0, kk, np));
+            mma_k16<T>(acc[2 * np], a, b_lo);
+            mma_k16<T>(acc[2 * np + 1], a, b_hi);
+        }
+    }
+}
 
 // A streamed tile of the dK/dV kernel: query head h, rows m0 .. m0 + TILE_ROWS − 1.
 struct Tile {
