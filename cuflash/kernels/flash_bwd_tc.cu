@@ -128,9 +128,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const float scale_log2 = softmax_scale_log2(scale);
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
     // the shared tiles as addresses: the warp's own rows of K_j, V_j; the rings' first slots
+    // (each tile a fixed offset from sK: immediates in the ldmatrix)
     const unsigned s_k = smem_addr(sK) + warp_row0 * kRowBytes;
-    const unsigned s_v = smem_addr(sV) + warp_row0 * kRowBytes;
-    const unsigned s_q = smem_addr(sQ), s_do = smem_addr(sdO);
+    const unsigned s_v = s_k + Tr::kSmemOwn * sizeof(T);
+    const unsigned s_q = smem_addr(sK) + 2 * Tr::kSmemOwn * sizeof(T);
+    const unsigned s_do = s_q + Tr::kSmemRing * sizeof(T);
     const BwdFragAddrs<Tr> ad(lane);
 
     // -- key block n0: dK_j, dV_j (and dQ's partial) of keys n0 .. n0 + BN − 1
@@ -280,10 +282,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
 
             // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ as A fragments in registers; the
             // block's chunk of the columns of dO_i, Q_i)
-            if constexpr (Tr::kDqParts) store_ds_t<Tr>(sdS, dp, warp_row0, lane);
             if constexpr (kFragProducts) {  // the chunk's columns: a whole swizzle period on
-                gemm_c_tile<Tr>(dv_acc, s, s_do + slot * kSlotBytes + col0 * sizeof(T), ad);
-                gemm_c_tile<Tr>(dk_acc, dp, s_q + slot * kSlotBytes + col0 * sizeof(T), ad);
+                FragA pa[Tr::kPVSteps], dsa[Tr::kPVSteps];
+                pack_a<Tr>(pa, s);
+                pack_a<Tr>(dsa, dp);
+                if constexpr (Tr::kDqParts) store_ds_t<Tr>(sdS, dsa, warp_row0, lane);
+                gemm_c_tile<Tr>(dv_acc, pa, s_do + slot * kSlotBytes + col0 * sizeof(T), ad);
+                gemm_c_tile<Tr>(dk_acc, dsa, s_q + slot * kSlotBytes + col0 * sizeof(T), ad);
             } else {
                 gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
                 gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
@@ -490,9 +495,11 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
         }
 
         // -- dQ_i += dS K_j  (dS as A fragments; the chunk of K_j's columns)
-        if constexpr (kFragProducts)
-            gemm_c_tile<Tr>(dq_acc, dp, s_k + slot + col0 * sizeof(T), ad);
-        else
+        if constexpr (kFragProducts) {
+            FragA dsa[Tr::kPVSteps];
+            pack_a<Tr>(dsa, dp);
+            gemm_c_tile<Tr>(dq_acc, dsa, s_k + slot + col0 * sizeof(T), ad);
+        } else
             gemm_c_tile<Tr>(dq_acc, dp, sKj, lane, col0);
     };
 

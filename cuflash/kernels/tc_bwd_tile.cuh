@@ -172,21 +172,27 @@ __device__ __forceinline__ void gemm_own_rows(FragC (&c)[Tr::kSTiles], const Fra
     }
 }
 
-// acc += c · tile (16-bit): C fragments (Pᵀ, dSᵀ, dS) as A times the streamed tile at
-// s_tile (its chunk's first column), as gemm_pv_tc.
+// C fragments (Pᵀ, dSᵀ, dS) as the A fragments of every k16 step of a product (16-bit):
+// packed once, for the product and, for dSᵀ, its copy to shared memory (store_ds_t).
 template <class Tr>
-__device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const FragC (&c)[Tr::kSTiles],
+__device__ __forceinline__ void pack_a(FragA (&a)[Tr::kPVSteps], const FragC (&c)[Tr::kSTiles]) {
+    pack_p<Tr>(one_row_tile(a), one_row_tile(c));
+}
+
+// acc += c · tile (16-bit): pack_a's fragments times the streamed tile at s_tile (its
+// chunk's first column), as gemm_pv_tc.
+template <class Tr>
+__device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const FragA (&a)[Tr::kPVSteps],
                                             unsigned s_tile, const BwdFragAddrs<Tr>& ad) {
     using T = typename Tr::Elem;
 #pragma unroll
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
-        const FragA a = p_fragment<T>(c[2 * kk], c[2 * kk + 1]);
 #pragma unroll
         for (int np = 0; np < Tr::kOTiles / 2; ++np) {
             FragB b_lo, b_hi;
             ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, ad.at(s_tile, ad.cols0, kk, np));
-            mma_k16<T>(acc[2 * np], a, b_lo);
-            mma_k16<T>(acc[2 * np + 1], a, b_hi);
+            mma_k16<T>(acc[2 * np], a[kk], b_lo);
+            mma_k16<T>(acc[2 * np + 1], a[kk], b_hi);
         }
     }
 }
@@ -292,16 +298,21 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
     }
 }
 
-// The warp's dSᵀ (C fragments: rows its 16 keys, columns the tile's queries) into sdS as T,
-// the same rounding as the A fragments of dK_j += dSᵀ Q_i.
+// The warp's dSᵀ (rows its 16 keys, columns the tile's queries) into sdS, from pack_a's
+// fragments: the A fragment of k16 step kk holds rows g, g + 8 at columns 16kk + 2t
+// (a0, a1) and 8 on (a2, a3).
 template <class Tr, typename T>
-__device__ __forceinline__ void store_ds_t(T* sdS, const FragC (&ds)[Tr::kSTiles], int warp_row0,
+__device__ __forceinline__ void store_ds_t(T* sdS, const FragA (&ds)[Tr::kPVSteps], int warp_row0,
                                            int lane) {
-    const int g = lane >> 2, t = lane % 4;
+    unsigned* top = reinterpret_cast<unsigned*>(sdS + (warp_row0 + (lane >> 2)) * Tr::kDsStride +
+                                                2 * (lane % 4));
+    unsigned* bottom = top + 8 * Tr::kDsStride / 2;
 #pragma unroll
-    for (int j = 0; j < Tr::kSTiles; ++j) {
-        store_pair(sdS + (warp_row0 + g) * Tr::kDsStride + j * 8 + 2 * t, ds[j].c0, ds[j].c1);
-        store_pair(sdS + (warp_row0 + g + 8) * Tr::kDsStride + j * 8 + 2 * t, ds[j].c2, ds[j].c3);
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
+        top[8 * kk] = ds[kk].a0;
+        bottom[8 * kk] = ds[kk].a1;
+        top[8 * kk + 4] = ds[kk].a2;
+        bottom[8 * kk + 4] = ds[kk].a3;
     }
 }
 
