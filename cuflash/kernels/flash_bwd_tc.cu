@@ -128,11 +128,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const float scale_log2 = softmax_scale_log2(scale);
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
     // the shared tiles as addresses: the warp's own rows of K_j, V_j; the rings' first slots
-    // (each tile a fixed offset from sK: immediates in the ldmatrix)
+    // (each a fixed offset from sK, so that they become immediates in the ldmatrix)
+    auto from_k = [&](const T* tile) { return smem_addr(sK) + unsigned(tile - sK) * sizeof(T); };
     const unsigned s_k = smem_addr(sK) + warp_row0 * kRowBytes;
-    const unsigned s_v = s_k + Tr::kSmemOwn * sizeof(T);
-    const unsigned s_q = smem_addr(sK) + 2 * Tr::kSmemOwn * sizeof(T);
-    const unsigned s_do = s_q + Tr::kSmemRing * sizeof(T);
+    const unsigned s_v = from_k(sV) + warp_row0 * kRowBytes;
+    const unsigned s_q = from_k(sQ), s_do = from_k(sdO);
     const BwdFragAddrs<Tr> ad(lane);
 
     // -- key block n0: dK_j, dV_j (and dQ's partial) of keys n0 .. n0 + BN − 1

@@ -64,15 +64,13 @@ _TC_BWD_BY_ARCH = {7: _TC_BWD_CANDIDATES_SM75}
 # red.add per product and the barriers per HMMA against 4 warps and 64 keys (which spill
 # 4–52 bytes at D = 128, 12 at D = 64 under CUDA 13.5). D = 128's 32-row Q tiles need
 # 107 KB, so the 99 KB GPUs take 16-row ones, as do sm_80, sm_86 and sm_89, where CUDA
-# 13.5's ptxas spills the 32-row tile (12 bytes), and sm_100 (8 bytes, in the prologue,
-# since the products' ldmatrix are addressed once: BwdFragAddrs). Turing keeps its 32-row Q tiles with
+# 13.5's ptxas spills the 32-row tile (12 bytes). Turing keeps its 32-row Q tiles with
 # K_j, V_j in registers (249 registers); its D = 128 spills (108 bytes) and runs the
 # two-kernel backward. ptxas registers (sm_80 / sm_90, CUDA 12.9): 255, 0 spills.
 _TC_BWD_DQ_PARTS = {64: ((128, 64, 8, 2, False, 64),),
                     128: ((128, 32, 8, 2, False, 128), (128, 16, 8, 2, False, 128))}
 _TC_BWD_DQ_PARTS_BY_ARCH = {7: {64: ((64, 32, 4, 2, True, 64),), 128: ()},
-                            8: {128: ((128, 16, 8, 2, False, 128),)},
-                            10: {128: ((128, 16, 8, 2, False, 128),)}}
+                            8: {128: ((128, 16, 8, 2, False, 128),)}}
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
 # float32: twice the bytes per tile and, split, hi/lo temporaries beside every mma: the
