@@ -3,8 +3,10 @@ run on one CUDA device. Peers, each where installed: PyTorch SDPA with each of i
 backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 `dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
 two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
-has five GEMMs, this one seven); CuPy naive attention on request (`--peers ...
-cupy-naive`). The headline is the ratio of cuflash's rate to each peer's.
+has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward (cuflash-sm90:
+flash_fwd_sm90.cu, float16, d = 64 and 128, not yet chosen by the planner); CuPy naive
+attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
+to each peer's.
 
 Every row of the CSV says what ran: a timing (status ok), or why there is none:
 unavailable (not installed, no device), unsupported (the peer refuses the dtype or shape),
@@ -61,7 +63,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODES = ("fwd", "bwd", "fwd+bwd")
 # cuflash-2kernel: cuflash's own two-kernel backward, the A/B of its 5-GEMM one
 PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn",
-         "cuflash-2kernel")
+         "cuflash-2kernel", "cuflash-sm90")
 EXTRA_PEERS = ("cupy-naive",)
 SIXTEEN_BIT = ("float16", "bfloat16")
 ALL_DTYPES = ("float16", "bfloat16", "float32")
@@ -233,6 +235,50 @@ class CuflashTwoKernels(Cuflash):
         def fwd_bwd():
             o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
             return o2, bwd(o2, lse2)
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+class CuflashSm90(Cuflash):
+    """cuflash's Hopper forward (flash_fwd_sm90.cu: TMA, a producer warpgroup, wgmma) on an
+    sm_90 GPU, which the planner does not choose yet; its backward is cuflash's."""
+    name = "cuflash-sm90"
+    dtypes = ("float16",)
+
+    def missing(self):
+        why = super().missing()
+        if why:
+            return why
+        from cuflash.backends import kernels
+        cc = tuple(kernels.cuda_backend().limits()["cc"])
+        return None if cc == (9, 0) else f"needs an sm_90 GPU (this one is cc {cc})"
+
+    def unsupported(self, dtype_name, d):
+        from cuflash.backends import kernel_forward_sm90
+        if d not in kernel_forward_sm90.HEAD_DIMS:
+            return f"{self.name} takes d in {kernel_forward_sm90.HEAD_DIMS} only"
+        return super().unsupported(dtype_name, d)
+
+    def describe(self, q, k, v, do):
+        from cuflash.backends import kernel_forward_sm90
+        return kernel_forward_sm90.kernel_name(q.shape[-1])
+
+    def passes(self, q, k, v, do, causal, scale):
+        import cuflash
+        from cuflash.backends import kernel_forward_sm90, kernels
+        backend = kernels.cuda_backend()
+
+        def fwd():
+            return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale)[0]
+
+        o, lse = kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale)
+        kw = dict(causal=causal, scale=scale, backend="cuda")
+
+        def bwd():
+            return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
+
+        def fwd_bwd():
+            o2, lse2 = kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale)
+            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
@@ -498,6 +544,7 @@ def make_impls(names):
         "flash-attn": FlashAttn,
         "cupy-naive": CupyNaive,
         "cuflash-2kernel": CuflashTwoKernels,
+        "cuflash-sm90": CuflashSm90,
     }
     return [makers[n]() for n in dict.fromkeys(["cuflash", *names])]
 

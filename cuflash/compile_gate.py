@@ -58,8 +58,11 @@ ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120", "sm_90a")
 # The kernels of an architecture-specific target ("a": sm_90a's wgmma and setmaxnreg), built
 # for it alone, and the SASS each must show: the proof that Hopper's machinery reached the
 # machine code (warpgroup MMA, tensor-memory loads, the mbarrier's SYNCS unit).
-SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"]}}
-REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS")}
+SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"],
+                       "flash_fwd_sm90.cu": ["flash_fwd_sm90_kernel<64>",
+                                             "flash_fwd_sm90_kernel<128>"]}}
+REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS"),
+                 "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
 
 # Why an NVRTC may lack an arch of ARCHS: each CUDA release adds and drops some.
 _ARCH_RANGE = {"sm_70": "CUDA 12.9 is the last toolkit that targets sm_70",
@@ -110,7 +113,8 @@ class Row:
         """The opcodes REQUIRED_SASS asks of this kernel that its disassembly lacks."""
         if self.sass is None:
             return ()
-        return tuple(o for o in REQUIRED_SASS.get(self.kernel, ()) if not self.sass.get(o))
+        return tuple(o for o in REQUIRED_SASS.get(self.kernel.partition("<")[0], ())
+                     if not self.sass.get(o))
 
     @property
     def ok(self):
@@ -519,7 +523,7 @@ def format_table(rows):
     plans = _plans()
     # the opcodes REQUIRED_SASS asks for only where a table holds a kernel that must show them
     ops = [o for o in SASS_OPCODES
-           if o not in _REQUIRED_OPCODES or any(o in REQUIRED_SASS.get(r.kernel, ()) for r in rows)]
+           if o not in _REQUIRED_OPCODES or any(o in REQUIRED_SASS.get(r.kernel.partition("<")[0], ()) for r in rows)]
     head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", *ops,
             *COST_COLUMNS, "blocks/SM", "warps/SM", "status")
     body = []

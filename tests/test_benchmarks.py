@@ -209,3 +209,30 @@ def test_bad_arguments_are_named(bench, capsys, argv, named):
         bench.parse_args(argv)
     err = capsys.readouterr().err
     assert named in err and repr(argv[1]).strip("'") in err
+
+
+@pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+def test_cuflash_sm90_peer_runs_the_hopper_forward(bench, monkeypatch):
+    # cuflash-sm90 on the emulator's sm_90a standing in for an H100: its forward is
+    # flash_fwd_sm90.cu's and matches the reference; it says what it does not take, and that
+    # it needs an sm_90 GPU on any other
+    from conftest import assert_close_to_reference, plain_attention
+    from cuflash import reference
+    from cuflash.backends import kernels
+    impl = bench.make_impls(["cuflash-sm90"])[1]
+    assert impl.unsupported("bfloat16", 64) and impl.unsupported("float16", 96)
+    assert impl.unsupported("float16", 128) is None
+    monkeypatch.setattr(kernels, "cuda_backend", lambda: kernels.emulator_backend(arch="sm_80"))
+    monkeypatch.setattr(bench._CupyImpl, "missing", lambda self: None)
+    assert "sm_90" in impl.missing()
+    be = kernels.emulator_backend(arch="sm_90a")
+    monkeypatch.setattr(kernels, "cuda_backend", lambda: be)
+    assert impl.missing() is None
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 2, 150, 64)).astype(np.float16) for _ in range(4))
+    assert impl.describe(q, k, v, do) == "flash_fwd_sm90_kernel<64>"
+    monkeypatch.setattr(cuflash, "flash_attention_backward", lambda *a, **kw: None)
+    o = impl.passes(q, k, v, do, True, 0.125)["fwd"]()
+    ref = reference.naive_attention(q, k, v, causal=True, scale=0.125)
+    plain, _ = plain_attention(q, k, v, causal=True, scale=0.125, dtype=q.dtype)
+    assert_close_to_reference(o, ref, plain, q.dtype, what="o")

@@ -199,13 +199,17 @@ def test_check_kernels_rejects_an_unknown_source(capsys):
 # -- sm_90a: the Hopper kernels' machine code ------------------------------------------------
 
 def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
-    """sm90_gemm.cu built for sm_90a shows warpgroup MMA, TMA loads and mbarrier operations in
-    its SASS; with its wgmma or its TMA taken out the gate fails it, naming what is missing
-    (ptxas turns a lone wgmma.fence/commit/wait into placeholder HGMMA: all go)."""
+    """sm90_gemm.cu and flash_fwd_sm90.cu built for sm_90a show warpgroup MMA, TMA loads and
+    mbarrier operations in their SASS; with the GEMM's wgmma or its TMA taken out the gate
+    fails it, naming what is missing (ptxas turns a lone wgmma.fence/commit/wait into
+    placeholder HGMMA: all go)."""
     if compile_gate.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed")
-    [row] = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
-    assert row.ok and all(row.sass[o] > 0 for o in ("HGMMA", "UTMALDG", "SYNCS")), compile_gate.format_table([row])
+    rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
+    assert [r.kernel for r in rows] == ["sm90_gemm", "flash_fwd_sm90_kernel<64>", "flash_fwd_sm90_kernel<128>"]
+    for row in rows:
+        assert row.ok and all(row.sass[o] > 0 for o in ("HGMMA", "UTMALDG", "SYNCS")), \
+            compile_gate.format_table([row])
     source = compiler.read_source("sm90_gemm.cu")
     for lines, missing in ((("sm90::wgmma_fence();", "sm90::wgmma_m64n128k16_f16(acc, da + 2 * kk, db + 2 * kk, 1);",
                              "sm90::wgmma_commit();", "sm90::wgmma_wait<0>();"), "NO HGMMA"),
@@ -215,8 +219,20 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         for line in lines:
             assert line in text
             text = text.replace(line, "")
-        [row] = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False, sources={"sm90_gemm.cu": text})
+        [row] = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False, sources={"sm90_gemm.cu": text},
+                                      only=("sm90_gemm.cu",))
         assert not row.ok and row.status == missing, row.status
+    # the same rule for a templated kernel (REQUIRED_SASS names the template)
+    text = compiler.read_source("flash_fwd_sm90.cu")
+    for line, by in (("sm90::wgmma_m64n128k16_f16(\n", "(void)(\n"),
+                     ("wgmma_pv<HEAD_DIM>(acc, pa[kk],", "(void)(pa[kk],"),
+                     ("sm90::wgmma_fence();", ""), ("sm90::wgmma_commit();", ""),
+                     ("sm90::wgmma_wait<0>();", "")):
+        assert line in text
+        text = text.replace(line, by)
+    rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False,
+                                 sources={"flash_fwd_sm90.cu": text}, only=("flash_fwd_sm90.cu",))
+    assert [r.status for r in rows] == ["NO HGMMA", "NO HGMMA"]
 
 
 def test_cupy_arch_option_keeps_the_specific_target():

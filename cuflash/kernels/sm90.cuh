@@ -53,12 +53,28 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int
                  :: "r"(smem(dst)), "l"(&map), "r"(c0), "r"(c1), "r"(smem(bar)) : "memory");
 }
 
+// ---- the same for a 3-D box at (c0 innermost, c1, c2) ----
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap& map, int c0, int c1, int c2,
+                                            unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(smem(dst)), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(smem(bar)) : "memory");
+}
+
 // ---- wgmma ----
 // The descriptor of a K-major operand tile in 128-byte-swizzled rows (the layout a TMA box of
 // 128-byte rows with CU_TENSOR_MAP_SWIZZLE_128B leaves): 8-row atoms 1024 bytes apart (SBO),
 // LBO unused; the tile must start on a 1024-byte boundary, k steps add 32 bytes.
 __device__ __forceinline__ unsigned long long desc_k_major_sw128(const void* tile) {
     return (unsigned long long)((smem(tile) & 0x3ffff) >> 4) | 1ull << 16 | (1024ull >> 4) << 32 | 1ull << 62;
+}
+// The descriptor of an MN-major operand tile (B of P̃·V: V's rows of 64 head-dim elements,
+// 128 bytes, along K) in 128-byte-swizzled rows, as a TMA box of 128-byte rows leaves it:
+// 8-row groups along K 1024 bytes apart (SBO), the next 64 elements of N `lbo` bytes on (the
+// next box); k16 steps add 2048 bytes.
+__device__ __forceinline__ unsigned long long desc_mn_major_sw128(const void* tile, unsigned lbo) {
+    return (unsigned long long)((smem(tile) & 0x3ffff) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
+           (1024ull >> 4) << 32 | 1ull << 62;
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -82,6 +98,40 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], unsigned lo
                    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "l"(a), "l"(b), "r"(scale_d));
+}
+
+// D (64 x 64, f32) += A (64 x 16, f16 from registers: the mma.sync A fragment of each warp's
+// 16 rows) · B (16 x 64) from shared memory, MN-major (imm-trans-b = 1)
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const unsigned (&a)[4],
+                                                       unsigned long long b, int scale_d) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16\n"
+                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},\n"
+                 " {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+// D (64 x 128, f32) += A (64 x 16, f16 from registers: the mma.sync A fragment of each warp's
+// 16 rows) · B (16 x 128) from shared memory, MN-major (imm-trans-b = 1)
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const unsigned (&a)[4],
+                                                       unsigned long long b, int scale_d) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
+                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},\n"
+                 " {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
 }  // namespace sm90

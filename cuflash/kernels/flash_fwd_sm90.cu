@@ -1,0 +1,217 @@
+// flash_fwd_sm90.cu — the FlashAttention forward on Hopper's asynchronous machinery (sm_90a):
+// TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure (its first
+// step: no ping-pong between the consumers, no softmax overlapped with the next S yet).
+//
+//   warpgroup 2 (producer)   gives its registers up; one elected thread loads Q_i once, then
+//                            per key tile j: waits until the consumers freed the ring slot
+//                            (empty), announces the bytes and starts the TMA boxes of K_j
+//                            and V_j (full)
+//   warpgroups 0, 1          take the registers; each owns 64 of the block's 128 query rows.
+//   (consumers)              Per key tile j (Algorithm 1, lines 6-10):
+//                              S = Q_i K_jᵀ           wgmma m64n128k16, both from shared memory
+//                              m_new = max(m_i, rowmax S · c), P̃ = exp2(S·c − m_new), ℓ
+//                                                     on the accumulators (quad shuffles,
+//                                                     c = scale·log2 e, as flash_fwd_tc.cu)
+//                              acc = α acc + P̃ V_j   wgmma m64nDk16: P̃ from registers (the
+//                                                     accumulators packed to 16 bits), V_j
+//                                                     MN-major from shared memory
+//                            then free the slot (empty); at the end O_i = acc / ℓ_i, lse_i.
+//
+// Layout: q, k, v, o contiguous (B, H, N, D) in float16; the tensor maps are 3-D (D, N, B·H),
+// boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's K-major layout for
+// Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end come in as zeros
+// and are masked (keys) or not stored (queries). GQA: query head h reads K/V head h / group.
+// Causal masking is bottom-right aligned (mask.cuh): key tiles right of the block's
+// diagonal are never loaded.
+#include "common.cuh"
+#include "mma.cuh"
+#include "sm90.cuh"
+
+using namespace cuflash;
+
+namespace {
+
+// The tile and its shared memory: Q_i, and the K_j, V_j ring, each as D / 64 boxes of 128
+// rows × 64 columns (16 KB, on 1024-byte boundaries as the 128-byte swizzle needs).
+template <int HEAD_DIM> struct Sm90FwdTraits {
+    static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+    static constexpr int kBoxes = HEAD_DIM / 64;
+    static constexpr int kBoxElems = 128 * 64;
+    static constexpr unsigned kBoxBytes = kBoxElems * 2;
+    static constexpr int kThreads = 384;
+    static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
+    struct __align__(1024) Smem {
+        __half q[kBoxes][kBoxElems];
+        __half k[kStages][kBoxes][kBoxElems];
+        __half v[kStages][kBoxes][kBoxElems];
+    };
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
+};
+
+// acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major)
+template <int D>
+__device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
+                                         unsigned long long v_desc) {
+    if constexpr (D == 64) sm90::wgmma_m64n64k16_f16_rs(acc, a, v_desc, 1);
+    else sm90::wgmma_m64n128k16_f16_rs(acc, a, v_desc, 1);
+}
+
+}  // namespace
+
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
+                      const __grid_constant__ sm90::TensorMap map_k,
+                      const __grid_constant__ sm90::TensorMap map_v, __half* __restrict__ o,
+                      float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
+                      int causal) {
+    using Tr = Sm90FwdTraits<HEAD_DIM>;
+    constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
+    __shared__ __align__(8) unsigned long long q_full, full[STAGES], empty[STAGES];
+
+    const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·H + h
+    const int bh_kv = bh / H * (H / group) + bh % H / group;
+    // the key tiles any row of the block sees (causal: up to its last row's diagonal)
+    const int n_end = causal ? min(Nk, max(0, m0 + BM + Nk - Nq)) : Nk;
+    const int tiles = (n_end + BN - 1) / BN;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(&q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            sm90::mbar_init(&full[s], 1);
+            sm90::mbar_init(&empty[s], 256);
+        }
+        sm90::mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 2) {  // the producer
+        sm90::regs_dec<24>();
+        if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
+            sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
+            for (int x = 0; x < Tr::kBoxes; ++x)
+                sm90::tma_load_3d(sm.q[x], map_q, 64 * x, m0, bh, &q_full);
+            for (int j = 0; j < tiles; ++j) {
+                const int s = j % STAGES;
+                if (j >= STAGES) sm90::mbar_wait(&empty[s], (j / STAGES - 1) & 1);
+                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kBoxBytes);
+                for (int x = 0; x < Tr::kBoxes; ++x) {
+                    sm90::tma_load_3d(sm.k[s][x], map_k, 64 * x, j * BN, bh_kv, &full[s]);
+                    sm90::tma_load_3d(sm.v[s][x], map_v, 64 * x, j * BN, bh_kv, &full[s]);
+                }
+            }
+        }
+        return;
+    }
+
+    // -- the consumers: warp w of warpgroup wg owns rows 64 wg + 16 w .. of the block; a
+    // thread rows g and g + 8 of those (accumulator i: n-tile i / 4, row + 8 for i % 4 ≥ 2,
+    // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
+    sm90::regs_inc<240>();
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
+    const int r_top = m0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
+    const float c = softmax_scale_log2(scale);
+    OnlineSoftmax<float> top, bottom;
+    top.init();
+    bottom.init();
+    float acc[Tr::kOAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
+
+    sm90::mbar_wait(&q_full, 0);
+    for (int j = 0; j < tiles; ++j) {
+        const int s = j % STAGES, n0 = j * BN;
+        sm90::mbar_wait(&full[s], (j / STAGES) & 1);
+
+        // -- S = Q_i K_jᵀ: k16 steps along D, 32 bytes each within a box
+        float sc[64];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            sm90::wgmma_m64n128k16_f16(
+                sc, sm90::desc_k_major_sw128(sm.q[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
+                sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+
+        // -- masked keys −inf (past Nk, or right of a row's diagonal), then the online
+        // softmax: the row max of S, scaled; P̃ = exp2(S·c − m_new)
+        if (n0 + BN > Nk || (causal && n0 + BN - 1 > m0 + Nk - Nq)) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const int col = n0 + 8 * (i / 4) + 2 * t + i % 2;
+                const int row = r_top + (i % 4 >= 2 ? 8 : 0);
+                if (col >= Nk || (causal && col > row + Nk - Nq)) sc[i] = neg_inf<float>();
+            }
+        }
+        float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+#pragma unroll
+        for (int i = 0; i < 64; i += 4) {
+            max_top = max_(max_top, max_(sc[i], sc[i + 1]));
+            max_bottom = max_(max_bottom, max_(sc[i + 2], sc[i + 3]));
+        }
+        const float alpha_top = top.update(warp_reduce_max<4>(max_top) * c);
+        const float alpha_bottom = bottom.update(warp_reduce_max<4>(max_bottom) * c);
+        const float shift_top = top.shift(), shift_bottom = bottom.shift();
+        float sum_top = 0.f, sum_bottom = 0.f;
+#pragma unroll
+        for (int i = 0; i < 64; i += 4) {
+            sc[i] = fast_exp2(fmaf(sc[i], c, -shift_top));
+            sc[i + 1] = fast_exp2(fmaf(sc[i + 1], c, -shift_top));
+            sc[i + 2] = fast_exp2(fmaf(sc[i + 2], c, -shift_bottom));
+            sc[i + 3] = fast_exp2(fmaf(sc[i + 3], c, -shift_bottom));
+            sum_top += sc[i] + sc[i + 1];
+            sum_bottom += sc[i + 2] + sc[i + 3];
+        }
+        top.l_i += sum_top;
+        bottom.l_i += sum_bottom;
+#pragma unroll
+        for (int i = 0; i < Tr::kOAcc; i += 4) {
+            acc[i] *= alpha_top;
+            acc[i + 1] *= alpha_top;
+            acc[i + 2] *= alpha_bottom;
+            acc[i + 3] *= alpha_bottom;
+        }
+
+        // -- acc += P̃ V_j: k step kk takes keys 16kk .. as the A fragment (n-tiles 2kk, 2kk+1),
+        // all packed first (a wgmma owns its A registers until the wait that retires it), and
+        // V_j's rows 16kk .. (2048 bytes on), MN-major, the next box 16 KB on (LBO)
+        unsigned pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                pa[kk][r] = pack2<__half>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_pv<HEAD_DIM>(acc, pa[kk],
+                               sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kBoxBytes) + 128 * kk);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(&empty[s]);  // this thread is done with slot s
+    }
+
+    // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
+    top.l_i = warp_reduce_sum<4>(top.l_i);
+    bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
+    const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
+    __half* o_bh = o + (long long)bh * Nq * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < Tr::kOAcc; i += 4) {
+        const int col = 8 * (i / 4) + 2 * t;
+        if (r_top < Nq)
+            *reinterpret_cast<unsigned*>(o_bh + (long long)r_top * HEAD_DIM + col) =
+                pack2<__half>(acc[i] * inv_top, acc[i + 1] * inv_top);
+        if (r_top + 8 < Nq)
+            *reinterpret_cast<unsigned*>(o_bh + (long long)(r_top + 8) * HEAD_DIM + col) =
+                pack2<__half>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+    }
+    if (t == 0) {
+        if (r_top < Nq) lse[(long long)bh * Nq + r_top] = top.lse();
+        if (r_top + 8 < Nq) lse[(long long)bh * Nq + r_top + 8] = bottom.lse();
+    }
+}
