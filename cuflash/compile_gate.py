@@ -522,8 +522,8 @@ def format_table(rows):
     blocks and warps per SM."""
     plans = _plans()
     # the opcodes REQUIRED_SASS asks for only where a table holds a kernel that must show them
-    ops = [o for o in SASS_OPCODES
-           if o not in _REQUIRED_OPCODES or any(o in REQUIRED_SASS.get(r.kernel.partition("<")[0], ()) for r in rows)]
+    required = {o for r in rows for o in REQUIRED_SASS.get(r.kernel.partition("<")[0], ())}
+    ops = [o for o in SASS_OPCODES if o not in _REQUIRED_OPCODES or o in required]
     head = ("kernel", "arch", "regs", "smem", "spill st", "spill ld", *ops,
             *COST_COLUMNS, "blocks/SM", "warps/SM", "status")
     body = []

@@ -27,7 +27,7 @@ TF32_HEAD_DIMS = (64, 128, 256)  # HEAD_DIM buckets; d a multiple of 4 up to 256
 # 128 give each warp two 16-row mma tiles (32 rows, FlashAttention-2's d = 128 layout),
 # sharing every K and V fragment load between them. ptxas registers (sm_80): D=64 128x64
 # 255, D=128 128x32 248, D=256 64x16 254. Tried and rejected (spills, sm_80): D=128 128x64
-# with two row tiles (148 bytes; 40 in the lean loop), D=256 with Q_i's fragments in
+# with two row tiles (148 bytes; 104 in the lean loop), D=256 with Q_i's fragments in
 # registers (64x16: 8 bytes), D=256 64x32 (56 bytes) and 64x64 (424 bytes) even with Q_i in
 # shared memory.
 _TC_CANDIDATES = {
