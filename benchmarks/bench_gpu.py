@@ -4,7 +4,7 @@ backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 `dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
 two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
 has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward (cuflash-sm90:
-flash_fwd_sm90.cu, float16, d = 64 and 128, not yet chosen by the planner); CuPy naive
+flash_fwd_sm90.cu, 16-bit, d = 64 and 128, not yet chosen by the planner); CuPy naive
 attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
@@ -242,7 +242,7 @@ class CuflashSm90(Cuflash):
     """cuflash's Hopper forward (flash_fwd_sm90.cu: TMA, a producer warpgroup, wgmma) on an
     sm_90 GPU, which the planner does not choose yet; its backward is cuflash's."""
     name = "cuflash-sm90"
-    dtypes = ("float16",)
+    dtypes = SIXTEEN_BIT
 
     def missing(self):
         why = super().missing()
@@ -260,7 +260,7 @@ class CuflashSm90(Cuflash):
 
     def describe(self, q, k, v, do):
         from cuflash.backends import kernel_forward_sm90
-        return kernel_forward_sm90.kernel_name(q.shape[-1])
+        return kernel_forward_sm90.kernel_name(q.dtype, q.shape[-1])
 
     def passes(self, q, k, v, do, causal, scale):
         import cuflash

@@ -59,8 +59,9 @@ ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120", "sm_90a")
 # for it alone, and the SASS each must show: the proof that Hopper's machinery reached the
 # machine code (warpgroup MMA, tensor-memory loads, the mbarrier's SYNCS unit).
 SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"],
-                       "flash_fwd_sm90.cu": ["flash_fwd_sm90_kernel<64>",
-                                             "flash_fwd_sm90_kernel<128>"]}}
+                       "flash_fwd_sm90.cu": [f"flash_fwd_sm90_kernel<{t}, {d}>"
+                                             for t in ("__half", "__nv_bfloat16")
+                                             for d in (64, 128)]}}
 REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS"),
                  "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
 

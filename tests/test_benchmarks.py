@@ -220,8 +220,8 @@ def test_cuflash_sm90_peer_runs_the_hopper_forward(bench, monkeypatch):
     from cuflash import reference
     from cuflash.backends import kernels
     impl = bench.make_impls(["cuflash-sm90"])[1]
-    assert impl.unsupported("bfloat16", 64) and impl.unsupported("float16", 96)
-    assert impl.unsupported("float16", 128) is None
+    assert impl.unsupported("float32", 64) and impl.unsupported("float16", 96)
+    assert impl.unsupported("float16", 128) is None and impl.unsupported("bfloat16", 64) is None
     monkeypatch.setattr(kernels, "cuda_backend", lambda: kernels.emulator_backend(arch="sm_80"))
     monkeypatch.setattr(bench._CupyImpl, "missing", lambda self: None)
     assert "sm_90" in impl.missing()
@@ -230,7 +230,7 @@ def test_cuflash_sm90_peer_runs_the_hopper_forward(bench, monkeypatch):
     assert impl.missing() is None
     rng = np.random.default_rng(2)
     q, k, v, do = (rng.standard_normal((1, 2, 150, 64)).astype(np.float16) for _ in range(4))
-    assert impl.describe(q, k, v, do) == "flash_fwd_sm90_kernel<64>"
+    assert impl.describe(q, k, v, do) == "flash_fwd_sm90_kernel<__half, 64>"
     monkeypatch.setattr(cuflash, "flash_attention_backward", lambda *a, **kw: None)
     o = impl.passes(q, k, v, do, True, 0.125)["fwd"]()
     ref = reference.naive_attention(q, k, v, causal=True, scale=0.125)

@@ -206,12 +206,13 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
     if compile_gate.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed")
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
-    assert [r.kernel for r in rows] == ["sm90_gemm", "flash_fwd_sm90_kernel<64>", "flash_fwd_sm90_kernel<128>"]
+    assert [r.kernel for r in rows] == ["sm90_gemm"] + [
+        f"flash_fwd_sm90_kernel<{t}, {d}>" for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
     for row in rows:
         assert row.ok and all(row.sass[o] > 0 for o in ("HGMMA", "UTMALDG", "SYNCS")), \
             compile_gate.format_table([row])
     source = compiler.read_source("sm90_gemm.cu")
-    for lines, missing in ((("sm90::wgmma_fence();", "sm90::wgmma_m64n128k16_f16(acc, da + 2 * kk, db + 2 * kk, 1);",
+    for lines, missing in ((("sm90::wgmma_fence();", "sm90::wgmma_m64n128k16_ss<__half>(acc, da + 2 * kk, db + 2 * kk, 1);",
                              "sm90::wgmma_commit();", "sm90::wgmma_wait<0>();"), "NO HGMMA"),
                            (("sm90::tma_load_2d(stage[s].a, map_a, t * kBlockK, m0, &full[s]);",
                              "sm90::tma_load_2d(stage[s].b, map_b, t * kBlockK, n0, &full[s]);"), "NO UTMALDG")):
@@ -224,15 +225,15 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         assert not row.ok and row.status == missing, row.status
     # the same rule for a templated kernel (REQUIRED_SASS names the template)
     text = compiler.read_source("flash_fwd_sm90.cu")
-    for line, by in (("sm90::wgmma_m64n128k16_f16(\n", "(void)(\n"),
-                     ("wgmma_pv<HEAD_DIM>(acc, pa[kk],", "(void)(pa[kk],"),
+    for line, by in (("sm90::wgmma_m64n128k16_ss<T>(\n", "(void)(\n"),
+                     ("wgmma_pv<T, HEAD_DIM>(acc, pa[kk],", "(void)(pa[kk],"),
                      ("sm90::wgmma_fence();", ""), ("sm90::wgmma_commit();", ""),
                      ("sm90::wgmma_wait<0>();", "")):
         assert line in text
         text = text.replace(line, by)
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False,
                                  sources={"flash_fwd_sm90.cu": text}, only=("flash_fwd_sm90.cu",))
-    assert [r.status for r in rows] == ["NO HGMMA", "NO HGMMA"]
+    assert [r.status for r in rows] == ["NO HGMMA"] * 4
 
 
 def test_cupy_arch_option_keeps_the_specific_target():

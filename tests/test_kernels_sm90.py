@@ -7,7 +7,7 @@ same kernel on an H100 (`gpu`), for the day one is lent.
 import numpy as np
 import pytest
 
-from cuflash import reference
+from cuflash import _dtypes, reference
 from cuflash.backends import kernel_forward_sm90 as sm90
 from cuflash.backends import kernels
 
@@ -15,15 +15,15 @@ from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_cl
                       plain_attention, to_host)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
-F16 = np.dtype(np.float16)
+F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
 
 
 def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=2, arch="sm_90a")
 
 
-def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0):
-    q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, F16, seed=seed)[:3]
+def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16):
+    q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed=seed)[:3]
     scale = D ** -0.5
     xp = backend.xp
     o, lse = sm90.forward_sm90(backend, xp.asarray(q), xp.asarray(k), xp.asarray(v),
@@ -31,12 +31,14 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0):
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
     ref_o, ref_lse = reference.naive_attention(q, kr, vr, causal=causal, scale=scale,
                                                return_lse=True)
-    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=F16)
-    assert_close_to_reference(o, ref_o, plain, F16, what=f"O (D={D}, causal={causal})")
-    assert_lse_close(lse, ref_lse, F16)
+    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=dtype)
+    assert_close_to_reference(o, ref_o, plain, dtype, what=f"O (D={D}, causal={causal})")
+    assert_lse_close(lse, ref_lse, dtype)
+    assert to_host(o).dtype == dtype
     return to_host(o), to_host(lse)
 
 
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("D", sm90.HEAD_DIMS)
 @pytest.mark.parametrize("B,H,Hkv,Nq,Nk,causal", [
     (1, 2, 1, 128, 256, False),    # whole tiles, MQA: the ring wraps
@@ -44,19 +46,19 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0):
     (1, 2, 2, 130, 100, True),     # Nq > Nk: the first 30 rows see no key (O = 0, lse = −inf)
     (1, 1, 1, 5, 1, False),        # one key, a few rows
 ])
-def test_forward(D, B, H, Hkv, Nq, Nk, causal):
-    o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D)
+def test_forward(dt, D, B, H, Hkv, Nq, Nk, causal):
+    o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=dt)
     if causal and Nq > Nk:
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
-@pytest.mark.parametrize("D,schedule", [(64, "reversed"), (128, "random")])
-def test_checked_and_schedules(D, schedule):
+@pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
+def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks (a wgmma's A registers, the ring's slots,
     the copies' bytes), and the same bits as round-robin."""
     args = (1, 2, 1, 160, 300, D, True)
-    o, lse = _check(_backend(checked=True, schedule=schedule), *args, seed=D)
-    o_rr, lse_rr = _check(_backend(), *args, seed=D)
+    o, lse = _check(_backend(checked=True, schedule=schedule), *args, seed=D, dtype=dt)
+    o_rr, lse_rr = _check(_backend(), *args, seed=D, dtype=dt)
     np.testing.assert_array_equal(o, o_rr)
     np.testing.assert_array_equal(lse, lse_rr)
 
@@ -74,8 +76,10 @@ def test_no_key_and_no_query():
 def test_inputs_it_does_not_take_yet():
     be = _backend()
     q, k, v = attention_inputs(1, 2, 1, 8, 8, 64, F16)[:3]
-    with pytest.raises(TypeError, match="float16"):
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
         sm90.forward_sm90(be, q.astype(np.float32), k, v, causal=False, scale=1.0)
+    with pytest.raises(TypeError, match="alike"):
+        sm90.forward_sm90(be, q, k.astype(BF16), v, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="head dims"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 96, F16)[:3], causal=False, scale=1.0)
     with pytest.raises(ValueError, match="contiguous"):
@@ -87,13 +91,14 @@ def test_inputs_it_does_not_take_yet():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dt", [F16, BF16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("D", sm90.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_on_the_gpu(D, causal):
+def test_on_the_gpu(dt, D, causal):
     """The same launch on an H100: the driver's tensor maps, NVRTC for sm_90a."""
     if not HAS_GPU:
         pytest.skip("no CUDA device")
     be = kernels.cuda_backend()
     if tuple(be.limits()["cc"]) != (9, 0):
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
-    _check(be, 2, 8, 2, 1000, 1500, D, causal, seed=D)
+    _check(be, 2, 8, 2, 1000, 1500, D, causal, seed=D, dtype=dt)

@@ -1,9 +1,10 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
-The kernel's first step: float16, head dim 64 or 128, q, k, v contiguous (B, H, N, D), causal
-or not, GQA/MQA; no variants, varlen, KV cache or split-KV yet. The planner does not choose it
-yet (the mma.sync kernels run on sm_90); `forward_sm90` runs it on any backend whose device is
-an sm_90a one (the emulator's sm_90a, or an H100), for the tests and the GPU check.
+The kernel's first step: float16 or bfloat16, head dim 64 or 128, q, k, v contiguous
+(B, H, N, D), causal or not, GQA/MQA; no variants, varlen, KV cache or split-KV yet. The
+planner does not choose it yet (the mma.sync kernels run on sm_90); `forward_sm90` runs it on
+any backend whose device is an sm_90a one (the emulator's sm_90a, or an H100), for the tests
+and the GPU check.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ SOURCE = "flash_fwd_sm90.cu"
 HEAD_DIMS = (64, 128)
 BLOCK_M = BLOCK_N = 128
 THREADS = 384                       # two consumer warpgroups and a producer
-BOX_BYTES = 128 * 64 * 2            # one TMA box: 128 rows of 64 float16 (128 bytes)
-# CUtensorMap enums (cuda.h): CU_TENSOR_MAP_DATA_TYPE_FLOAT16, CU_TENSOR_MAP_SWIZZLE_128B
-_FLOAT16, _SWIZZLE_128B = 6, 3
+BOX_BYTES = 128 * 64 * 2            # one TMA box: 128 rows of 64 16-bit elements (128 bytes)
+# dtype name → (the kernel's T, CUtensorMapDataType: cuda.h's FLOAT16, BFLOAT16)
+DTYPES = {"float16": ("__half", 6), "bfloat16": ("__nv_bfloat16", 9)}
+_SWIZZLE_128B = 3                   # CU_TENSOR_MAP_SWIZZLE_128B
 
 
-def kernel_name(head_dim: int) -> str:
-    return f"flash_fwd_sm90_kernel<{head_dim}>"
+def kernel_name(dtype, head_dim: int) -> str:
+    return f"flash_fwd_sm90_kernel<{DTYPES[np.dtype(dtype).name][0]}, {head_dim}>"
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -31,8 +33,9 @@ def smem_bytes(head_dim: int) -> int:
 def check_inputs(q, k, v):
     """ValueError/TypeError naming what the kernel does not take yet."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if np.dtype(x.dtype) != np.float16:
-            raise TypeError(f"{name}: the Hopper forward takes float16, got {np.dtype(x.dtype)}")
+        if np.dtype(x.dtype).name not in DTYPES or np.dtype(x.dtype) != np.dtype(q.dtype):
+            raise TypeError(f"{name}: the Hopper forward takes float16 or bfloat16 (q, k, v "
+                            f"alike), got {np.dtype(x.dtype)}")
         if x.ndim != 4:
             raise ValueError(f"{name}: expected (B, H, N, D), got shape {tuple(x.shape)}")
         if not x.flags.c_contiguous:
@@ -56,14 +59,16 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float):
     if B * H > 65535:
         raise ValueError(f"q: B·H = {B * H} blocks in the grid's y, at most 65535")
     if B * H * Nq == 0 or Nk == 0:   # no key: O = 0, lse = −inf
-        return xp.zeros(q.shape, np.float16), xp.full((B, H, Nq), -np.inf, np.float32)
-    o = xp.empty(q.shape, np.float16)
+        return xp.zeros(q.shape, q.dtype), xp.full((B, H, Nq), -np.inf, np.float32)
+    o = xp.empty(q.shape, q.dtype)
     lse = xp.empty((B, H, Nq), np.float32)
-    f = backend.module(SOURCE, name_expressions=[kernel_name(D)]).get_function(kernel_name(D))
+    name = kernel_name(q.dtype, D)
+    f = backend.module(SOURCE, name_expressions=[name]).get_function(name)
     f.max_dynamic_shared_size_bytes = smem_bytes(D)
+    data_type = DTYPES[np.dtype(q.dtype).name][1]
 
     def tensor_map(x, n, bh):   # 3-D (D, N, B·H), boxes of 64 columns x 128 rows
-        return backend.encode_tensor_map(_FLOAT16, 3, x, [D, n, bh], [D * 2, n * D * 2],
+        return backend.encode_tensor_map(data_type, 3, x, [D, n, bh], [D * 2, n * D * 2],
                                          [64, BLOCK_M, 1], [1, 1, 1], swizzle=_SWIZZLE_128B)
 
     maps = tensor_map(q, Nq, B * H), tensor_map(k, Nk, B * Hkv), tensor_map(v, Nk, B * Hkv)

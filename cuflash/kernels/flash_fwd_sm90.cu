@@ -17,10 +17,11 @@
 //                                                     MN-major from shared memory
 //                            then free the slot (empty); at the end O_i = acc / ℓ_i, lse_i.
 //
-// Layout: q, k, v, o contiguous (B, H, N, D) in float16; the tensor maps are 3-D (D, N, B·H),
-// boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's K-major layout for
-// Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end come in as zeros
-// and are masked (keys) or not stored (queries). GQA: query head h reads K/V head h / group.
+// Layout: q, k, v, o contiguous (B, H, N, D) in T (float16 or bfloat16); the tensor maps are
+// 3-D (D, N, B·H), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
+// K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
+// come in as zeros and are masked (keys) or not stored (queries). GQA: query head h reads
+// K/V head h / group.
 // Causal masking is bottom-right aligned (mask.cuh): key tiles right of the block's
 // diagonal are never loaded.
 #include "common.cuh"
@@ -33,7 +34,7 @@ namespace {
 
 // The tile and its shared memory: Q_i, and the K_j, V_j ring, each as D / 64 boxes of 128
 // rows × 64 columns (16 KB, on 1024-byte boundaries as the 128-byte swizzle needs).
-template <int HEAD_DIM> struct Sm90FwdTraits {
+template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
     static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
     static constexpr int kBoxElems = 128 * 64;
@@ -41,31 +42,31 @@ template <int HEAD_DIM> struct Sm90FwdTraits {
     static constexpr int kThreads = 384;
     static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
     struct __align__(1024) Smem {
-        __half q[kBoxes][kBoxElems];
-        __half k[kStages][kBoxes][kBoxElems];
-        __half v[kStages][kBoxes][kBoxElems];
+        T q[kBoxes][kBoxElems];
+        T k[kStages][kBoxes][kBoxElems];
+        T v[kStages][kBoxes][kBoxElems];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
 
 // acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major)
-template <int D>
+template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
                                          unsigned long long v_desc) {
-    if constexpr (D == 64) sm90::wgmma_m64n64k16_f16_rs(acc, a, v_desc, 1);
-    else sm90::wgmma_m64n128k16_f16_rs(acc, a, v_desc, 1);
+    if constexpr (D == 64) sm90::wgmma_m64n64k16_rs<T>(acc, a, v_desc, 1);
+    else sm90::wgmma_m64n128k16_rs<T>(acc, a, v_desc, 1);
 }
 
 }  // namespace
 
-template <int HEAD_DIM>
+template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_k,
-                      const __grid_constant__ sm90::TensorMap map_v, __half* __restrict__ o,
+                      const __grid_constant__ sm90::TensorMap map_v, T* __restrict__ o,
                       float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
                       int causal) {
-    using Tr = Sm90FwdTraits<HEAD_DIM>;
+    using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
@@ -131,7 +132,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            sm90::wgmma_m64n128k16_f16(
+            sm90::wgmma_m64n128k16_ss<T>(
                 sc, sm90::desc_k_major_sw128(sm.q[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
                 sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
@@ -184,11 +185,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-                pa[kk][r] = pack2<__half>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+                pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_pv<HEAD_DIM>(acc, pa[kk],
+            wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
                                sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kBoxBytes) + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
@@ -199,16 +200,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     top.l_i = warp_reduce_sum<4>(top.l_i);
     bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
     const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
-    __half* o_bh = o + (long long)bh * Nq * HEAD_DIM;
+    T* o_bh = o + (long long)bh * Nq * HEAD_DIM;
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; i += 4) {
         const int col = 8 * (i / 4) + 2 * t;
         if (r_top < Nq)
             *reinterpret_cast<unsigned*>(o_bh + (long long)r_top * HEAD_DIM + col) =
-                pack2<__half>(acc[i] * inv_top, acc[i + 1] * inv_top);
+                pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
         if (r_top + 8 < Nq)
             *reinterpret_cast<unsigned*>(o_bh + (long long)(r_top + 8) * HEAD_DIM + col) =
-                pack2<__half>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+                pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
     }
     if (t == 0) {
         if (r_top < Nq) lse[(long long)bh * Nq + r_top] = top.lse();

@@ -3,6 +3,9 @@
 // one PTX instruction as the PTX ISA specifies it; the CPU emulator runs the same PTX.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 namespace sm90 {
 
 // A CUtensorMap: 128 opaque bytes made on the host (the driver's cuTensorMapEncodeTiled, or
@@ -81,57 +84,79 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
-// D (64 x 128, f32: this thread's 64 accumulators) += A (64 x 16) · B (16 x 128), f16 operands
-// from shared memory, both K-major; scale_d = 0: D = A·B
-__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], unsigned long long a, unsigned long long b,
-                                                     int scale_d) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-                 " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
-                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},\n"
-                 " %64, %65, p, 1, 1, 0, 0;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(a), "l"(b), "r"(scale_d));
+// wgmma's accumulator operands, N / 2 f32 registers per thread of an m64nN tile (an asm
+// statement takes literal strings: macros, one per N)
+#define SM90_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define SM90_ACC32_OUT(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define SM90_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define SM90_ACC64_OUT(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// T: __half or __nv_bfloat16, wgmma's .f16 or .bf16 operands
+template <typename T> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+// D (64 x 128, f32: this thread's 64 accumulators) += A (64 x 16) · B (16 x 128), both from
+// shared memory, K-major; scale_d = 0: D = A·B
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned long long a,
+                                                    unsigned long long b, int scale_d) {
+    if constexpr (IsBf16<T>::value)
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16\n"
+                     " " SM90_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}"
+                     : SM90_ACC64_OUT(d) : "l"(a), "l"(b), "r"(scale_d));
+    else
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
+                     " " SM90_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}"
+                     : SM90_ACC64_OUT(d) : "l"(a), "l"(b), "r"(scale_d));
 }
 
-// D (64 x 64, f32) += A (64 x 16, f16 from registers: the mma.sync A fragment of each warp's
-// 16 rows) · B (16 x 64) from shared memory, MN-major (imm-trans-b = 1)
-__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const unsigned (&a)[4],
-                                                       unsigned long long b, int scale_d) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16\n"
-                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},\n"
-                 " {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+// D (64 x N, f32) += A (64 x 16 from registers: each warp's 16 rows as mma.sync's A
+// fragment) · B (16 x N) from shared memory, MN-major (imm-trans-b = 1); N = 64 or 128
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4],
+                                                   unsigned long long b, int scale_d) {
+    if constexpr (IsBf16<T>::value)
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16\n"
+                     " " SM90_ACC32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+                     : SM90_ACC32_OUT(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    else
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16\n"
+                     " " SM90_ACC32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+                     : SM90_ACC32_OUT(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
-
-// D (64 x 128, f32) += A (64 x 16, f16 from registers: the mma.sync A fragment of each warp's
-// 16 rows) · B (16 x 128) from shared memory, MN-major (imm-trans-b = 1)
-__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const unsigned (&a)[4],
-                                                       unsigned long long b, int scale_d) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-                 " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
-                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},\n"
-                 " {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsigned (&a)[4],
+                                                    unsigned long long b, int scale_d) {
+    if constexpr (IsBf16<T>::value)
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16\n"
+                     " " SM90_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
+                     : SM90_ACC64_OUT(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    else
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
+                     " " SM90_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
+                     : SM90_ACC64_OUT(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
 }  // namespace sm90

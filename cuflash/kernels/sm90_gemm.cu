@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(384) sm90_gemm(const __grid_constan
         const unsigned long long db = sm90::desc_k_major_sw128(stage[s].b);
         sm90::wgmma_fence();
         for (int kk = 0; kk < kBlockK / 16; ++kk)   // 16 columns of K = 32 bytes = 2 in the descriptor
-            sm90::wgmma_m64n128k16_f16(acc, da + 2 * kk, db + 2 * kk, 1);
+            sm90::wgmma_m64n128k16_ss<__half>(acc, da + 2 * kk, db + 2 * kk, 1);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(&empty[s]);
