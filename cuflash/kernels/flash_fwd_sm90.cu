@@ -1,6 +1,6 @@
 // flash_fwd_sm90.cu — the FlashAttention forward on Hopper's asynchronous machinery (sm_90a):
-// TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure (its first
-// step: no ping-pong between the consumers, no softmax overlapped with the next S yet).
+// TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure (so far
+// without the ping-pong between the two consumer warpgroups).
 //
 //   warpgroup 2 (producer)   gives its registers up; one elected thread loads Q_i once, then
 //                            per key tile j: waits until the consumers freed the ring slot
@@ -16,6 +16,9 @@
 //                                                     accumulators packed to 16 bits), V_j
 //                                                     MN-major from shared memory
 //                            then free the slot (empty); at the end O_i = acc / ℓ_i, lse_i.
+//                            Pipelined within the warpgroup as FlashAttention-3 does: S_j
+//                            and P̃_{j−1} V_{j−1} issued together, the softmax of tile j run
+//                            while the product still runs, acc *= α_j once it retired.
 //
 // Layout: q, k, v, o contiguous (B, H, N, D) in T (float16 or bfloat16); the tensor maps are
 // 3-D (D, N, B·H), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
@@ -122,24 +125,30 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
 
-    sm90::mbar_wait(&q_full, 0);
-    for (int j = 0; j < tiles; ++j) {
-        const int s = j % STAGES, n0 = j * BN;
-        sm90::mbar_wait(&full[s], (j / STAGES) & 1);
-
-        // -- S = Q_i K_jᵀ: k16 steps along D, 32 bytes each within a box
-        float sc[64];
-        sm90::wgmma_fence();
+    // S = Q_i K_jᵀ of tile j in slot s, issued (k16 steps along D, 32 bytes each in a box)
+    float sc[64];
+    auto issue_s = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
             sm90::wgmma_m64n128k16_ss<T>(
                 sc, sm90::desc_k_major_sw128(sm.q[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
                 sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-
-        // -- masked keys −inf (past Nk, or right of a row's diagonal), then the online
-        // softmax: the row max of S, scaled; P̃ = exp2(S·c − m_new)
+    };
+    // acc += P̃ V_j of the tile in slot s, issued: k step kk takes keys 16kk .. as the A
+    // fragment and V_j's rows 16kk .. (2048 bytes on), MN-major, the next box 16 KB on (LBO)
+    unsigned pa[BN / 16][4];
+    auto issue_pv = [&](int s) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
+                                  sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kBoxBytes) + 128 * kk);
+        sm90::wgmma_commit();
+    };
+    // The online softmax of tile j's S: masked keys −inf (past Nk, or right of a row's
+    // diagonal); the row max of S, scaled; P̃ = exp2(S·c − m_new) in place; returns α
+    auto softmax = [&](int j, float& alpha_top, float& alpha_bottom) {
+        const int n0 = j * BN;
         if (n0 + BN > Nk || (causal && n0 + BN - 1 > m0 + Nk - Nq)) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) {
@@ -148,14 +157,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 if (col >= Nk || (causal && col > row + Nk - Nq)) sc[i] = neg_inf<float>();
             }
         }
-        float max_top = neg_inf<float>(), max_bottom = neg_inf<float>();
+        float max_top = max_(sc[0], sc[1]), max_bottom = max_(sc[2], sc[3]);
 #pragma unroll
-        for (int i = 0; i < 64; i += 4) {
+        for (int i = 4; i < 64; i += 4) {
             max_top = max_(max_top, max_(sc[i], sc[i + 1]));
             max_bottom = max_(max_bottom, max_(sc[i + 2], sc[i + 3]));
         }
-        const float alpha_top = top.update(warp_reduce_max<4>(max_top) * c);
-        const float alpha_bottom = bottom.update(warp_reduce_max<4>(max_bottom) * c);
+        alpha_top = top.update(warp_reduce_max<4>(max_top) * c);
+        alpha_bottom = bottom.update(warp_reduce_max<4>(max_bottom) * c);
         const float shift_top = top.shift(), shift_bottom = bottom.shift();
         float sum_top = 0.f, sum_bottom = 0.f;
 #pragma unroll
@@ -169,6 +178,42 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         }
         top.l_i += sum_top;
         bottom.l_i += sum_bottom;
+    };
+    // P̃ to 16 bits, all of the tile: a wgmma owns its A registers until the wait that
+    // retires it, so none may be written while the previous P̃ V still runs
+    auto pack = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+    };
+
+    // -- the pipeline within the warpgroup (FlashAttention-3): the softmax of tile j runs
+    // while P̃_{j−1} V_{j−1} does; S_j first, then acc *= α_j once that product retired.
+    // Slot j's K_j is read by S_j, its V_j by the P̃ V of the next iteration, after which
+    // the slot is freed (empty)
+    sm90::mbar_wait(&q_full, 0);
+    if (tiles > 0) {
+        sm90::mbar_wait(&full[0], 0);
+        sm90::wgmma_fence();
+        issue_s(0);
+        sm90::wgmma_wait<0>();
+        float alpha_top, alpha_bottom;  // acc is 0: nothing to rescale
+        softmax(0, alpha_top, alpha_bottom);
+        pack();
+    }
+    for (int j = 1; j < tiles; ++j) {
+        const int s = j % STAGES, s_prev = (j - 1) % STAGES;
+        sm90::mbar_wait(&full[s], (j / STAGES) & 1);
+        sm90::wgmma_fence();
+        issue_s(s);           // S_j
+        issue_pv(s_prev);     // acc += P̃_{j−1} V_{j−1}
+        sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order)
+        float alpha_top, alpha_bottom;
+        softmax(j, alpha_top, alpha_bottom);
+        sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
+        sm90::mbar_arrive(&empty[s_prev]);
 #pragma unroll
         for (int i = 0; i < Tr::kOAcc; i += 4) {
             acc[i] *= alpha_top;
@@ -176,24 +221,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             acc[i + 2] *= alpha_bottom;
             acc[i + 3] *= alpha_bottom;
         }
-
-        // -- acc += P̃ V_j: k step kk takes keys 16kk .. as the A fragment (n-tiles 2kk, 2kk+1),
-        // all packed first (a wgmma owns its A registers until the wait that retires it), and
-        // V_j's rows 16kk .. (2048 bytes on), MN-major, the next box 16 KB on (LBO)
-        unsigned pa[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-                pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+        pack();
+    }
+    if (tiles > 0) {  // the last tile's P̃ V
         sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
-                               sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kBoxBytes) + 128 * kk);
-        sm90::wgmma_commit();
+        issue_pv((tiles - 1) % STAGES);
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(&empty[s]);  // this thread is done with slot s
+        sm90::mbar_arrive(&empty[(tiles - 1) % STAGES]);
     }
 
     // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
