@@ -63,6 +63,24 @@ def test_checked_and_schedules(D, schedule, dt):
     np.testing.assert_array_equal(lse, lse_rr)
 
 
+def test_the_consumers_take_turns(tmp_path):
+    """Without warpgroup 1's first arrival on warpgroup 0's named barrier neither consumer
+    can issue: the emulator reports the deadlock (the ping-pong is really there)."""
+    from cuflash import compiler
+    from cuflash.emulator import DeadlockError, RawModule
+    source = compiler.read_source(sm90.SOURCE)
+    line = "    if (warpgroup == 1) your_turn();"
+    assert line in source
+    name = sm90.kernel_name(F16, 64)
+    mod = RawModule(code=source.replace(line, ""), options=compiler.nvrtc_options(),
+                    name_expressions=[name], arch="sm_90a")
+    be = _backend()
+    be.module = lambda *a, **kw: mod
+    q, k, v = attention_inputs(1, 1, 1, 64, 64, 64, F16)[:3]
+    with pytest.raises(DeadlockError, match="deadlock"):
+        sm90.forward_sm90(be, q, k, v, causal=False, scale=0.125)
+
+
 def test_no_key_and_no_query():
     be = _backend()
     q, k, v = attention_inputs(1, 2, 1, 7, 0, 64, F16)[:3]

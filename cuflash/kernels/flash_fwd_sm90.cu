@@ -1,6 +1,5 @@
 // flash_fwd_sm90.cu — the FlashAttention forward on Hopper's asynchronous machinery (sm_90a):
-// TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure (so far
-// without the ping-pong between the two consumer warpgroups).
+// TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure.
 //
 //   warpgroup 2 (producer)   gives its registers up; one elected thread loads Q_i once, then
 //                            per key tile j: waits until the consumers freed the ring slot
@@ -18,7 +17,9 @@
 //                            then free the slot (empty); at the end O_i = acc / ℓ_i, lse_i.
 //                            Pipelined within the warpgroup as FlashAttention-3 does: S_j
 //                            and P̃_{j−1} V_{j−1} issued together, the softmax of tile j run
-//                            while the product still runs, acc *= α_j once it retired.
+//                            while the product still runs, acc *= α_j once it retired; and
+//                            the two warpgroups take turns to issue (ping-pong, two named
+//                            barriers), so one's products run under the other's softmax.
 //
 // Layout: q, k, v, o contiguous (B, H, N, D) in T (float16 or bfloat16); the tensor maps are
 // 3-D (D, N, B·H), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
@@ -189,6 +190,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
     };
 
+    // -- the two consumers take turns to issue their products (FlashAttention-3's ping-pong):
+    // a warpgroup waits for its named barrier (1 + its index), issues, then lets the other
+    // go; so one's products run while the other's softmax does. Warpgroup 1 lets 0 start.
+    auto my_turn = [&] { sm90::bar_sync(1 + warpgroup, 256); };
+    auto your_turn = [&] { sm90::bar_arrive(2 - warpgroup, 256); };
+    if (warpgroup == 1) your_turn();
+
     // -- the pipeline within the warpgroup (FlashAttention-3): the softmax of tile j runs
     // while P̃_{j−1} V_{j−1} does; S_j first, then acc *= α_j once that product retired.
     // Slot j's K_j is read by S_j, its V_j by the P̃ V of the next iteration, after which
@@ -196,8 +204,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     sm90::mbar_wait(&q_full, 0);
     if (tiles > 0) {
         sm90::mbar_wait(&full[0], 0);
+        my_turn();
         sm90::wgmma_fence();
         issue_s(0);
+        your_turn();
         sm90::wgmma_wait<0>();
         float alpha_top, alpha_bottom;  // acc is 0: nothing to rescale
         softmax(0, alpha_top, alpha_bottom);
@@ -206,9 +216,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     for (int j = 1; j < tiles; ++j) {
         const int s = j % STAGES, s_prev = (j - 1) % STAGES;
         sm90::mbar_wait(&full[s], (j / STAGES) & 1);
+        my_turn();
         sm90::wgmma_fence();
         issue_s(s);           // S_j
         issue_pv(s_prev);     // acc += P̃_{j−1} V_{j−1}
+        your_turn();
         sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order)
         float alpha_top, alpha_bottom;
         softmax(j, alpha_top, alpha_bottom);
@@ -224,11 +236,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         pack();
     }
     if (tiles > 0) {  // the last tile's P̃ V
+        my_turn();
         sm90::wgmma_fence();
         issue_pv((tiles - 1) % STAGES);
+        your_turn();
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(&empty[(tiles - 1) % STAGES]);
     }
+    if (warpgroup == 0) my_turn();  // warpgroup 1's last turn, passed to no one
 
     // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
     top.l_i = warp_reduce_sum<4>(top.l_i);

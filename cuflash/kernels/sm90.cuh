@@ -37,6 +37,14 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
                  " @!done bra WAIT;\n}" :: "r"(smem(bar)), "r"(parity) : "memory");
 }
 
+// ---- named barriers (id 1..15; 0 is __syncthreads): `count` threads, whole warps, meet ----
+__device__ __forceinline__ void bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
 // ---- one elected lane of the warp ----
 __device__ __forceinline__ bool elect_one() {
     unsigned leader, elected;
