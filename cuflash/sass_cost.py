@@ -11,7 +11,9 @@ instructions count, since they take an issue slot whether or not they execute. A
 loop's blocks are entered once on that path, so work left in a rolled inner loop is
 under-counted: `exp2_needed` states what the softmax must show.
 
-The path's instructions are counted by class (`CLASSES`); `LoopCost` holds the figures.
+The path's instructions are counted by class (`CLASSES`), its mma work in HMMA.16816 units
+(`mma_work`: an HGMMA is a warpgroup's N·K/128 of them per warp); `LoopCost` holds the
+figures.
 """
 from __future__ import annotations
 
@@ -95,10 +97,12 @@ class LoopCost:
     path_blocks: int     # basic blocks on the iteration's path
     total: int           # instructions on the path
     counts: dict         # {class: instructions} over CLASSES
+    mma_work: int = 0    # the path's HMMA, an HGMMA counted as the HMMA.16816 it equals
 
     @property
     def hmma(self) -> int:
-        return self.counts.get("HMMA", 0)
+        """HMMA of the iteration, in HMMA.16816 units where it holds HGMMA (`mma_work`)."""
+        return self.mma_work or self.counts.get("HMMA", 0)
 
     @property
     def mufu_ex2(self) -> int:
@@ -112,7 +116,7 @@ class LoopCost:
 
 NO_LOOP = LoopCost(False, 0, 0, 0, dict.fromkeys(CLASSES, 0))
 
-_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@(!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@(!?U?P\w+)\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^(\.L\w+|\$[\w$.]+):\s*$")
 _TARGET = re.compile(r"`\(([^)]+)\)")
 _CONDITION = re.compile(r"^\s*(!?U?P(?:T|\d+))\s*,")
@@ -265,6 +269,17 @@ def _is_mma(ins):
     return ins.root in ("HMMA", "HGMMA")
 
 
+_HGMMA_SHAPE = re.compile(r"HGMMA\.64x(\d+)x(\d+)")
+
+
+def mma_work(opcode: str) -> int:
+    """An mma instruction's work in HMMA.16816 units, per warp: HMMA 1 (each is counted as
+    one, m16n8k8 included); HGMMA.64xNxK (a warpgroup's; each of its 4 warps issues it for
+    16 of the 64 rows) 16·N·K / (16·8·16) = N·K / 128."""
+    m = _HGMMA_SHAPE.match(opcode)
+    return int(m.group(1)) * int(m.group(2)) // 128 if m else 1
+
+
 def _is_tile_io(ins):
     return ins.root in ("LDGSTS", "UTMALDG", "RED", "ATOM", "ATOMG")
 
@@ -341,10 +356,12 @@ def loop_cost(text: str) -> LoopCost:
     head, body = loop
     path = steady_state_path(blocks, head, body)
     counts = dict.fromkeys(CLASSES, 0)
+    work = 0
     for b in path:
         for ins in blocks[b].instructions:
             counts[classify(ins.opcode)] += 1
-    return LoopCost(True, len(body), len(path), sum(counts.values()), counts)
+            work += mma_work(ins.opcode) if _is_mma(ins) else 0
+    return LoopCost(True, len(body), len(path), sum(counts.values()), counts, work)
 
 
 def exp2_needed(plan) -> int:

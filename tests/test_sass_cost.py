@@ -185,6 +185,19 @@ def test_main_loop_inside_a_walk_and_its_reductions():
                                      "branch/barrier": 3})
 
 
+def test_hgmma_counts_as_the_hmma_it_equals():
+    """A warpgroup MMA's shape is in its opcode (lower-case x's): HGMMA.64x128x16 is 16
+    HMMA.16816 of work per warp (16 rows x 128 x 16), HGMMA.64x64x16 8; the instruction
+    count is unchanged."""
+    text = JUMPS.replace("HMMA.16816.F32 R8, R4, R6, R8",
+                         "HGMMA.64x128x16.F32 R24, gdesc[UR4], R24, gsb0")
+    text = text.replace("@P1 FMUL.FTZ R8, R8, R9", "HGMMA.64x64x16.F32.BF16 R88, R4, gdesc[UR8], R88")
+    cost = sass_cost.loop_cost(text)
+    assert cost.counts["HMMA"] == 2 and cost.hmma == 16 + 8
+    assert cost.per_hmma == 8 / 24
+    assert sass_cost.mma_work("HMMA.16816.F32") == 1 and sass_cost.mma_work("HMMA.1688.F32") == 1
+
+
 def test_no_loop_holding_an_mma():
     text = JUMPS.replace("HMMA.16816.F32 R8, R4, R6, R8", "FFMA R8, R4, R6, R8")
     assert sass_cost.loop_cost(text) == sass_cost.NO_LOOP
