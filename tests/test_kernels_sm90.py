@@ -104,6 +104,8 @@ def test_inputs_it_does_not_take_yet():
         sm90.forward_sm90(be, q.transpose(0, 2, 1, 3), k, v, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="multiple"):
         sm90.forward_sm90(be, *attention_inputs(1, 3, 2, 8, 8, 64, F16)[:3], causal=False, scale=1.0)
+    with pytest.raises(ValueError, match="positive finite scale"):
+        sm90.forward_sm90(be, q, k, v, causal=False, scale=-0.5)
     with pytest.raises(ValueError, match="sm_90a"):
         sm90.forward_sm90(kernels.emulator_backend(arch="sm_80"), q, k, v, causal=False, scale=1.0)
 

@@ -51,6 +51,8 @@ def check_inputs(q, k, v):
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel."""
     check_inputs(q, k, v)
+    if not (np.isfinite(scale) and scale > 0):   # the row max is taken of S, then scaled
+        raise ValueError(f"scale: the Hopper forward takes a positive finite scale, got {scale!r}")
     cc = tuple(backend.limits()["cc"])
     if cc != (9, 0):
         raise ValueError(f"backend: the Hopper forward runs on sm_90a (cc 9.0), this one is cc {cc}")
