@@ -63,7 +63,7 @@ def test_checked_and_schedules(D, schedule, dt):
     np.testing.assert_array_equal(lse, lse_rr)
 
 
-def test_the_consumers_take_turns(tmp_path):
+def test_the_consumers_take_turns(monkeypatch):
     """Without warpgroup 1's first arrival on warpgroup 0's named barrier neither consumer
     can issue: the emulator reports the deadlock (the ping-pong is really there)."""
     from cuflash import compiler
@@ -74,8 +74,13 @@ def test_the_consumers_take_turns(tmp_path):
     name = sm90.kernel_name(F16, 64)
     mod = RawModule(code=source.replace(line, ""), options=compiler.nvrtc_options(),
                     name_expressions=[name], arch="sm_90a")
+
+    def planted(backend, name, head_dim):
+        f = mod.get_function(name)
+        f.max_dynamic_shared_size_bytes = sm90.smem_bytes(head_dim)
+        return f
+    monkeypatch.setattr(sm90, "_function", planted)
     be = _backend()
-    be.module = lambda *a, **kw: mod
     q, k, v = attention_inputs(1, 1, 1, 64, 64, 64, F16)[:3]
     with pytest.raises(DeadlockError, match="deadlock"):
         sm90.forward_sm90(be, q, k, v, causal=False, scale=0.125)

@@ -8,6 +8,8 @@ and the GPU check.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 SOURCE = "flash_fwd_sm90.cu"
@@ -22,6 +24,19 @@ _SWIZZLE_128B = 3                   # CU_TENSOR_MAP_SWIZZLE_128B
 
 def kernel_name(dtype, head_dim: int) -> str:
     return f"flash_fwd_sm90_kernel<{DTYPES[np.dtype(dtype).name][0]}, {head_dim}>"
+
+
+# the compiled kernels, per backend and name (a module is built and loaded once)
+_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _function(backend, name: str, head_dim: int):
+    functions = _FUNCTIONS.setdefault(backend, {})
+    if name not in functions:
+        f = backend.module(SOURCE, name_expressions=[name]).get_function(name)
+        f.max_dynamic_shared_size_bytes = smem_bytes(head_dim)
+        functions[name] = f
+    return functions[name]
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -64,9 +79,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float):
         return xp.zeros(q.shape, q.dtype), xp.full((B, H, Nq), -np.inf, np.float32)
     o = xp.empty(q.shape, q.dtype)
     lse = xp.empty((B, H, Nq), np.float32)
-    name = kernel_name(q.dtype, D)
-    f = backend.module(SOURCE, name_expressions=[name]).get_function(name)
-    f.max_dynamic_shared_size_bytes = smem_bytes(D)
+    f = _function(backend, kernel_name(q.dtype, D), D)
     data_type = DTYPES[np.dtype(q.dtype).name][1]
 
     def tensor_map(x, n, bh):   # 3-D (D, N, B·H), boxes of 64 columns x 128 rows
