@@ -418,6 +418,11 @@ def test_tma_3d_nan_fill_and_store():
     run_box(t, box, [0, 6, 1], 3, store_image=image.copy(), checked=True)
     before[1:3, 6:10, :] = new[:2, :4, :]
     np.testing.assert_array_equal(t, before)
+    # a box wholly outside the tensor (rows from 10 on) writes nothing: not the tensor's first
+    # rows, as when its empty list of elements was taken for a plain bulk store
+    for checked in (False, True):
+        run_box(t, box, [0, 12, 0], 3, store_image=image.copy(), checked=checked)
+        np.testing.assert_array_equal(t, before)
 
 
 def test_tma_element_strides():

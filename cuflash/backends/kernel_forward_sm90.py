@@ -82,12 +82,14 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float):
     f = _function(backend, kernel_name(q.dtype, D), D)
     data_type = DTYPES[np.dtype(q.dtype).name][1]
 
-    def tensor_map(x, n, bh):   # 3-D (D, N, B·H), boxes of 64 columns x 128 rows
+    def tensor_map(x, n, bh, rows=BLOCK_M):   # 3-D (D, N, B·H), boxes of 64 columns x rows
         return backend.encode_tensor_map(data_type, 3, x, [D, n, bh], [D * 2, n * D * 2],
-                                         [64, BLOCK_M, 1], [1, 1, 1], swizzle=_SWIZZLE_128B)
+                                         [64, rows, 1], [1, 1, 1], swizzle=_SWIZZLE_128B)
 
-    maps = tensor_map(q, Nq, B * H), tensor_map(k, Nk, B * Hkv), tensor_map(v, Nk, B * Hkv)
+    # O by each consumer warpgroup's 64 rows
+    maps = (tensor_map(q, Nq, B * H), tensor_map(k, Nk, B * Hkv), tensor_map(v, Nk, B * Hkv),
+            tensor_map(o, Nq, B * H, rows=BLOCK_M // 2))
     f(((Nq + BLOCK_M - 1) // BLOCK_M, B * H), (THREADS,),
-      (*maps, o, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
+      (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
        np.float32(scale), np.int32(bool(causal))), shared_mem=smem_bytes(D))
     return o, lse

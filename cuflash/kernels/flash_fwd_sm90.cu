@@ -14,7 +14,8 @@
 //                              acc = α acc + P̃ V_j   wgmma m64nDk16: P̃ from registers (the
 //                                                     accumulators packed to 16 bits), V_j
 //                                                     MN-major from shared memory
-//                            then free the slot (empty); at the end O_i = acc / ℓ_i, lse_i.
+//                            then free the slot (empty); at the end O_i = acc / ℓ_i through
+//                            the warpgroup's rows of Q_i's boxes and a TMA store, lse_i.
 //                            Pipelined within the warpgroup as FlashAttention-3 does: S_j
 //                            and P̃_{j−1} V_{j−1} issued together, the softmax of tile j run
 //                            while the product still runs, acc *= α_j once it retired; and
@@ -24,7 +25,7 @@
 // Layout: q, k, v, o contiguous (B, H, N, D) in T (float16 or bfloat16); the tensor maps are
 // 3-D (D, N, B·H), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
 // K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
-// come in as zeros and are masked (keys) or not stored (queries). GQA: query head h reads
+// come in as zeros and are masked (keys) or dropped by the store (queries). GQA: query head h reads
 // K/V head h / group.
 // Causal masking is bottom-right aligned (mask.cuh): key tiles right of the block's
 // diagonal are never loaded.
@@ -67,7 +68,8 @@ template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_k,
-                      const __grid_constant__ sm90::TensorMap map_v, T* __restrict__ o,
+                      const __grid_constant__ sm90::TensorMap map_v,
+                      const __grid_constant__ sm90::TensorMap map_o,
                       float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
                       int causal) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
@@ -245,20 +247,33 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     }
     if (warpgroup == 0) my_turn();  // warpgroup 1's last turn, passed to no one
 
-    // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
+    // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i. O goes
+    // through the warpgroup's own rows of Q_i's boxes (only its own S read them, and that has
+    // retired), in the boxes' swizzled layout, then out by one TMA store per box: rows past
+    // Nq are dropped by the store
     top.l_i = warp_reduce_sum<4>(top.l_i);
     bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
     const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
-    T* o_bh = o + (long long)bh * Nq * HEAD_DIM;
+    const int row = (threadIdx.x / 32 % 4) * 16 + g;   // the thread's rows in the warpgroup's 64
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; i += 4) {
-        const int col = 8 * (i / 4) + 2 * t;
-        if (r_top < Nq)
-            *reinterpret_cast<unsigned*>(o_bh + (long long)r_top * HEAD_DIM + col) =
-                pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
-        if (r_top + 8 < Nq)
-            *reinterpret_cast<unsigned*>(o_bh + (long long)(r_top + 8) * HEAD_DIM + col) =
-                pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+        const int col = 8 * (i / 4) + 2 * t, box = col / 64;
+        unsigned char* rows = reinterpret_cast<unsigned char*>(sm.q[box] + warpgroup * 64 * 64);
+        // 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8)
+        auto at = [&](int r) {
+            return rows + r * 128 + (((col % 64) / 8) ^ (r % 8)) * 16 + (col % 8) * 2;
+        };
+        *reinterpret_cast<unsigned*>(at(row)) = pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
+        *reinterpret_cast<unsigned*>(at(row + 8)) =
+            pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+    }
+    sm90::fence_proxy_async();
+    sm90::bar_sync(3 + warpgroup, 128);  // the warpgroup's writes all made
+    if (threadIdx.x % 128 == 0) {
+        for (int x = 0; x < Tr::kBoxes; ++x)
+            sm90::tma_store_3d(map_o, 64 * x, m0 + warpgroup * 64, bh, sm.q[x] + warpgroup * 64 * 64);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read();
     }
     if (t == 0) {
         if (r_top < Nq) lse[(long long)bh * Nq + r_top] = top.lse();

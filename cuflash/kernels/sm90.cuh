@@ -72,6 +72,18 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap& map, int
                  :: "r"(smem(dst)), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(smem(bar)) : "memory");
 }
 
+// ---- a 3-D box of shared memory at `src` to the tensor at (c0, c1, c2) (rows outside the
+// tensor are dropped); the thread's bulk group, committed and waited for as below ----
+__device__ __forceinline__ void tma_store_3d(const TensorMap& map, int c0, int c1, int c2, const void* src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];"
+                 :: "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(smem(src)) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// until the committed stores have read their shared memory
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// the thread's generic writes of shared memory, before the async proxy (a TMA store) reads them
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // ---- wgmma ----
 // The descriptor of a K-major operand tile in 128-byte-swizzled rows (the layout a TMA box of
 // 128-byte rows with CU_TENSOR_MAP_SWIZZLE_128B leaves): 8-row atoms 1024 bytes apart (SBO),

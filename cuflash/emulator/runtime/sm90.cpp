@@ -649,10 +649,10 @@ EMU_EXPORT void __emu_ptx_bulk_wait(int n, const char* file, int line) {
             f.stores[keep++] = std::move(s);
             continue;
         }
-        if (s.map.empty()) {
+        if (s.elem == 0) {   // a plain bulk store
             if (w->L->checked) check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc));
             memcpy(s.dst, s.src, s.size);
-        } else {   // a tensor store: the elements in bounds
+        } else {   // a tensor store: the elements in bounds (none for a box wholly outside)
             for (const auto& e : s.map) {
                 if (w->L->checked) check_access((uintptr_t)(s.dst + e.first), s.elem, true, (void*)(g_module_base + s.pc));
                 memcpy(s.dst + e.first, s.src + e.second, s.elem);
