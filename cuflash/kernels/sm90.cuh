@@ -127,21 +127,26 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
+// One wgmma statement per shape, its operand type (TY: "f16" or "bf16") spliced into the
+// string: T = __half or __nv_bfloat16 picks which of the two the wrappers below issue
+#define SM90_WGMMA(TY, SHAPE, SCALE, ACC, OPERANDS, IMMS, ACC_OUT, D, ...)               \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" SCALE ", 0;\n"                  \
+                 " wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY "\n"             \
+                 " " ACC ", " OPERANDS ", p, " IMMS ";\n}"                                 \
+                 : ACC_OUT(D) : __VA_ARGS__)
+#define SM90_WGMMA_T(T, ...)                                                                \
+    do {                                                                                    \
+        if constexpr (IsBf16<T>::value) SM90_WGMMA("bf16", __VA_ARGS__);                    \
+        else SM90_WGMMA("f16", __VA_ARGS__);                                                \
+    } while (0)
+
 // D (64 x 128, f32: this thread's 64 accumulators) += A (64 x 16) · B (16 x 128), both from
 // shared memory, K-major; scale_d = 0: D = A·B
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned long long a,
                                                     unsigned long long b, int scale_d) {
-    if constexpr (IsBf16<T>::value)
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16\n"
-                     " " SM90_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}"
-                     : SM90_ACC64_OUT(d) : "l"(a), "l"(b), "r"(scale_d));
-    else
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
-                     " " SM90_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}"
-                     : SM90_ACC64_OUT(d) : "l"(a), "l"(b), "r"(scale_d));
+    SM90_WGMMA_T(T, "m64n128k16", "66", SM90_ACC64, "%64, %65", "1, 1, 0, 0", SM90_ACC64_OUT, d,
+                 "l"(a), "l"(b), "r"(scale_d));
 }
 
 // D (64 x N, f32) += A (64 x 16 from registers: each warp's 16 rows as mma.sync's A
@@ -149,34 +154,14 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned lon
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4],
                                                    unsigned long long b, int scale_d) {
-    if constexpr (IsBf16<T>::value)
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16\n"
-                     " " SM90_ACC32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
-                     : SM90_ACC32_OUT(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-    else
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16\n"
-                     " " SM90_ACC32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
-                     : SM90_ACC32_OUT(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    SM90_WGMMA_T(T, "m64n64k16", "37", SM90_ACC32, "{%32, %33, %34, %35}, %36", "1, 1, 1",
+                 SM90_ACC32_OUT, d, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsigned (&a)[4],
                                                     unsigned long long b, int scale_d) {
-    if constexpr (IsBf16<T>::value)
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16\n"
-                     " " SM90_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
-                     : SM90_ACC64_OUT(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-    else
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
-                     " " SM90_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
-                     : SM90_ACC64_OUT(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    SM90_WGMMA_T(T, "m64n128k16", "69", SM90_ACC64, "{%64, %65, %66, %67}, %68", "1, 1, 1",
+                 SM90_ACC64_OUT, d, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
 }  // namespace sm90
