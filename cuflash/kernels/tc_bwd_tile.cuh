@@ -148,6 +148,14 @@ template <class Tr> struct BwdFragAddrs {
         return tile + (off0 ^ ((col_step % 4) << 5)) + (col_step / 4) * 128 +
                row_step * 16 * kRowBytes;
     }
+    // the `cols` pattern as FragAddrs offers its own (gemm_pv_fwd takes it)
+    struct Cols {
+        unsigned off0;
+        __device__ __forceinline__ unsigned at(unsigned tile, int row_step, int col_step) const {
+            return BwdFragAddrs::at(tile, off0, row_step, col_step);
+        }
+    };
+    __device__ __forceinline__ Cols cols() const { return Cols{cols0}; }
 };
 
 // c += own · rowsᵀ (16-bit): the warp's 16 own rows (A: f, or read at s_own) times the rows
@@ -180,21 +188,11 @@ __device__ __forceinline__ void pack_a(FragA (&a)[Tr::kPVSteps], const FragC (&c
 }
 
 // acc += c · tile (16-bit): pack_a's fragments times the streamed tile at s_tile (its
-// chunk's first column), as gemm_pv_tc.
+// chunk's first column), as gemm_pv_tc: the forward's P̃ V_j product for one row tile.
 template <class Tr>
 __device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const FragA (&a)[Tr::kPVSteps],
                                             unsigned s_tile, const BwdFragAddrs<Tr>& ad) {
-    using T = typename Tr::Elem;
-#pragma unroll
-    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
-#pragma unroll
-        for (int np = 0; np < Tr::kOTiles / 2; ++np) {
-            FragB b_lo, b_hi;
-            ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, ad.at(s_tile, ad.cols0, kk, np));
-            mma_k16<T>(acc[2 * np], a[kk], b_lo);
-            mma_k16<T>(acc[2 * np + 1], a[kk], b_hi);
-        }
-    }
+    gemm_pv_fwd<Tr>(one_row_tile(acc), one_row_tile(a), s_tile, ad.cols());
 }
 
 // A streamed tile of the dK/dV kernel: query head h, rows m0 .. m0 + TILE_ROWS − 1.

@@ -361,11 +361,12 @@ __device__ __forceinline__ void pack_p(FragA (&pa)[R][Tr::kPVSteps],
             pa[r][kk] = p_fragment<typename Tr::Elem>(p[r][2 * kk], p[r][2 * kk + 1]);
 }
 
-// acc += P̃ V_j as gemm_pv_tc, from pack_p's fragments, V_j's tile at s_v.
-template <class Tr, int R>
+// acc += P̃ V_j as gemm_pv_tc, from pack_p's fragments, V_j's tile at s_v; `at` FragAddrs,
+// or any addresses of the same pattern (the backward's BwdFragAddrs::cols()).
+template <class Tr, int R, class Addrs>
 __device__ __forceinline__ void gemm_pv_fwd(FragC (&acc)[R][Tr::kOTiles],
                                             const FragA (&pa)[R][Tr::kPVSteps], unsigned s_v,
-                                            const FragAddrs<Tr>& at) {
+                                            const Addrs& at) {
     using T = typename Tr::Elem;
 #pragma unroll
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
