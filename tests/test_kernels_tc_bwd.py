@@ -291,12 +291,15 @@ def test_cuda_backward_both_ways_right_and_bitwise_reproducible(dt, workers):
 
 
 def test_dq_workers_rule():
-    # ⌈SMs / units⌉ workers, at most the key blocks and DQ_PARTS_MAX; 0 (two kernels) where
-    # the capped workers fill so few SMs that 5 GEMMs take longer than 7 at full occupancy
-    assert tiling.dq_workers(units=16, key_blocks=64, sm_count=132) == 9
+    # the fewest workers whose waves of blocks (one per SM) take the least time, at most
+    # the key blocks and DQ_PARTS_MAX; 0 (two kernels) where 7 GEMMs over finer blocks
+    # take less time than 5 over the workers' waves
+    assert tiling.dq_workers(units=16, key_blocks=64, sm_count=132) == 8   # 9: 144 blocks, 2 waves
+    assert tiling.dq_workers(units=16, key_blocks=128, sm_count=132) == 8
+    assert tiling.dq_workers(units=64, key_blocks=32, sm_count=132) == 2   # 3: 192 blocks
     assert tiling.dq_workers(units=200, key_blocks=64, sm_count=132) == 1
     assert tiling.dq_workers(units=4, key_blocks=3, sm_count=132) == 3   # both fill as little
-    assert tiling.dq_workers(units=9, key_blocks=64, sm_count=132) == 15
+    assert tiling.dq_workers(units=9, key_blocks=64, sm_count=132) == 13  # 5 tiles each
     assert tiling.dq_workers(units=8, key_blocks=64, sm_count=132) == 16  # 97% of the SMs
     assert tiling.dq_workers(units=1, key_blocks=256, sm_count=132) == 0  # 16 blocks: 12%
     assert tiling.dq_workers(units=4, key_blocks=256, sm_count=132) == 0  # 64 blocks: 48%

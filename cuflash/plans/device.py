@@ -91,10 +91,13 @@ def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -
 #
 # A worker is a dK/dV block that walks key blocks w, w + W, … of one (batch, K/V head) and
 # adds dS K_j into its own float32 partial of dQ; flash_bwd_dq_sum adds the W partials in
-# order. FlashAttention-2's deterministic rule sizes W to fill the SMs: ⌈SMs / units⌉. The
-# model per (batch, head): the 5-GEMM pass does 5 GEMM-units of work per tile, the
-# two-kernel backward 7 (its dQ kernel recomputes S and dP), each over the fraction of
-# the SMs its blocks fill.
+# order. The model counts GEMM-units of time: a dK/dV block fills an SM (8 warps at the
+# register limit), so W workers per unit take ⌈W·units / SMs⌉ waves of ⌈key blocks / W⌉
+# tiles, 5 GEMMs each; the two-kernel backward takes ⌈key blocks·units / SMs⌉ waves of one
+# tile, 7 GEMMs (its dQ kernel recomputes S and dP). FlashAttention-2's rule, ⌈SMs / units⌉
+# workers, bounds W (and so the partials' memory) but can overshoot the SMs by a few blocks
+# and take two waves where one would do (on an H100, 9 workers × 16 heads = 144 blocks for
+# 132 SMs: 8 take half as long in the model).
 
 DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies of dQ
 BWD_GEMMS_DQ_PARTS, BWD_GEMMS_TWO_KERNELS = 5, 7
@@ -102,12 +105,16 @@ BWD_GEMMS_DQ_PARTS, BWD_GEMMS_TWO_KERNELS = 5, 7
 
 def dq_workers(units: int, key_blocks: int, sm_count) -> int:
     """Workers W per (batch, K/V head) of the 5-GEMM backward for `units` (batch × K/V
-    heads) over `key_blocks` key blocks each on `sm_count` SMs: ⌈SMs / units⌉, at most
-    the key blocks and DQ_PARTS_MAX; 0 where the two-kernel backward is predicted faster
-    (W capped so low that its blocks fill too few SMs) or the SM count is unknown."""
+    heads) over `key_blocks` key blocks each on `sm_count` SMs: up to FlashAttention-2's
+    ⌈SMs / units⌉ (at most the key blocks and DQ_PARTS_MAX), the fewest whose waves take
+    the least time in the model above; 0 where the two-kernel backward is predicted faster
+    or the SM count is unknown."""
     if not sm_count or units <= 0 or key_blocks <= 0:
         return 0
-    w = min(-(-sm_count // units), key_blocks, DQ_PARTS_MAX)
-    fill_parts = min(1.0, w * units / sm_count)
-    fill_two = min(1.0, key_blocks * units / sm_count)
-    return w if BWD_GEMMS_DQ_PARTS * fill_two <= BWD_GEMMS_TWO_KERNELS * fill_parts else 0
+
+    def time(w):
+        return BWD_GEMMS_DQ_PARTS * -(-w * units // sm_count) * -(-key_blocks // w)
+
+    w = min(range(1, min(-(-sm_count // units), key_blocks, DQ_PARTS_MAX) + 1), key=time)
+    two_kernels = BWD_GEMMS_TWO_KERNELS * -(-key_blocks * units // sm_count)
+    return w if time(w) <= two_kernels else 0
