@@ -3,8 +3,9 @@ run on one CUDA device. Peers, each where installed: PyTorch SDPA with each of i
 backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 `dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
 two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
-has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward (cuflash-sm90:
-flash_fwd_sm90.cu, 16-bit, d = 64 and 128, not yet chosen by the planner); CuPy naive
+has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward launched directly
+(cuflash-sm90: flash_fwd_sm90.cu, 16-bit, d = 64 and 128, which the planner takes for
+plain calls that fill the GPU); CuPy naive
 attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
@@ -184,7 +185,7 @@ class Cuflash(_CupyImpl):
     def describe(self, q, k, v, do):
         from cuflash.backends import kernel_backward, kernel_forward, kernels
         backend = kernels.cuda_backend()
-        fwd = kernel_forward.forward_plan(backend, q, k, v)
+        fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5)
         (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v)
         return f"{fwd.name_expression}; {dkdv.name_expression}; {dq.name_expression}"
 
@@ -240,7 +241,7 @@ class CuflashTwoKernels(Cuflash):
 
 class CuflashSm90(Cuflash):
     """cuflash's Hopper forward (flash_fwd_sm90.cu: TMA, a producer warpgroup, wgmma) on an
-    sm_90 GPU, which the planner does not choose yet; its backward is cuflash's."""
+    sm_90 GPU, launched directly; its backward is cuflash's."""
     name = "cuflash-sm90"
     dtypes = SIXTEEN_BIT
 
@@ -259,8 +260,8 @@ class CuflashSm90(Cuflash):
         return super().unsupported(dtype_name, d)
 
     def describe(self, q, k, v, do):
-        from cuflash.backends import kernel_forward_sm90
-        return kernel_forward_sm90.kernel_name(q.dtype, q.shape[-1])
+        from cuflash import tiling
+        return tiling.sm90_fwd_plan(q.dtype.name, q.shape[-1]).name_expression
 
     def passes(self, q, k, v, do, causal, scale):
         import cuflash

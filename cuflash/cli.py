@@ -97,14 +97,17 @@ def cmd_info(args):
               f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
         targets.append(_device_target(cupy, dev, name))
     from .emulator import archs
-    # the architectures whose limits cuflash holds (sm_90a's plans are sm_90's)
+    # the architectures whose limits cuflash holds (sm_90's list sm_90a's kernels too)
     known = tuple(a for a, x in archs.ARCHS.items() if not x.specific)
     for arch in args.arch or (known if args.verbose else ()):
         targets.append(_gate_target(arch))
     if not targets:
         print(f"plans: `--arch sm_XY` lists one architecture's ({', '.join(known)}), "
               "`--verbose` every one's")
-    unknown = [t.arch for t in targets if not _print_plans(t)]
+    unknown = []
+    for t in targets:
+        if not _print_plans(t):
+            unknown += [t.arch] + ["sm_90a"] * (tuple(t.cc) == (9, 0))
     if unknown:
         print(f"blocks per SM need the compile gate's registers: run `python -m cuflash "
               f"check-kernels {' '.join('--arch ' + a for a in unknown)}` once")
@@ -123,13 +126,15 @@ def _print_plans(target):
     gate's registers); False when the gate's cache has no registers for them."""
     from . import compile_gate, tiling
     lim = target.limits
+    sm90a = tuple(target.cc) == (9, 0)   # every cc 9.0 GPU runs sm_90a's kernels too
     registers = compile_gate.cached_registers(target.arch)
-    kwargs = {"max_smem": lim.shared_per_block_optin, "sm_count": lim.sm_count}
+    specific = compile_gate.cached_registers("sm_90a") if sm90a else {}
+    kwargs = {"max_smem": lim.shared_per_block_optin, "sm_count": lim.sm_count, "sm90a": sm90a}
     known = True
 
     def occupancy(plan):
         nonlocal known
-        regs = registers.get(plan.name_expression)
+        regs = (specific if plan.arch_specific else registers).get(plan.name_expression)
         if regs is None:
             known = False
             return ""
@@ -145,7 +150,7 @@ def _print_plans(target):
     # by name: bfloat16's plans need no ml_dtypes; float64 always runs the SIMT kernels
     for dtype in (n for n in tiling.DTYPE_NAMES if tiling.ELEMENTS[n].bytes < 8):
         for d in (64, 128, 256):
-            fwd, why = tiling.forward_path(d, dtype, target.cc, **kwargs)
+            fwd, why = tiling.forward_path(d, dtype, target.cc, plain=True, **kwargs)
             bwd, bwd_why = tiling.backward_path(d, dtype, target.cc, **kwargs)
             lines += [(f"{dtype:9s} d={d:<4d} forward ", fwd.name_expression, occupancy(fwd)),
                       (why,)]

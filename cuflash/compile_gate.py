@@ -44,6 +44,7 @@ import time
 
 from . import compiler, sass_cost
 from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC, FLASH_FWD_TC
+from .plans.sm90_fwd import all_sm90_fwd_plans
 
 # The options CuPy's RawModule adds to the caller's (see the module docstring).
 CUPY_APPENDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -59,9 +60,8 @@ ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120", "sm_90a")
 # for it alone, and the SASS each must show: the proof that Hopper's machinery reached the
 # machine code (warpgroup MMA, tensor-memory loads, the mbarrier's SYNCS unit).
 SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"],
-                       "flash_fwd_sm90.cu": [f"flash_fwd_sm90_kernel<{t}, {d}>"
-                                             for t in ("__half", "__nv_bfloat16")
-                                             for d in (64, 128)]}}
+                       "flash_fwd_sm90.cu": [p.name_expression
+                                             for p in all_sm90_fwd_plans()]}}
 REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS"),
                  "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
 

@@ -25,6 +25,7 @@ class KernelFamily:
 FLASH_FWD = KernelFamily("flash_fwd", "flash_fwd.cu")                    # FA2 forward
 FLASH_FWD_FA1 = KernelFamily("flash_fwd_fa1", "flash_fwd_fa1.cu")        # FA1 forward
 FLASH_FWD_TC = KernelFamily("flash_fwd_tc", "flash_fwd_tc.cu")           # FA2 forward on mma.sync
+FLASH_FWD_SM90 = KernelFamily("flash_fwd_sm90", "flash_fwd_sm90.cu")     # forward on wgmma (sm_90a)
 FLASH_BWD_PREPROCESS = KernelFamily("flash_bwd_preprocess", "flash_bwd.cu")  # D = rowsum(dO∘O)
 FLASH_BWD_DKDV = KernelFamily("flash_bwd_dkdv", "flash_bwd.cu")
 FLASH_BWD_DQ = KernelFamily("flash_bwd_dq", "flash_bwd.cu")
@@ -34,7 +35,8 @@ FLASH_BWD_DQ_SUM = KernelFamily("flash_bwd_dq_sum", "flash_bwd_tc.cu")    # dQ f
 SOFTMAX_ROWS = KernelFamily("softmax_rows", "online_softmax.cu")         # one block per line
 SOFTMAX_COLS = KernelFamily("softmax_cols", "online_softmax.cu")         # one thread per line
 
-FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_BWD_PREPROCESS,
+FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_FWD_SM90,
+                                FLASH_BWD_PREPROCESS,
                                 FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC,
                                 FLASH_BWD_DQ_SUM, SOFTMAX_ROWS, SOFTMAX_COLS)}
 

@@ -55,8 +55,8 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     """--verbose shows what every arch would run and why, with the occupancy from the
     gate's registers (here 128 for every kernel)."""
     from cuflash import compile_gate, tiling
-    monkeypatch.setattr(compile_gate, "cached_registers",
-                        lambda arch: {name: 128 for name in tiling.every_plan()})
+    names = [*tiling.every_plan(), *(p.name_expression for p in tiling.all_sm90_fwd_plans())]
+    monkeypatch.setattr(compile_gate, "cached_registers", lambda arch: dict.fromkeys(names, 128))
     assert cli.main(["info", "--verbose"]) == 0
     out = capsys.readouterr().out
     sm80 = out[out.index("plans on sm_80 (A100"):out.index("plans on sm_86")]
@@ -68,6 +68,12 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     assert "tensor cores" in first[1]
     sm70 = out[out.index("plans on sm_70 (Tesla V100"):out.index("plans on sm_75")]
     assert "SIMT: float16 tensor cores need sm_75" in sm70
+    # an H100 runs the Hopper forward for plain calls (384 threads × 128 registers: 1 block
+    # of 160 KB), mma.sync for the rest
+    sm90 = out[out.index("plans on sm_90 (H100"):out.index("plans on sm_100")].splitlines()
+    i = next(i for i, x in enumerate(sm90) if "float16   d=128  forward" in x)
+    assert "flash_fwd_sm90_kernel<__half, 128>" in sm90[i] and "1 block, 12 warps" in sm90[i]
+    assert "wgmma on sm_90a" in sm90[i + 1]
     assert "?" not in out and "check-kernels" not in out
 
 
@@ -79,7 +85,7 @@ def test_info_says_once_how_to_get_registers(capsys, monkeypatch, no_gpu):
     assert "plans on sm_80" in out and "plans on sm_90" in out and "plans on sm_75" not in out
     assert "?" not in out and "warps per SM" not in out
     hints = [x for x in out.splitlines() if "check-kernels" in x]
-    assert len(hints) == 1 and "check-kernels --arch sm_80 --arch sm_90" in hints[0]
+    assert len(hints) == 1 and "check-kernels --arch sm_80 --arch sm_90 --arch sm_90a" in hints[0]
 
 
 def test_info_lists_the_local_gpus_plans(capsys, monkeypatch):

@@ -7,6 +7,7 @@ same kernel on an H100 (`gpu`), for the day one is lent.
 import numpy as np
 import pytest
 
+import cuflash
 from cuflash import _dtypes, reference
 from cuflash.backends import kernel_forward_sm90 as sm90
 from cuflash.backends import kernels
@@ -67,23 +68,61 @@ def test_the_consumers_take_turns(monkeypatch):
     """Without warpgroup 1's first arrival on warpgroup 0's named barrier neither consumer
     can issue: the emulator reports the deadlock (the ping-pong is really there)."""
     from cuflash import compiler
-    from cuflash.emulator import DeadlockError, RawModule
-    source = compiler.read_source(sm90.SOURCE)
+    from cuflash.emulator import DeadlockError
+    source = compiler.read_source("flash_fwd_sm90.cu")
     line = "    if (warpgroup == 1) your_turn();"
     assert line in source
-    name = sm90.kernel_name(F16, 64)
-    mod = RawModule(code=source.replace(line, ""), options=compiler.nvrtc_options(),
-                    name_expressions=[name], arch="sm_90a")
-
-    def planted(backend, name, head_dim):
-        f = mod.get_function(name)
-        f.max_dynamic_shared_size_bytes = sm90.smem_bytes(head_dim)
-        return f
-    monkeypatch.setattr(sm90, "_function", planted)
-    be = _backend()
+    monkeypatch.setattr(compiler, "read_source", lambda name: source.replace(line, ""))
+    be = kernels.emulator_backend(seed=90, arch="sm_90a")   # its own compiled functions
     q, k, v = attention_inputs(1, 1, 1, 64, 64, 64, F16)[:3]
     with pytest.raises(DeadlockError, match="deadlock"):
         sm90.forward_sm90(be, q, k, v, causal=False, scale=0.125)
+
+
+def test_the_planner_takes_it_for_plain_calls(monkeypatch):
+    """On an sm_90a device a plain 16-bit call with d = 64 or 128 runs the Hopper forward:
+    flash_attention gives the bits of launching it directly, not those of the mma.sync
+    kernel (which sm_90 without the "a" features runs)."""
+    monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90a")
+    q, k, v = attention_inputs(1, 2, 1, 100, 120, 64, F16, seed=11)[:3]
+    o, lse = cuflash.flash_attention(q, k, v, causal=True, return_lse=True, backend="emulator")
+    o_sm90, lse_sm90 = sm90.forward_sm90(_backend(), q, k, v, causal=True, scale=0.125)
+    np.testing.assert_array_equal(o.view(np.uint16), o_sm90.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse_sm90)
+    monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90")
+    o_mma = cuflash.flash_attention(q, k, v, causal=True, backend="emulator")
+    assert not np.array_equal(o_mma.view(np.uint16), o.view(np.uint16))
+
+
+def test_what_the_planner_gives_the_mma_sync_kernel():
+    """Calls the Hopper kernel does not take yet run mma.sync on sm_90a, and the reason
+    says so: variants, a negative scale, split-KV (its query blocks would leave SMs idle),
+    float32, d = 96, strided q, and sm_90 without the "a" features."""
+    from cuflash import tiling
+    from cuflash.backends import kernel_forward
+    from cuflash.variants import Variants
+    be = _backend()
+    q, k, v = attention_inputs(1, 2, 1, 100, 120, 64, F16)[:3]
+
+    def plan(q=q, k=k, v=v, backend=be, **call):
+        return kernel_forward.forward_plan(backend, q, k, v, **{"scale": 0.125, **call})
+    assert isinstance(plan(), tiling.Sm90FwdPlan)
+    assert isinstance(plan(variants=Variants()), tiling.Sm90FwdPlan)      # no option set
+    for call in (dict(variants=Variants(window=(8, 0))), dict(scale=-0.125), dict(scale=None),
+                 dict(num_splits=2)):
+        assert type(plan(**call)) is tiling.TcPlan, call
+    long_keys = attention_inputs(1, 1, 1, 64, 1024, 64, F16)[:3]   # 1 query block, 8 key tiles
+    assert type(plan(*long_keys)) is tiling.TcPlan
+    assert isinstance(plan(*attention_inputs(4, 32, 8, 256, 1024, 64, F16)[:3]), tiling.Sm90FwdPlan)
+    assert type(plan(*attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3])) is tiling.TcPlan
+    assert type(plan(*(x.astype(np.float32) for x in (q, k, v)))) is tiling.Tf32Plan
+    strided = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert type(plan(q=strided)) is tiling.TcPlan
+    assert type(plan(backend=kernels.emulator_backend(arch="sm_90"))) is tiling.TcPlan
+    _, why = tiling.forward_path(96, "float16", (9, 0), max_smem=232448, sm90a=True, plain=True)
+    assert "mma.m16n8k16" in why and "d = 64 or 128" in why
+    _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
+    assert "wgmma on sm_90a" in why
 
 
 def test_no_key_and_no_query():
@@ -113,6 +152,8 @@ def test_inputs_it_does_not_take_yet():
         sm90.forward_sm90(be, q, k, v, causal=False, scale=-0.5)
     with pytest.raises(ValueError, match="sm_90a"):
         sm90.forward_sm90(kernels.emulator_backend(arch="sm_80"), q, k, v, causal=False, scale=1.0)
+    with pytest.raises(ValueError, match="this one is sm_90$"):
+        sm90.forward_sm90(kernels.emulator_backend(arch="sm_90"), q, k, v, causal=False, scale=1.0)
 
 
 @pytest.mark.gpu

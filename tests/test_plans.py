@@ -216,9 +216,13 @@ def test_device_limits_reads_three_digit_compute_capabilities(monkeypatch):
     cupy.cuda = Cuda()
     cupy.cuda.Device = Device
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    assert tiling.device_limits() == {"max_smem": 101376, "sm_count": 170, "cc": (12, 0)}
+    assert tiling.device_limits() == {"max_smem": 101376, "sm_count": 170, "cc": (12, 0),
+                                      "sm90a": False}
     Device.compute_capability = "100"
     assert tiling.device_limits()["cc"] == (10, 0)
+    assert not tiling.device_limits()["sm90a"]      # sm_90a code runs on 9.0 alone
+    Device.compute_capability = "90"
+    assert tiling.device_limits()["sm90a"]
 
 
 # -- split-KV -----------------------------------------------------------------------------

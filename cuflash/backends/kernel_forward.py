@@ -13,6 +13,8 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
 * float32 FA2 on tensor cores (`flash_fwd_tc_kernel<float, ...>`): the same
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
+* The Hopper forward (`flash_fwd_sm90_kernel`, `kernel_forward_sm90`): on an sm_90a device,
+  plain float16/bfloat16 calls with d = 64 or 128 (`plain_call`, `tiling.forward_path`).
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
 the same plan serves a plain call and one with variants. The FA2 launches also take the
@@ -32,7 +34,7 @@ import dataclasses
 from .. import _dtypes, tiling
 from ..merge import merge_states
 from ..families import FLASH_FWD_TC, FORWARD_ALGORITHMS
-from . import marshal
+from . import kernel_forward_sm90, marshal
 from .kernel_variants import variant_args
 from .marshal import fa1_forward_args, forward_args, i32, prepare
 
@@ -55,11 +57,36 @@ class Segments:
     block_table: object = None
 
 
-def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False):
-    """The plan `forward` launches for these (prepared) arrays on this backend."""
-    return tiling.forward_path(q.shape[-1], q.dtype, algorithm=algorithm,
-                               aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
-                               **backend.limits())[0]
+def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=None,
+                 variants=None, segments=None, num_splits=None):
+    """The plan `forward` launches for these (prepared) arrays and this call on this
+    backend. The Hopper forward takes a call that is `plain_call` with contiguous q, k, v
+    (`scale` None: a call it does not take) unless its grid's y cannot hold B·H or its
+    query blocks leave SMs idle: it has no split-KV, the mma.sync kernel splits the keys."""
+    lim = backend.limits()
+
+    def path(plain):
+        return tiling.forward_path(q.shape[-1], q.dtype, algorithm=algorithm,
+                                   aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
+                                   plain=plain, **lim)[0]
+
+    plan = path(scale is not None and plain_call(scale, variants, segments, num_splits)
+                and all(a.flags.c_contiguous for a in (q, k, v)))
+    if isinstance(plan, tiling.Sm90FwdPlan):
+        (B, Hq, Nq, _), Nk = q.shape, k.shape[2]
+        blocks = -(-Nq // plan.block_m) * Hq * B
+        if B * Hq > 65535 or (num_splits is None and tiling.split_kv_count(
+                blocks, -(-Nk // plan.block_n), lim["sm_count"]) > 1):
+            plan = path(False)
+    return plan
+
+
+def plain_call(scale, variants=None, segments=None, num_splits=None) -> bool:
+    """Whether a call has none of what the Hopper forward does not take yet: attention
+    variants, packed sequences or a KV cache, split-KV, a scale that is not positive and
+    finite (its row max is taken of S before scaling)."""
+    return ((variants is None or variants.is_plain()) and segments is None
+            and num_splits in (None, 1) and 0 < float(scale) < float("inf"))
 
 
 def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,
@@ -78,7 +105,11 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     max_k = segments.max_k if segments is not None else Nk
     acc = _dtypes.accum_dtype(q.dtype)
     lim = backend.limits()
-    plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32)
+    plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32,
+                        scale=scale, variants=variants, segments=segments, num_splits=num_splits)
+    if isinstance(plan, tiling.Sm90FwdPlan):
+        return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
+                                                plan=plan)
     if segments is not None and segments.block_table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")

@@ -54,7 +54,7 @@ class KernelBackend:
         return f"<cuflash kernel backend {self.name!r}{opts}>"
 
     def limits(self) -> dict:
-        """{'max_smem', 'sm_count', 'cc'} of the device the kernels run on."""
+        """{'max_smem', 'sm_count', 'cc', 'sm90a'} of the device the kernels run on."""
         return self._limits()
 
     def get_function(self, plan):
@@ -64,8 +64,11 @@ class KernelBackend:
         with self._lock:
             fn = self._functions.get(key)
             if fn is None:
+                options = compiler.nvrtc_options()
+                if plan.arch_specific:   # wgmma, setmaxnreg: the device's "a" target
+                    options += compiler.arch_specific_options(self.limits()["cc"])
                 module = self._module_class(code=compiler.read_source(plan.source),
-                                            options=compiler.nvrtc_options(),
+                                            options=options,
                                             name_expressions=[plan.name_expression],
                                             **self.module_options)
                 fn = module.get_function(plan.name_expression)
@@ -141,12 +144,12 @@ def cuda_backend():
 
 
 def emulator_limits(arch=None) -> dict:
-    """{'max_smem', 'sm_count', 'cc'} of the GPU the emulator stands for on `arch`
-    (default: $CUFLASH_EMULATOR_ARCH, else sm_80, an A100)."""
+    """{'max_smem', 'sm_count', 'cc', 'sm90a'} of the GPU the emulator stands for on `arch`
+    (default: $CUFLASH_EMULATOR_ARCH, else sm_80, an A100); `sm90a` on "sm_90a" alone."""
     from ..emulator import archs
     a = archs.get_arch(arch)
     return {"max_smem": a.limits.shared_per_block_optin, "sm_count": a.limits.sm_count,
-            "cc": divmod(a.cuda_arch // 10, 10)}
+            "cc": divmod(a.cuda_arch // 10, 10), "sm90a": a.name == "sm_90a"}
 
 
 def emulator_backend(checked: bool = False, schedule: str = "round-robin", seed: int = 0,

@@ -48,9 +48,12 @@ class Plan:
     """What every plan offers: the fields `kernel` (a name in `families.FAMILIES`) and
     `dtype` (a name in `ELEMENTS`), and `num_threads`, `smem_bytes` (its family's formula),
     `source` and `name_expression` for the launch and the gate. `dynamic_smem`: whether
-    smem_bytes is the launch's dynamic shared memory (else the kernel's static arrays)."""
+    smem_bytes is the launch's dynamic shared memory (else the kernel's static arrays);
+    `arch_specific`: whether the kernel is built for the device's architecture-specific
+    target (sm_90a), which runs on that architecture alone."""
 
     dynamic_smem = False
+    arch_specific = False
 
     @property
     def element(self) -> Element:

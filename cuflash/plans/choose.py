@@ -1,12 +1,14 @@
 """The choosers: which kernels a call runs, and why, in words. One per pass:
 `forward_path` and `backward_path` take tensor cores where dtype, device, head dim and
-alignment allow, and the SIMT plans (`simt_forward_plan`, `simt_backward_plans`)
-otherwise, saying what refused the tensor cores."""
+alignment allow (the forward: wgmma on sm_90a for the calls the Hopper kernel takes), and
+the SIMT plans (`simt_forward_plan`, `simt_backward_plans`) otherwise, saying what refused
+the tensor cores."""
 from __future__ import annotations
 
 from .base import ELEMENTS, dtype_name
 from .simt_bwd import simt_backward_plans
 from .simt_fwd import simt_forward_plan
+from .sm90_fwd import SM90_DTYPES, SM90_HEAD_DIMS, sm90_fwd_plan
 from .tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, dq_parts_tiles,
                      tc_bwd_candidates)
 from .tc_fwd import TC_HEAD_DIMS, TF32_DTYPE, TF32_HEAD_DIMS, tc_fwd_candidates
@@ -63,7 +65,8 @@ def _first_fit(plans, max_smem):
 
 
 def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
-                 sm_count=None, algorithm: str = "fa2", allow_tf32: bool = False):
+                 sm_count=None, sm90a: bool = False, algorithm: str = "fa2",
+                 allow_tf32: bool = False, plain: bool = False):
     """(plan, reason): the forward kernel a call takes, and why, in words.
 
     Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+),
@@ -74,7 +77,12 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     (`simt_forward_plan`) otherwise. `cc` is the device's (major, minor) compute
     capability, None when unknown (SIMT); `sm_count` is accepted so that a device's limits
     pass as keywords. Attention variants (window, softcap, ALiBi, bias, mask, dropout) do
-    not change the path: every forward kernel takes them (kernels/variants.cuh)."""
+    not change the mma.sync and SIMT paths: those kernels take them (kernels/variants.cuh).
+
+    The Hopper forward (`Sm90FwdPlan`: wgmma, TMA) where the device runs sm_90a code
+    (`sm90a`, from its limits), the call is `plain` (q, k, v contiguous (B, H, N, d), a
+    positive scale; no variants, packed sequences, KV cache or split-KV: the kernel takes
+    none yet), the dtype float16 or bfloat16, d 64 or 128, and the tile fits."""
     name = dtype_name(dtype)
 
     def simt():
@@ -93,15 +101,26 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
                                operands="q, k or v")
     if why:
         return simt(), why
+    hopper = sm90_fwd_plan(name, d) if sm90a else None
+    if hopper is not None and plain and hopper.smem_bytes <= max_smem:
+        return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup "
+                        "(a plain call; variants, packed sequences, a KV cache and split-KV "
+                        "run mma.sync)")
     D = next(b for b in head_dims if d <= b)
     plan = _first_fit(tc_fwd_candidates(name, D, split=not allow_tf32, cc=cc), max_smem)
     if plan is None:
         return simt(), _no_tile_fits(name, D, max_smem)
-    return plan, f"tensor cores: {_instruction(name, cc, allow_tf32)}"
+    why = f"tensor cores: {_instruction(name, cc, allow_tf32)}"
+    if sm90a and name in SM90_DTYPES:   # the Hopper forward was there and did not take it
+        why += (f" (the sm_90a wgmma forward takes d = {' or '.join(map(str, SM90_HEAD_DIMS))} "
+                f"and plain calls: contiguous q, k, v, a positive scale, no variants, packed "
+                f"sequences, KV cache or split-KV)")
+    return plan, why
 
 
 def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
-                  sm_count=None, allow_tf32: bool = False, dq_parts: bool = True):
+                  sm_count=None, sm90a: bool = False, allow_tf32: bool = False,
+                  dq_parts: bool = True):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
     Tensor cores (two `TcBwdPlan`s) where the dtype is float16 (sm_75+), bfloat16 or
@@ -112,7 +131,7 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     otherwise the SIMT kernels of `simt_backward_plans`. Attention variants (window,
     softcap, ALiBi, bias, mask, dropout) and dbias (every kernel family writes it) take
     the same path as a plain call. The reason names the instruction and, for chunked
-    plans, the chunks. `cc` as for `forward_path`.
+    plans, the chunks. `cc`, `sm_count` and `sm90a` as for `forward_path`.
 
     `dq_parts` (16-bit, one head-dim chunk, the tile fits): the 5-GEMM backward instead,
     (the dK/dV plan with DQ_PARTS, `DqSumPlan`): the dK/dV blocks also accumulate dQ in

@@ -7,7 +7,8 @@ import math
 
 
 def device_limits():
-    """{'max_smem', 'sm_count', 'cc'} of the current CuPy device."""
+    """{'max_smem', 'sm_count', 'cc', 'sm90a'} of the current CuPy device; `sm90a`: it runs
+    sm_90a's architecture-specific code (every compute capability 9.0 GPU does)."""
     import cupy
     dev = cupy.cuda.Device()
     attrs = dev.attributes
@@ -16,6 +17,7 @@ def device_limits():
         "max_smem": int(attrs["MaxSharedMemoryPerBlockOptin"]),
         "sm_count": int(attrs["MultiProcessorCount"]),
         "cc": (int(cc[:-1]), int(cc[-1])),
+        "sm90a": cc == "90",
     }
 
 

@@ -1,0 +1,55 @@
+"""The Hopper forward, `Sm90FwdTraits` (kernels/flash_fwd_sm90.cu): one tile, built for
+sm_90a alone (wgmma, TMA, setmaxnreg), taken by plain calls on a device that runs it."""
+from __future__ import annotations
+
+import dataclasses
+
+from .base import Plan
+
+SM90_DTYPES = ("float16", "bfloat16")
+SM90_HEAD_DIMS = (64, 128)
+BOX_BYTES = 128 * 64 * 2     # one TMA box: 128 rows of 64 16-bit elements (128 bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90FwdPlan(Plan):
+    """flash_fwd_sm90_kernel<T, HEAD_DIM>: 128 × 128 tiles, two consumer warpgroups of 64
+    query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA ring."""
+
+    dynamic_smem = True
+    arch_specific = True
+    block_m = block_n = 128   # kBlockM, kBlockN
+    stages = 2                # kStages
+    num_threads = 384         # kThreads
+
+    kernel: str               # "flash_fwd_sm90"
+    dtype: str                # "float16" or "bfloat16"
+    head_dim: int             # HEAD_DIM: exactly d (64 or 128)
+
+    @property
+    def head_dim_bucket(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        """Smem: Q_i and the ring's K_j, V_j stages, each D / 64 boxes."""
+        return (1 + 2 * self.stages) * (self.head_dim // 64) * BOX_BYTES
+
+    def __str__(self) -> str:
+        return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
+                f"Bc={self.block_n} warpgroups=2+1 stages={self.stages} smem={self.smem_bytes} B")
+
+    @property
+    def name_expression(self) -> str:
+        return self._instantiate(self.head_dim)
+
+
+def sm90_fwd_plan(dtype: str, d: int) -> Sm90FwdPlan | None:
+    """The Hopper forward's plan for `dtype` (a name) and head dim `d`, None if it has none."""
+    if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
+        return Sm90FwdPlan("flash_fwd_sm90", dtype, d)
+    return None
+
+
+def all_sm90_fwd_plans() -> tuple[Sm90FwdPlan, ...]:
+    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d) for t in SM90_DTYPES for d in SM90_HEAD_DIMS)
