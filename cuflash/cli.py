@@ -151,7 +151,9 @@ def _print_plans(target):
     for dtype in (n for n in tiling.DTYPE_NAMES if tiling.ELEMENTS[n].bytes < 8):
         for d in (64, 128, 256):
             fwd, why = tiling.forward_path(d, dtype, target.cc, plain=True, **kwargs)
-            bwd, bwd_why = tiling.backward_path(d, dtype, target.cc, **kwargs)
+            # the 5-GEMM pair only where its tile can beat two kernels' (tiling.dq_workers)
+            bwd, bwd_why = tiling.backward_path(d, dtype, target.cc, **kwargs,
+                                                dq_parts=tiling.DQ_PARTS_TILE_COST < 1)
             lines += [(f"{dtype:9s} d={d:<4d} forward ", fwd.name_expression, occupancy(fwd)),
                       (why,)]
             lines += [(f"{'':17s}backward", p.name_expression, occupancy(p)) for p in bwd]

@@ -111,12 +111,12 @@ def test_specialization(dt, D, arch, smem):
     be = _backend(arch, max_smem=smem)
     expect, two = _plans(dt, D, arch, smem), _plans(dt, D, arch, smem, dq_parts=False)
     args, scale = _problem(1, 2, 1, 37, 2 * 64 + 3, D - 8, dt, True, seed=D)
-    kinds = _check(be, args, scale, causal=True, expect=expect)[0]
+    kinds = _check(be, args, scale, causal=True, expect=expect, dq_workers=2)[0]
     assert kinds == (TC_BWD5 if expect[0].dq_parts else TC_BWD)
     if expect != two:  # and the two-kernel backward of the same tile size
         assert _check(be, args, scale, causal=True, expect=two, dq_workers=0)[0] == TC_BWD
     args, scale = _problem(1, 1, 1, 70, 17, D, dt, False, seed=D + 1)
-    _check(be, args, scale, causal=False, expect=expect)
+    _check(be, args, scale, causal=False, expect=expect, dq_workers=1)
 
 
 # -- 128 < d <= 256: head-dim chunks of dK, dV ----------------------------------------------
@@ -180,7 +180,7 @@ def test_strided_inputs_aligned_and_not():
     k = wide[:, :, ::2]                                                          # row stride 2d
     be = _backend("sm_80")
     assert kernel_forward.loads_16b_aligned(q, k, v, do)
-    assert _check(be, [do, q, k, v, o, lse], scale, causal=True)[0] == TC_BWD5
+    assert _check(be, [do, q, k, v, o, lse], scale, causal=True, dq_workers=2)[0] == TC_BWD5
     buf = np.zeros(do.size + 1, F16)
     do_off = buf[1:].reshape(do.shape)
     do_off[...] = do
@@ -203,10 +203,12 @@ def test_checked(arch, dt, D, schedule, smem):
     # partial and fully masked tiles; the rings wrap
     args, scale = _problem(1, 2, 1, 100, 70, D - 16, dt, True, seed=D)
     be = _backend(arch, checked=True, schedule=schedule, max_smem=smem)
-    kinds, grads = _check(be, args, scale, causal=True, expect=_plans(dt, D, arch, smem))
-    assert kinds in (TC_BWD, TC_BWD5)
+    expect = _plans(dt, D, arch, smem)
+    kinds, grads = _check(be, args, scale, causal=True, expect=expect, dq_workers=2)
+    assert kinds == (TC_BWD5 if expect[0].dq_parts else TC_BWD)
     # one writer per element, a fixed order: the same bits as the round-robin schedule
-    plain = _backend(arch, max_smem=smem).backward(*args, causal=True, scale=scale)
+    plain = kernel_backward.backward(_backend(arch, max_smem=smem), *args, causal=True,
+                                     scale=scale, dq_workers=2)
     for name, x, y in zip(("dq", "dk", "dv"), grads, plain):
         assert np.array_equal(x.view(np.uint16), y.view(np.uint16)), name
 
@@ -291,20 +293,25 @@ def test_cuda_backward_both_ways_right_and_bitwise_reproducible(dt, workers):
 
 
 def test_dq_workers_rule():
-    # the fewest workers whose waves of blocks (one per SM) take the least time, at most
-    # the key blocks and DQ_PARTS_MAX; 0 (two kernels) where 7 GEMMs over finer blocks
-    # take less time than 5 over the workers' waves
-    assert tiling.dq_workers(units=16, key_blocks=64, sm_count=132) == 8   # 9: 144 blocks, 2 waves
-    assert tiling.dq_workers(units=16, key_blocks=128, sm_count=132) == 8
-    assert tiling.dq_workers(units=64, key_blocks=32, sm_count=132) == 2   # 3: 192 blocks
-    assert tiling.dq_workers(units=200, key_blocks=64, sm_count=132) == 1
-    assert tiling.dq_workers(units=4, key_blocks=3, sm_count=132) == 3   # both fill as little
-    assert tiling.dq_workers(units=9, key_blocks=64, sm_count=132) == 13  # 5 tiles each
-    assert tiling.dq_workers(units=8, key_blocks=64, sm_count=132) == 16  # 97% of the SMs
-    assert tiling.dq_workers(units=1, key_blocks=256, sm_count=132) == 0  # 16 blocks: 12%
-    assert tiling.dq_workers(units=4, key_blocks=256, sm_count=132) == 0  # 64 blocks: 48%
-    assert tiling.dq_workers(units=6, key_blocks=256, sm_count=132) == 16  # 96 blocks: 73%
-    assert tiling.dq_workers(units=4, key_blocks=64, sm_count=None) == 0
+    # up to ⌈SMs / units⌉ workers (at most the key blocks and DQ_PARTS_MAX), the fewest
+    # whose waves of one block per SM take the least time; with five GEMMs' worth of a
+    # two-kernel tile's seven (tile_cost 5/7):
+    def w(units, key_blocks, sm_count=132):
+        return tiling.dq_workers(units, key_blocks, sm_count, tile_cost=5 / 7)
+    assert w(16, 64) == 8 and w(16, 128) == 8   # 9: 144 blocks, two waves
+    assert w(64, 32) == 2                       # 3: 192 blocks
+    assert w(200, 64) == 1
+    assert w(4, 3) == 3                         # both fill as little
+    assert w(9, 64) == 13                       # 5 tiles each
+    assert w(8, 64) == 16                       # 97% of the SMs
+    assert w(1, 256) == 0                       # 16 blocks: 12%
+    assert w(4, 256) == 0                       # 64 blocks: 48%
+    assert w(6, 256) == 16                      # 96 blocks: 73%
+    assert w(4, 64, None) == 0
+    # at the H100's measured cost (a 5-GEMM tile as long as two kernels' 7 GEMMs) the
+    # two kernels' finer blocks never take more waves: they run
+    assert tiling.DQ_PARTS_TILE_COST == 1.0
+    assert all(tiling.dq_workers(u, kb, 132) == 0 for u in (1, 9, 16, 64, 200) for kb in (3, 64, 256))
 
 
 def test_dbias_and_float32_take_two_kernels():

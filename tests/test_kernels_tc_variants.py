@@ -188,8 +188,9 @@ def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="ro
     """The tensor-core backward with `opts`, o and lse from the float64 forward (rounded, so
     the errors are the backward's own), each gradient within FlashAttention's rule for
     gradients (factor 3 over conftest.plain_backward with the variants). `dq_workers` as
-    kernel_backward.backward takes it: None, the 5-GEMM backward where the tile has one
-    (dQ from the dK/dV blocks, then flash_bwd_dq_sum); 0, the two kernels."""
+    kernel_backward.backward takes it: W > 0, the 5-GEMM backward where the tile has one
+    (dQ from the dK/dV blocks, then flash_bwd_dq_sum); 0, the two kernels; None, as
+    `tiling.dq_workers` picks."""
     opts = dict(opts)
     causal = opts.pop("causal", False)
     d = q.shape[-1]
@@ -202,8 +203,11 @@ def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="ro
                                      variants=_variants(opts), dq_workers=dq_workers)
     launched = [p.kernel for p in be.take_launches()]
     lim = be.limits()
-    five = dq_workers != 0 and tiling.backward_path(d, dtype, lim["cc"],
-                                                    max_smem=lim["max_smem"])[0][0].dq_parts
+    dkdv = tiling.backward_path(d, dtype, lim["cc"], max_smem=lim["max_smem"])[0][0]
+    workers = (dq_workers if dq_workers is not None else
+               tiling.dq_workers(q.shape[0] * k.shape[1], -(-k.shape[2] // dkdv.block_rows),
+                                 lim["sm_count"]))
+    five = workers != 0 and dkdv.dq_parts
     dq_pass = "flash_bwd_dq_sum" if five else "flash_bwd_dq_tc"
     assert launched == ["flash_bwd_preprocess", "flash_bwd_dkdv_tc", dq_pass], launched
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
@@ -226,7 +230,7 @@ def test_backward_variant_matches_reference(dtype, arch, names):
     _run_backward(dtype, arch, do, q, k, v, _options(names, dtype))
 
 
-@pytest.mark.parametrize("dq_workers", [None, 0], ids=["5-gemm", "two-kernels"])
+@pytest.mark.parametrize("dq_workers", [2, 0], ids=["5-gemm", "two-kernels"])
 def test_backward_checked_bias_and_mask_at_ragged_sizes(dq_workers):
     """Every option at ragged sizes in checked mode, both ways to dQ: no backward kernel
     races or reads bias or mask outside [0, Nq) x [0, Nk)."""

@@ -93,30 +93,34 @@ def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -
 #
 # A worker is a dK/dV block that walks key blocks w, w + W, … of one (batch, K/V head) and
 # adds dS K_j into its own float32 partial of dQ; flash_bwd_dq_sum adds the W partials in
-# order. The model counts GEMM-units of time: a dK/dV block fills an SM (8 warps at the
-# register limit), so W workers per unit take ⌈W·units / SMs⌉ waves of ⌈key blocks / W⌉
-# tiles, 5 GEMMs each; the two-kernel backward takes ⌈key blocks·units / SMs⌉ waves of one
-# tile, 7 GEMMs (its dQ kernel recomputes S and dP). FlashAttention-2's rule, ⌈SMs / units⌉
-# workers, bounds W (and so the partials' memory) but can overshoot the SMs by a few blocks
-# and take two waves where one would do (on an H100, 9 workers × 16 heads = 144 blocks for
-# 132 SMs: 8 take half as long in the model).
+# order. The model counts tile-times: a dK/dV block fills an SM (8 warps at the register
+# limit), so W workers per unit take ⌈W·units / SMs⌉ waves of ⌈key blocks / W⌉ tiles; the
+# two-kernel backward takes ⌈key blocks·units / SMs⌉ waves of one tile (and its dQ kernel
+# as many). FlashAttention-2's rule, ⌈SMs / units⌉ workers, bounds W (and so the partials'
+# memory) but can overshoot the SMs by a few blocks and take two waves where one would do
+# (on an H100, 9 workers × 16 heads = 144 blocks for 132 SMs: measured 1.76× slower than 8).
+#
+# DQ_PARTS_TILE_COST: a 5-GEMM tile's time over a two-kernel tile's (its 7 GEMMs), measured
+# on an H100 (benchmarks/bench_dq_workers.py, results/bench_dq_workers.csv): 0.95–1.08 at
+# equal waves, so 1. Five GEMMs would make it 5/7; the dQ partials' red.add and the one
+# block per SM take the rest. With finer blocks the two kernels never take more waves, so
+# they run until the 5-GEMM tile gets cheaper; `dq_workers=W` asks for the 5-GEMM pass.
 
 DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies of dQ
-BWD_GEMMS_DQ_PARTS, BWD_GEMMS_TWO_KERNELS = 5, 7
+DQ_PARTS_TILE_COST = 1.0
 
 
-def dq_workers(units: int, key_blocks: int, sm_count) -> int:
+def dq_workers(units: int, key_blocks: int, sm_count, tile_cost: float = DQ_PARTS_TILE_COST) -> int:
     """Workers W per (batch, K/V head) of the 5-GEMM backward for `units` (batch × K/V
     heads) over `key_blocks` key blocks each on `sm_count` SMs: up to FlashAttention-2's
     ⌈SMs / units⌉ (at most the key blocks and DQ_PARTS_MAX), the fewest whose waves take
-    the least time in the model above; 0 where the two-kernel backward is predicted faster
-    or the SM count is unknown."""
+    the least time in the model above; 0 where the two-kernel backward takes no longer
+    (`tile_cost`: a 5-GEMM tile's time in two-kernel tiles) or the SM count is unknown."""
     if not sm_count or units <= 0 or key_blocks <= 0:
         return 0
 
     def time(w):
-        return BWD_GEMMS_DQ_PARTS * -(-w * units // sm_count) * -(-key_blocks // w)
+        return tile_cost * -(-w * units // sm_count) * -(-key_blocks // w)
 
     w = min(range(1, min(-(-sm_count // units), key_blocks, DQ_PARTS_MAX) + 1), key=time)
-    two_kernels = BWD_GEMMS_TWO_KERNELS * -(-key_blocks * units // sm_count)
-    return w if time(w) <= two_kernels else 0
+    return w if time(w) < -(-key_blocks * units // sm_count) else 0
