@@ -97,7 +97,7 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
 def test_what_the_planner_gives_the_mma_sync_kernel():
     """Calls the Hopper kernel does not take yet run mma.sync on sm_90a, and the reason
     says so: variants, a negative scale, split-KV (its query blocks would leave SMs idle),
-    float32, d = 96, strided q, and sm_90 without the "a" features."""
+    float32, d = 96, rows 136 bytes apart, and sm_90 without the "a" features."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
     from cuflash.variants import Variants
@@ -116,13 +116,32 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert isinstance(plan(*attention_inputs(4, 32, 8, 256, 1024, 64, F16)[:3]), tiling.Sm90FwdPlan)
     assert type(plan(*attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3])) is tiling.TcPlan
     assert type(plan(*(x.astype(np.float32) for x in (q, k, v)))) is tiling.Tf32Plan
-    strided = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    assert type(plan(q=strided)) is tiling.TcPlan
+    bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert isinstance(plan(q=bnhd), tiling.Sm90FwdPlan)              # TMA reads it in place
+    padded = np.zeros(q.shape[:-1] + (72,), F16)[..., :64]           # rows 144 bytes apart
+    assert isinstance(plan(q=padded), tiling.Sm90FwdPlan)
+    padded = np.zeros(q.shape[:-1] + (68,), F16)[..., :64]           # 136: not a multiple of 16
+    assert not isinstance(plan(q=padded), tiling.Sm90FwdPlan)
     assert type(plan(backend=kernels.emulator_backend(arch="sm_90"))) is tiling.TcPlan
     _, why = tiling.forward_path(96, "float16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "mma.m16n8k16" in why and "d = 64 or 128" in why
     _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
+
+
+def test_strided_inputs():
+    """q and v in (B, N, H, D) memory, k cut from rows twice as wide: the 4-D tensor maps
+    read them in place, with the bits of contiguous copies."""
+    q, k, v = attention_inputs(2, 4, 2, 100, 150, 64, F16, seed=5)[:3]
+    q_s, v_s = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, v))
+    wide = np.zeros(k.shape[:-1] + (128,), F16)
+    wide[..., :64] = k
+    k_s = wide[..., :64]
+    assert sm90.tma_ready(q_s, k_s, v_s) and not any(x.flags.c_contiguous for x in (q_s, k_s, v_s))
+    o, lse = sm90.forward_sm90(_backend(), q_s, k_s, v_s, causal=True, scale=0.125)
+    o_c, lse_c = sm90.forward_sm90(_backend(), q, k, v, causal=True, scale=0.125)
+    np.testing.assert_array_equal(o.view(np.uint16), o_c.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse_c)
 
 
 def test_no_key_and_no_query():
@@ -144,8 +163,12 @@ def test_inputs_it_does_not_take_yet():
         sm90.forward_sm90(be, q, k.astype(BF16), v, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="head dims"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 96, F16)[:3], causal=False, scale=1.0)
-    with pytest.raises(ValueError, match="contiguous"):
-        sm90.forward_sm90(be, q.transpose(0, 2, 1, 3), k, v, causal=False, scale=1.0)
+    padded = np.zeros(q.shape[:-1] + (68,), F16)   # rows 136 bytes apart
+    with pytest.raises(ValueError, match=r"multiples of 16 bytes; got strides \(2176, 1088, 136, 2\)"):
+        sm90.forward_sm90(be, padded[..., :64], k, v, causal=False, scale=1.0)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        sm90.forward_sm90(be, np.zeros(q.shape[:-1] + (128,), F16)[..., ::2], k, v, causal=False,
+                          scale=1.0)
     with pytest.raises(ValueError, match="multiple"):
         sm90.forward_sm90(be, *attention_inputs(1, 3, 2, 8, 8, 64, F16)[:3], causal=False, scale=1.0)
     with pytest.raises(ValueError, match="positive finite scale"):

@@ -60,8 +60,8 @@ class Segments:
 def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=None,
                  variants=None, segments=None, num_splits=None):
     """The plan `forward` launches for these (prepared) arrays and this call on this
-    backend. The Hopper forward takes a call that is `plain_call` with contiguous q, k, v
-    (`scale` None: a call it does not take) unless its grid's y cannot hold B·H or its
+    backend. The Hopper forward takes a call that is `plain_call` with q, k, v its tensor
+    maps can read (`kernel_forward_sm90.tma_ready`; `scale` None: a call it does not take) unless its grid's y cannot hold B·H or its
     query blocks leave SMs idle: it has no split-KV, the mma.sync kernel splits the keys."""
     lim = backend.limits()
 
@@ -71,7 +71,7 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
                                    plain=plain, **lim)[0]
 
     plan = path(scale is not None and plain_call(scale, variants, segments, num_splits)
-                and all(a.flags.c_contiguous for a in (q, k, v)))
+                and kernel_forward_sm90.tma_ready(q, k, v))
     if isinstance(plan, tiling.Sm90FwdPlan):
         (B, Hq, Nq, _), Nk = q.shape, k.shape[2]
         blocks = -(-Nq // plan.block_m) * Hq * B

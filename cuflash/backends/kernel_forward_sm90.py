@@ -1,7 +1,7 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
-The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v contiguous (B, H, N, D),
-causal or not, GQA/MQA; no variants, varlen, KV cache or split-KV yet. The planner
+The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v (B, H, N, D) with strides
+TMA can read (`tma_ready`), causal or not, GQA/MQA; no variants, varlen, KV cache or split-KV yet. The planner
 (`tiling.forward_path`) gives plain calls on an sm_90a device its plan (`Sm90FwdPlan`);
 `forward_sm90` also runs it directly on any backend whose device is sm_90a (the emulator's
 sm_90a, or an H100), for the tests and the GPU check.
@@ -18,6 +18,32 @@ TENSOR_MAP_TYPES = {"float16": 6, "bfloat16": 9}
 _SWIZZLE_128B = 3                   # CU_TENSOR_MAP_SWIZZLE_128B
 
 
+def tma_strides(x) -> list[int]:
+    """The row, head and batch strides of (B, H, N, D) `x` in bytes, as a tensor map takes
+    them: an axis of length 1 gets the extent of the axes inside it (its stride is never
+    used, and TMA wants a positive multiple of 16)."""
+    strides, extent = [], x.shape[-1] * x.itemsize
+    for n, st in zip(x.shape[2::-1], x.strides[2::-1]):
+        strides.append(st if n > 1 else extent)
+        extent = strides[-1] * n
+    return strides
+
+
+def tma_ready(*arrays) -> bool:
+    """Whether TMA can read these (B, H, N, D) arrays as they are: contiguous rows, a
+    16-byte aligned base, and row, head and batch strides (of axes longer than 1) positive
+    multiples of 16 bytes. An empty array has nothing to read."""
+    for x in arrays:
+        if x.size == 0:
+            continue
+        ptr = (getattr(x, "__cuda_array_interface__", None) or x.__array_interface__)["data"][0]
+        if ptr % 16 or x.strides[3] != x.itemsize:
+            return False
+        if any(st <= 0 or st % 16 for st in tma_strides(x)):
+            return False
+    return True
+
+
 def check_inputs(q, k, v):
     """ValueError/TypeError naming what the kernel does not take yet."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -26,8 +52,10 @@ def check_inputs(q, k, v):
                             f"alike), got {np.dtype(x.dtype)}")
         if x.ndim != 4:
             raise ValueError(f"{name}: expected (B, H, N, D), got shape {tuple(x.shape)}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{name}: the Hopper forward's tensor maps need contiguous (B, H, N, D)")
+        if not tma_ready(x):
+            raise ValueError(f"{name}: the Hopper forward's tensor maps need contiguous rows, a "
+                             f"16-byte aligned base and positive row, head and batch strides "
+                             f"that are multiples of 16 bytes; got strides {x.strides}")
     (B, H, Nq, D), (Bk, Hkv, Nk, Dk) = q.shape, k.shape
     if D not in HEAD_DIMS or Dk != D or tuple(v.shape) != tuple(k.shape) or Bk != B:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the Hopper "
@@ -59,13 +87,12 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None):
     f = backend.get_function(plan)
     data_type = TENSOR_MAP_TYPES[plan.dtype]
 
-    def tensor_map(x, n, bh, rows=plan.block_m):   # 3-D (D, N, B·H), boxes of 64 columns x rows
-        return backend.encode_tensor_map(data_type, 3, x, [D, n, bh], [D * 2, n * D * 2],
-                                         [64, rows, 1], [1, 1, 1], swizzle=_SWIZZLE_128B)
+    def tensor_map(x, rows=plan.block_m):   # 4-D (D, N, H, B), boxes of 64 columns x rows
+        return backend.encode_tensor_map(data_type, 4, x, list(x.shape[::-1]), tma_strides(x),
+                                         [64, rows, 1, 1], [1, 1, 1, 1], swizzle=_SWIZZLE_128B)
 
     # O by each consumer warpgroup's 64 rows
-    maps = (tensor_map(q, Nq, B * H), tensor_map(k, Nk, B * Hkv), tensor_map(v, Nk, B * Hkv),
-            tensor_map(o, Nq, B * H, rows=plan.block_m // 2))
+    maps = (tensor_map(q), tensor_map(k), tensor_map(v), tensor_map(o, rows=plan.block_m // 2))
     f((-(-Nq // plan.block_m), B * H), (plan.num_threads,),
       (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
        np.float32(scale), np.int32(bool(causal))), shared_mem=plan.dynamic_smem_bytes)

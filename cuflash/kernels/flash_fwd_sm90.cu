@@ -22,8 +22,9 @@
 //                            the two warpgroups take turns to issue (ping-pong, two named
 //                            barriers), so one's products run under the other's softmax.
 //
-// Layout: q, k, v, o contiguous (B, H, N, D) in T (float16 or bfloat16); the tensor maps are
-// 3-D (D, N, B·H), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
+// Layout: q, k, v, o (B, H, N, D) in T (float16 or bfloat16), any strides TMA takes (rows
+// of contiguous elements; row, head and batch strides multiples of 16 bytes); the tensor
+// maps are 4-D (D, N, H, B), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
 // K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
 // come in as zeros and are masked (keys) or dropped by the store (queries). GQA: query head h reads
 // K/V head h / group.
@@ -79,7 +80,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __shared__ __align__(8) unsigned long long q_full, full[STAGES], empty[STAGES];
 
     const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·H + h
-    const int bh_kv = bh / H * (H / group) + bh % H / group;
+    const int b = bh / H, h = bh % H, h_kv = h / group;
     // the key tiles any row of the block sees (causal: up to its last row's diagonal)
     const int n_end = causal ? min(Nk, max(0, m0 + BM + Nk - Nq)) : Nk;
     const int tiles = (n_end + BN - 1) / BN;
@@ -100,14 +101,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
             sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
             for (int x = 0; x < Tr::kBoxes; ++x)
-                sm90::tma_load_3d(sm.q[x], map_q, 64 * x, m0, bh, &q_full);
+                sm90::tma_load_4d(sm.q[x], map_q, 64 * x, m0, h, b, &q_full);
             for (int j = 0; j < tiles; ++j) {
                 const int s = j % STAGES;
                 if (j >= STAGES) sm90::mbar_wait(&empty[s], (j / STAGES - 1) & 1);
                 sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kBoxBytes);
                 for (int x = 0; x < Tr::kBoxes; ++x) {
-                    sm90::tma_load_3d(sm.k[s][x], map_k, 64 * x, j * BN, bh_kv, &full[s]);
-                    sm90::tma_load_3d(sm.v[s][x], map_v, 64 * x, j * BN, bh_kv, &full[s]);
+                    sm90::tma_load_4d(sm.k[s][x], map_k, 64 * x, j * BN, h_kv, b, &full[s]);
+                    sm90::tma_load_4d(sm.v[s][x], map_v, 64 * x, j * BN, h_kv, b, &full[s]);
                 }
             }
         }
@@ -271,7 +272,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     sm90::bar_sync(3 + warpgroup, 128);  // the warpgroup's writes all made
     if (threadIdx.x % 128 == 0) {
         for (int x = 0; x < Tr::kBoxes; ++x)
-            sm90::tma_store_3d(map_o, 64 * x, m0 + warpgroup * 64, bh, sm.q[x] + warpgroup * 64 * 64);
+            sm90::tma_store_4d(map_o, 64 * x, m0 + warpgroup * 64, h, b, sm.q[x] + warpgroup * 64 * 64);
         sm90::bulk_commit();
         sm90::bulk_wait_read();
     }

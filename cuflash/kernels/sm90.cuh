@@ -64,19 +64,21 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int
                  :: "r"(smem(dst)), "l"(&map), "r"(c0), "r"(c1), "r"(smem(bar)) : "memory");
 }
 
-// ---- the same for a 3-D box at (c0 innermost, c1, c2) ----
-__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap& map, int c0, int c1, int c2,
-                                            unsigned long long* bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4}], [%5];"
-                 :: "r"(smem(dst)), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(smem(bar)) : "memory");
+// ---- the same for a 4-D box at (c0 innermost, c1, c2, c3) ----
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap& map, int c0, int c1, int c2,
+                                            int c3, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 :: "r"(smem(dst)), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem(bar))
+                 : "memory");
 }
 
-// ---- a 3-D box of shared memory at `src` to the tensor at (c0, c1, c2) (rows outside the
-// tensor are dropped); the thread's bulk group, committed and waited for as below ----
-__device__ __forceinline__ void tma_store_3d(const TensorMap& map, int c0, int c1, int c2, const void* src) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];"
-                 :: "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(smem(src)) : "memory");
+// ---- a 4-D box of shared memory at `src` to the tensor at (c0, c1, c2, c3) (rows outside
+// the tensor are dropped); the thread's bulk group, committed and waited for as below ----
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, int c0, int c1, int c2, int c3,
+                                             const void* src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+                 :: "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem(src)) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // until the committed stores have read their shared memory

@@ -80,7 +80,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     not change the mma.sync and SIMT paths: those kernels take them (kernels/variants.cuh).
 
     The Hopper forward (`Sm90FwdPlan`: wgmma, TMA) where the device runs sm_90a code
-    (`sm90a`, from its limits), the call is `plain` (q, k, v contiguous (B, H, N, d), a
+    (`sm90a`, from its limits), the call is `plain` (q, k, v strided as TMA reads them, a
     positive scale; no variants, packed sequences, KV cache or split-KV: the kernel takes
     none yet), the dtype float16 or bfloat16, d 64 or 128, and the tile fits."""
     name = dtype_name(dtype)
@@ -113,8 +113,8 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     why = f"tensor cores: {_instruction(name, cc, allow_tf32)}"
     if sm90a and name in SM90_DTYPES:   # the Hopper forward was there and did not take it
         why += (f" (the sm_90a wgmma forward takes d = {' or '.join(map(str, SM90_HEAD_DIMS))} "
-                f"and plain calls: contiguous q, k, v, a positive scale, no variants, packed "
-                f"sequences, KV cache or split-KV)")
+                f"and plain calls: q, k, v with rows whole and strides multiples of 16 bytes, a "
+                f"positive scale, no variants, packed sequences, KV cache or split-KV)")
     return plan, why
 
 
