@@ -8,6 +8,8 @@ sm_90a, or an H100), for the tests and the GPU check.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import tiling
@@ -29,6 +31,19 @@ def tma_strides(x) -> list[int]:
     return strides
 
 
+def _address(x) -> int:
+    return (getattr(x, "__cuda_array_interface__", None) or x.__array_interface__)["data"][0]
+
+
+# Encoded maps by their arguments (a map holds nothing else): a training loop's buffers come
+# back at the same addresses, and four encodings cost more host time than a short launch.
+@functools.lru_cache(maxsize=256)
+def _tensor_map(encode, data_type, address, dims, strides, rows):
+    """A 4-D (D, N, H, B) map of boxes of 64 columns by `rows`, 128-byte swizzled."""
+    return encode(data_type, 4, address, list(dims), list(strides), [64, rows, 1, 1],
+                  [1, 1, 1, 1], swizzle=_SWIZZLE_128B)
+
+
 def tma_ready(*arrays) -> bool:
     """Whether TMA can read these (B, H, N, D) arrays as they are: contiguous rows, a
     16-byte aligned base, and row, head and batch strides (of axes longer than 1) positive
@@ -36,8 +51,7 @@ def tma_ready(*arrays) -> bool:
     for x in arrays:
         if x.size == 0:
             continue
-        ptr = (getattr(x, "__cuda_array_interface__", None) or x.__array_interface__)["data"][0]
-        if ptr % 16 or x.strides[3] != x.itemsize:
+        if _address(x) % 16 or x.strides[3] != x.itemsize:
             return False
         if any(st <= 0 or st % 16 for st in tma_strides(x)):
             return False
@@ -87,9 +101,9 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None):
     f = backend.get_function(plan)
     data_type = TENSOR_MAP_TYPES[plan.dtype]
 
-    def tensor_map(x, rows=plan.block_m):   # 4-D (D, N, H, B), boxes of 64 columns x rows
-        return backend.encode_tensor_map(data_type, 4, x, list(x.shape[::-1]), tma_strides(x),
-                                         [64, rows, 1, 1], [1, 1, 1, 1], swizzle=_SWIZZLE_128B)
+    def tensor_map(x, rows=plan.block_m):
+        return _tensor_map(backend.encode_tensor_map, data_type, _address(x), x.shape[::-1],
+                           tuple(tma_strides(x)), rows)
 
     # O by each consumer warpgroup's 64 rows
     maps = (tensor_map(q), tensor_map(k), tensor_map(v), tensor_map(o, rows=plan.block_m // 2))
