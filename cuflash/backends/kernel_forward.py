@@ -61,8 +61,9 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
                  variants=None, segments=None, num_splits=None):
     """The plan `forward` launches for these (prepared) arrays and this call on this
     backend. The Hopper forward takes a call that is `plain_call` with q, k, v its tensor
-    maps can read (`kernel_forward_sm90.tma_ready`; `scale` None: a call it does not take) unless its grid's y cannot hold B·H or its
-    query blocks leave SMs idle: it has no split-KV, the mma.sync kernel splits the keys."""
+    maps can read (`kernel_forward_sm90.tma_ready`; `scale` None: a call it does not take)
+    unless its query blocks leave SMs idle: it has no split-KV, the mma.sync kernel splits
+    the keys."""
     lim = backend.limits()
 
     def path(plain):
@@ -75,8 +76,8 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
     if isinstance(plan, tiling.Sm90FwdPlan):
         (B, Hq, Nq, _), Nk = q.shape, k.shape[2]
         blocks = -(-Nq // plan.block_m) * Hq * B
-        if B * Hq > 65535 or (num_splits is None and tiling.split_kv_count(
-                blocks, -(-Nk // plan.block_n), lim["sm_count"]) > 1):
+        if num_splits is None and tiling.split_kv_count(blocks, -(-Nk // plan.block_n),
+                                                        lim["sm_count"]) > 1:
             plan = path(False)
     return plan
 

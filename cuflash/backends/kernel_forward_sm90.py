@@ -13,6 +13,7 @@ import functools
 import numpy as np
 
 from .. import tiling
+from .marshal import i32
 
 HEAD_DIMS = tiling.SM90_HEAD_DIMS
 # dtype name → CUtensorMapDataType (cuda.h's FLOAT16, BFLOAT16)
@@ -78,9 +79,10 @@ def check_inputs(q, k, v):
         raise ValueError(f"q's {H} heads must be a multiple of k's {Hkv}")
 
 
-def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None):
+def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None, num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
-    the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan)."""
+    the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
+    `num_blocks`: the persistent grid (None: one block per SM, at most one per tile)."""
     if plan is None:
         check_inputs(q, k, v)
         plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1])
@@ -92,8 +94,6 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None):
                          f"sm_{''.join(map(str, backend.limits()['cc']))}")
     xp = backend.xp
     (B, H, Nq, D), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
-    if B * H > 65535:
-        raise ValueError(f"q: B·H = {B * H} blocks in the grid's y, at most 65535")
     if B * H * Nq == 0 or Nk == 0:   # no key: O = 0, lse = −inf
         return xp.zeros(q.shape, q.dtype), xp.full((B, H, Nq), -np.inf, np.float32)
     o = xp.empty(q.shape, q.dtype)
@@ -107,7 +107,11 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None):
 
     # O by each consumer warpgroup's 64 rows
     maps = (tensor_map(q), tensor_map(k), tensor_map(v), tensor_map(o, rows=plan.block_m // 2))
-    f((-(-Nq // plan.block_m), B * H), (plan.num_threads,),
+    num_m_blocks = -(-Nq // plan.block_m)
+    num_tiles = i32(num_m_blocks * B * H, "query blocks x heads x batch")
+    grid = min(num_tiles, num_blocks or backend.limits()["sm_count"])
+    f((grid,), (plan.num_threads,),
       (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
-       np.float32(scale), np.int32(bool(causal))), shared_mem=plan.dynamic_smem_bytes)
+       np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles),
+      shared_mem=plan.dynamic_smem_bytes)
     return o, lse

@@ -1,11 +1,17 @@
 // flash_fwd_sm90.cu — the FlashAttention forward on Hopper's asynchronous machinery (sm_90a):
 // TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure.
 //
-//   warpgroup 2 (producer)   gives its registers up; one elected thread loads Q_i once, then
+// A persistent grid (one block per SM) walks the (query block, head, batch) tiles: block x
+// takes tiles x, x + gridDim.x, …, causal ones heaviest first (the query blocks nearest the
+// end of the sequence, for every head, before the next), so a tile's prologue and
+// epilogue run under its neighbours' products and the last wave is short.
+//
+//   warpgroup 2 (producer)   gives its registers up; one elected thread, per tile: waits
+//                            until the consumers are done with Q (q_empty), loads Q_i, then
 //                            per key tile j: waits until the consumers freed the ring slot
 //                            (empty), announces the bytes and starts the TMA boxes of K_j
-//                            and V_j (full)
-//   warpgroups 0, 1          take the registers; each owns 64 of the block's 128 query rows.
+//                            and V_j (full). The ring runs on across tiles.
+//   warpgroups 0, 1          take the registers; each owns 64 of the tile's 128 query rows.
 //   (consumers)              Per key tile j (Algorithm 1, lines 6-10):
 //                              S = Q_i K_jᵀ           wgmma m64n128k16, both from shared memory
 //                              m_new = max(m_i, rowmax S · c), P̃ = exp2(S·c − m_new), ℓ
@@ -14,8 +20,10 @@
 //                              acc = α acc + P̃ V_j   wgmma m64nDk16: P̃ from registers (the
 //                                                     accumulators packed to 16 bits), V_j
 //                                                     MN-major from shared memory
-//                            then free the slot (empty); at the end O_i = acc / ℓ_i through
-//                            the warpgroup's rows of Q_i's boxes and a TMA store, lse_i.
+//                            then free the slot (empty); after the last, free Q (q_empty),
+//                            and O_i = acc / ℓ_i goes out through the warpgroup's rows of
+//                            the O buffer and a TMA store (read while the next tile runs),
+//                            lse_i directly.
 //                            Pipelined within the warpgroup as FlashAttention-3 does: S_j
 //                            and P̃_{j−1} V_{j−1} issued together, the softmax of tile j run
 //                            while the product still runs, acc *= α_j once it retired; and
@@ -38,8 +46,9 @@ using namespace cuflash;
 
 namespace {
 
-// The tile and its shared memory: Q_i, and the K_j, V_j ring, each as D / 64 boxes of 128
-// rows × 64 columns (16 KB, on 1024-byte boundaries as the 128-byte swizzle needs).
+// The tile and its shared memory: Q_i, the K_j, V_j ring and O_i's staging, each as D / 64
+// boxes of 128 rows × 64 columns (16 KB, on 1024-byte boundaries as the 128-byte swizzle
+// needs).
 template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
     static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
@@ -51,6 +60,7 @@ template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
         T q[kBoxes][kBoxElems];
         T k[kStages][kBoxes][kBoxElems];
         T v[kStages][kBoxes][kBoxElems];
+        T o[kBoxes][kBoxElems];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
@@ -72,22 +82,34 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_v,
                       const __grid_constant__ sm90::TensorMap map_o,
                       float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
-                      int causal) {
+                      int causal, int num_m_blocks, int num_tiles) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
-    __shared__ __align__(8) unsigned long long q_full, full[STAGES], empty[STAGES];
-
-    const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·H + h
-    const int b = bh / H, h = bh % H, h_kv = h / group;
-    // the key tiles any row of the block sees (causal: up to its last row's diagonal)
-    const int n_end = causal ? min(Nk, max(0, m0 + BM + Nk - Nq)) : Nk;
-    const int tiles = (n_end + BN - 1) / BN;
+    __shared__ __align__(8) unsigned long long q_full, q_empty, full[STAGES], empty[STAGES];
     const int warpgroup = threadIdx.x / 128;
+
+    // Tile `tile` of the walk: its first query row, (b, h), and the key tiles any of its rows
+    // sees (causal: up to its last row's diagonal)
+    struct Tile {
+        int m0, bh, b, h, tiles;
+    };
+    auto tile_at = [&](int tile) {
+        const int BH = num_tiles / num_m_blocks, m = tile / BH;
+        Tile x;
+        x.m0 = (causal ? num_m_blocks - 1 - m : m) * BM;
+        x.bh = tile % BH;  // b·H + h
+        x.b = x.bh / H;
+        x.h = x.bh % H;
+        const int n_end = causal ? min(Nk, max(0, x.m0 + BM + Nk - Nq)) : Nk;
+        x.tiles = (n_end + BN - 1) / BN;
+        return x;
+    };
 
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
+        sm90::mbar_init(&q_empty, 256);
         for (int s = 0; s < STAGES; ++s) {
             sm90::mbar_init(&full[s], 1);
             sm90::mbar_init(&empty[s], 256);
@@ -97,18 +119,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __syncthreads();
 
     if (warpgroup == 2) {  // the producer
-        sm90::regs_dec<24>();
+        sm90::regs_dec<40>();  // 128 · 40 + 256 · 232 of the 64 K registers
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
-            sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
-            for (int x = 0; x < Tr::kBoxes; ++x)
-                sm90::tma_load_4d(sm.q[x], map_q, 64 * x, m0, h, b, &q_full);
-            for (int j = 0; j < tiles; ++j) {
-                const int s = j % STAGES;
-                if (j >= STAGES) sm90::mbar_wait(&empty[s], (j / STAGES - 1) & 1);
-                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kBoxBytes);
-                for (int x = 0; x < Tr::kBoxes; ++x) {
-                    sm90::tma_load_4d(sm.k[s][x], map_k, 64 * x, j * BN, h_kv, b, &full[s]);
-                    sm90::tma_load_4d(sm.v[s][x], map_v, 64 * x, j * BN, h_kv, b, &full[s]);
+            int it = 0;  // key tiles loaded so far: the ring's slot and phase
+            for (int tile = blockIdx.x, n = 0; tile < num_tiles; tile += gridDim.x, ++n) {
+                const Tile x = tile_at(tile);
+                if (n > 0) sm90::mbar_wait(&q_empty, (n - 1) & 1);
+                sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
+                for (int c = 0; c < Tr::kBoxes; ++c)
+                    sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.m0, x.h, x.b, &q_full);
+                for (int j = 0; j < x.tiles; ++j, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) sm90::mbar_wait(&empty[s], (it / STAGES - 1) & 1);
+                    sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kBoxBytes);
+                    for (int c = 0; c < Tr::kBoxes; ++c) {
+                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, x.h / group, x.b, &full[s]);
+                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, x.h / group, x.b, &full[s]);
+                    }
                 }
             }
         }
@@ -118,16 +145,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // -- the consumers: warp w of warpgroup wg owns rows 64 wg + 16 w .. of the block; a
     // thread rows g and g + 8 of those (accumulator i: n-tile i / 4, row + 8 for i % 4 ≥ 2,
     // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
-    sm90::regs_inc<240>();
+    sm90::regs_inc<232>();
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
-    const int r_top = m0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
+    const int row = (threadIdx.x / 32 % 4) * 16 + g;   // the thread's rows in the warpgroup's 64
     const float c = softmax_scale_log2(scale);
+    int m0 = 0, r_top = 0;  // the tile's first row, the thread's top row
     OnlineSoftmax<float> top, bottom;
-    top.init();
-    bottom.init();
     float acc[Tr::kOAcc];
-#pragma unroll
-    for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
 
     // S = Q_i K_jᵀ of tile j in slot s, issued (k16 steps along D, 32 bytes each in a box)
     float sc[64];
@@ -204,80 +228,95 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // while P̃_{j−1} V_{j−1} does; S_j first, then acc *= α_j once that product retired.
     // Slot j's K_j is read by S_j, its V_j by the P̃ V of the next iteration, after which
     // the slot is freed (empty)
-    sm90::mbar_wait(&q_full, 0);
-    if (tiles > 0) {
-        sm90::mbar_wait(&full[0], 0);
-        my_turn();
-        sm90::wgmma_fence();
-        issue_s(0);
-        your_turn();
-        sm90::wgmma_wait<0>();
-        float alpha_top, alpha_bottom;  // acc is 0: nothing to rescale
-        softmax(0, alpha_top, alpha_bottom);
-        pack();
-    }
-    for (int j = 1; j < tiles; ++j) {
-        const int s = j % STAGES, s_prev = (j - 1) % STAGES;
-        sm90::mbar_wait(&full[s], (j / STAGES) & 1);
-        my_turn();
-        sm90::wgmma_fence();
-        issue_s(s);           // S_j
-        issue_pv(s_prev);     // acc += P̃_{j−1} V_{j−1}
-        your_turn();
-        sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order)
-        float alpha_top, alpha_bottom;
-        softmax(j, alpha_top, alpha_bottom);
-        sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
-        sm90::mbar_arrive(&empty[s_prev]);
+    int it = 0;  // key tiles consumed so far: the ring's slot and phase, as the producer's
+    for (int tile = blockIdx.x, n = 0; tile < num_tiles; tile += gridDim.x, ++n) {
+        const int tiles = tile_at(tile).tiles;
+        m0 = tile_at(tile).m0;
+        r_top = m0 + warpgroup * 64 + row;
+        top.init();
+        bottom.init();
+#pragma unroll
+        for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
+        sm90::mbar_wait(&q_full, n & 1);
+        if (tiles > 0) {
+            sm90::mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
+            my_turn();
+            sm90::wgmma_fence();
+            issue_s(it % STAGES);
+            your_turn();
+            sm90::wgmma_wait<0>();
+            float alpha_top, alpha_bottom;  // acc is 0: nothing to rescale
+            softmax(0, alpha_top, alpha_bottom);
+            pack();
+        }
+        for (int j = 1; j < tiles; ++j) {
+            const int s = (it + j) % STAGES, s_prev = (it + j - 1) % STAGES;
+            sm90::mbar_wait(&full[s], ((it + j) / STAGES) & 1);
+            my_turn();
+            sm90::wgmma_fence();
+            issue_s(s);           // S_j
+            issue_pv(s_prev);     // acc += P̃_{j−1} V_{j−1}
+            your_turn();
+            sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order)
+            float alpha_top, alpha_bottom;
+            softmax(j, alpha_top, alpha_bottom);
+            sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
+            sm90::mbar_arrive(&empty[s_prev]);
+#pragma unroll
+            for (int i = 0; i < Tr::kOAcc; i += 4) {
+                acc[i] *= alpha_top;
+                acc[i + 1] *= alpha_top;
+                acc[i + 2] *= alpha_bottom;
+                acc[i + 3] *= alpha_bottom;
+            }
+            pack();
+        }
+        if (tiles > 0) {  // the last tile's P̃ V
+            my_turn();
+            sm90::wgmma_fence();
+            issue_pv((it + tiles - 1) % STAGES);
+            your_turn();
+            sm90::wgmma_wait<0>();
+            sm90::mbar_arrive(&empty[(it + tiles - 1) % STAGES]);
+        }
+        it += tiles;
+        sm90::mbar_arrive(&q_empty);  // every S of the tile has retired: Q_i may go
+
+        // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i. O goes
+        // through the warpgroup's rows of the O buffer, in the boxes' swizzled layout, once
+        // the last tile's store has read them, then out by one TMA store per box: rows past
+        // Nq are dropped by the store
+        top.l_i = warp_reduce_sum<4>(top.l_i);
+        bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
+        const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
+        if (threadIdx.x % 128 == 0) sm90::bulk_wait_read();
+        sm90::bar_sync(3 + warpgroup, 128);  // the O buffer's rows are free
 #pragma unroll
         for (int i = 0; i < Tr::kOAcc; i += 4) {
-            acc[i] *= alpha_top;
-            acc[i + 1] *= alpha_top;
-            acc[i + 2] *= alpha_bottom;
-            acc[i + 3] *= alpha_bottom;
+            const int col = 8 * (i / 4) + 2 * t, box = col / 64;
+            unsigned char* rows = reinterpret_cast<unsigned char*>(sm.o[box] + warpgroup * 64 * 64);
+            // 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8)
+            auto at = [&](int r) {
+                return rows + r * 128 + (((col % 64) / 8) ^ (r % 8)) * 16 + (col % 8) * 2;
+            };
+            *reinterpret_cast<unsigned*>(at(row)) = pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
+            *reinterpret_cast<unsigned*>(at(row + 8)) =
+                pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
         }
-        pack();
-    }
-    if (tiles > 0) {  // the last tile's P̃ V
-        my_turn();
-        sm90::wgmma_fence();
-        issue_pv((tiles - 1) % STAGES);
-        your_turn();
-        sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(&empty[(tiles - 1) % STAGES]);
+        sm90::fence_proxy_async();
+        sm90::bar_sync(3 + warpgroup, 128);  // the warpgroup's writes all made
+        const Tile x = tile_at(tile);  // its head and batch again: no registers held over the loop
+        if (threadIdx.x % 128 == 0) {
+            for (int b = 0; b < Tr::kBoxes; ++b)
+                sm90::tma_store_4d(map_o, 64 * b, m0 + warpgroup * 64, x.h, x.b,
+                                   sm.o[b] + warpgroup * 64 * 64);
+            sm90::bulk_commit();
+        }
+        if (t == 0) {
+            if (r_top < Nq) lse[(long long)x.bh * Nq + r_top] = top.lse();
+            if (r_top + 8 < Nq) lse[(long long)x.bh * Nq + r_top + 8] = bottom.lse();
+        }
     }
     if (warpgroup == 0) my_turn();  // warpgroup 1's last turn, passed to no one
-
-    // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i. O goes
-    // through the warpgroup's own rows of Q_i's boxes (only its own S read them, and that has
-    // retired), in the boxes' swizzled layout, then out by one TMA store per box: rows past
-    // Nq are dropped by the store
-    top.l_i = warp_reduce_sum<4>(top.l_i);
-    bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
-    const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
-    const int row = (threadIdx.x / 32 % 4) * 16 + g;   // the thread's rows in the warpgroup's 64
-#pragma unroll
-    for (int i = 0; i < Tr::kOAcc; i += 4) {
-        const int col = 8 * (i / 4) + 2 * t, box = col / 64;
-        unsigned char* rows = reinterpret_cast<unsigned char*>(sm.q[box] + warpgroup * 64 * 64);
-        // 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8)
-        auto at = [&](int r) {
-            return rows + r * 128 + (((col % 64) / 8) ^ (r % 8)) * 16 + (col % 8) * 2;
-        };
-        *reinterpret_cast<unsigned*>(at(row)) = pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
-        *reinterpret_cast<unsigned*>(at(row + 8)) =
-            pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
-    }
-    sm90::fence_proxy_async();
-    sm90::bar_sync(3 + warpgroup, 128);  // the warpgroup's writes all made
-    if (threadIdx.x % 128 == 0) {
-        for (int x = 0; x < Tr::kBoxes; ++x)
-            sm90::tma_store_4d(map_o, 64 * x, m0 + warpgroup * 64, h, b, sm.q[x] + warpgroup * 64 * 64);
-        sm90::bulk_commit();
-        sm90::bulk_wait_read();
-    }
-    if (t == 0) {
-        if (r_top < Nq) lse[(long long)bh * Nq + r_top] = top.lse();
-        if (r_top + 8 < Nq) lse[(long long)bh * Nq + r_top + 8] = bottom.lse();
-    }
+    if (threadIdx.x % 128 == 0) sm90::bulk_wait_read();  // the block's shared memory outlives the stores
 }

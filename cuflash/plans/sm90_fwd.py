@@ -14,7 +14,8 @@ BOX_BYTES = 128 * 64 * 2     # one TMA box: 128 rows of 64 16-bit elements (128 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdPlan(Plan):
     """flash_fwd_sm90_kernel<T, HEAD_DIM>: 128 × 128 tiles, two consumer warpgroups of 64
-    query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA ring."""
+    query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA ring; a
+    persistent grid of one block per SM."""
 
     dynamic_smem = True
     arch_specific = True
@@ -32,8 +33,8 @@ class Sm90FwdPlan(Plan):
 
     @property
     def smem_bytes(self) -> int:
-        """Smem: Q_i and the ring's K_j, V_j stages, each D / 64 boxes."""
-        return (1 + 2 * self.stages) * (self.head_dim // 64) * BOX_BYTES
+        """Smem: Q_i, the ring's K_j, V_j stages and O_i's staging, each D / 64 boxes."""
+        return (2 + 2 * self.stages) * (self.head_dim // 64) * BOX_BYTES
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
