@@ -208,3 +208,26 @@ def test_on_the_gpu(dt, D, causal):
     if tuple(be.limits()["cc"]) != (9, 0):
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     _check(be, 2, 8, 2, 1000, 1500, D, causal, seed=D, dtype=dt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_and_persistent_on_the_gpu(causal):
+    """On an H100: the driver's 4-D maps over (B, N, H, D) memory and padded rows, and three
+    blocks walking every tile, with the bits of contiguous inputs and one block per tile."""
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    import cupy
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    q, k, v = (cupy.asarray(x) for x in attention_inputs(2, 8, 2, 700, 900, 128, F16, seed=3)[:3])
+    q_s, v_s = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, v))
+    wide = cupy.zeros(k.shape[:-1] + (192,), F16)
+    wide[..., :128] = k
+    k_s = wide[..., :128]
+    o, lse = sm90.forward_sm90(be, q_s, k_s, v_s, causal=causal, scale=0.1, num_blocks=3)
+    o_c, lse_c = sm90.forward_sm90(be, q, k, v, causal=causal, scale=0.1)
+    assert cupy.array_equal(o.view(cupy.uint16), o_c.view(cupy.uint16))
+    assert cupy.array_equal(lse, lse_c)
+    _check(be, 2, 8, 2, 700, 900, 128, causal, seed=3, num_blocks=3)
