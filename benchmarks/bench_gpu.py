@@ -3,9 +3,9 @@ run on one CUDA device. Peers, each where installed: PyTorch SDPA with each of i
 backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 `dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
 two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
-has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward launched directly
-(cuflash-sm90: flash_fwd_sm90.cu, 16-bit, d = 64 and 128, which the planner takes for
-plain calls that fill the GPU); CuPy naive
+has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward on a persistent
+grid (cuflash-sm90: flash_fwd_sm90.cu, 16-bit, d = 64 and 128, one block per SM walking the
+tiles; the planner launches one block per tile); CuPy naive
 attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
@@ -241,7 +241,8 @@ class CuflashTwoKernels(Cuflash):
 
 class CuflashSm90(Cuflash):
     """cuflash's Hopper forward (flash_fwd_sm90.cu: TMA, a producer warpgroup, wgmma) on an
-    sm_90 GPU, launched directly; its backward is cuflash's."""
+    sm_90 GPU with a persistent grid (one block per SM walking the tiles), against the
+    planner's one block per tile; its backward is cuflash's."""
     name = "cuflash-sm90"
     dtypes = SIXTEEN_BIT
 
@@ -268,17 +269,19 @@ class CuflashSm90(Cuflash):
         from cuflash.backends import kernel_forward_sm90, kernels
         backend = kernels.cuda_backend()
 
-        def fwd():
-            return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale)[0]
+        persistent = dict(causal=causal, scale=scale, num_blocks=backend.limits()["sm_count"])
 
-        o, lse = kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale)
+        def fwd():
+            return kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)[0]
+
+        o, lse = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
         kw = dict(causal=causal, scale=scale, backend="cuda")
 
         def bwd():
             return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
 
         def fwd_bwd():
-            o2, lse2 = kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale)
+            o2, lse2 = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
             return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 

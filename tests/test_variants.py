@@ -407,15 +407,19 @@ def test_emulated_kernels_any_options(p):
 
 
 def test_variants_take_the_tensor_core_kernels():
-    """A call with variants takes the plan a plain call takes: the tensor-core forwards
-    run every option (tests/test_kernels_tc_variants.py), and the planner no longer asks."""
-    import inspect
+    """A call with variants takes the plan a plain call takes on mma.sync: the tensor-core
+    forwards run every option (tests/test_kernels_tc_variants.py). On sm_90a, where plain
+    calls take the Hopper forward (which runs none yet), it takes the mma.sync one."""
     from cuflash import tiling
     limits = dict(max_smem=163 * 1024, sm_count=108)
     for dt in (np.float16, np.float32):
-        plan, why = tiling.forward_path(64, dt, (8, 0), **limits)
-        assert plan.kernel.startswith("flash_fwd_t") and why.startswith("tensor cores")
-    assert "plain" not in inspect.signature(tiling.forward_path).parameters
+        for plain in (False, True):
+            plan, why = tiling.forward_path(64, dt, (8, 0), plain=plain, **limits)
+            assert plan.kernel == "flash_fwd_tc" and why.startswith("tensor cores")
+    h100 = dict(max_smem=227 * 1024, sm_count=132, sm90a=True)
+    assert tiling.forward_path(64, np.float16, (9, 0), plain=True, **h100)[0].kernel == "flash_fwd_sm90"
+    plan, why = tiling.forward_path(64, np.float16, (9, 0), plain=False, **h100)
+    assert plan.kernel == "flash_fwd_tc" and "plain calls" in why
 
 
 def test_window_edges_on_tile_boundaries(backend):

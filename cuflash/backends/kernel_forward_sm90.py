@@ -82,7 +82,9 @@ def check_inputs(q, k, v):
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None, num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
-    `num_blocks`: the persistent grid (None: one block per SM, at most one per tile)."""
+    `num_blocks`: the grid, each block walking tiles x, x + num_blocks, … (None: one block
+    per tile; the persistent grid of one block per SM measured slower on an H100 while it
+    walked the tiles head-interleaved, and is not yet measured head by head)."""
     if plan is None:
         check_inputs(q, k, v)
         plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1])
@@ -109,7 +111,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None, num
     maps = (tensor_map(q), tensor_map(k), tensor_map(v), tensor_map(o, rows=plan.block_m // 2))
     num_m_blocks = -(-Nq // plan.block_m)
     num_tiles = i32(num_m_blocks * B * H, "query blocks x heads x batch")
-    grid = min(num_tiles, num_blocks or backend.limits()["sm_count"])
+    grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)
     f((grid,), (plan.num_threads,),
       (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles),

@@ -1,10 +1,11 @@
 // flash_fwd_sm90.cu — the FlashAttention forward on Hopper's asynchronous machinery (sm_90a):
 // TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure.
 //
-// A persistent grid (one block per SM) walks the (query block, head, batch) tiles: block x
-// takes tiles x, x + gridDim.x, …, causal ones heaviest first (the query blocks nearest the
-// end of the sequence, for every head, before the next), so a tile's prologue and
-// epilogue run under its neighbours' products and the last wave is short.
+// The grid walks the (query block, head, batch) tiles head by head (the blocks running at
+// once share their heads' K and V in L2), causal ones heaviest first within a head; block
+// x takes tiles x, x + gridDim.x, …: one tile per block by default, or a persistent grid
+// of one block per SM whose tiles' prologues and epilogues run under their neighbours'
+// products (launch's choice).
 //
 //   warpgroup 2 (producer)   gives its registers up; one elected thread, per tile: waits
 //                            until the consumers are done with Q (q_empty), loads Q_i, then
@@ -96,10 +97,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         int m0, bh, b, h, tiles;
     };
     auto tile_at = [&](int tile) {
-        const int BH = num_tiles / num_m_blocks, m = tile / BH;
+        const int m = tile % num_m_blocks;
         Tile x;
         x.m0 = (causal ? num_m_blocks - 1 - m : m) * BM;
-        x.bh = tile % BH;  // b·H + h
+        x.bh = tile / num_m_blocks;  // b·H + h
         x.b = x.bh / H;
         x.h = x.bh % H;
         const int n_end = causal ? min(Nk, max(0, x.m0 + BM + Nk - Nq)) : Nk;

@@ -14,8 +14,8 @@ BOX_BYTES = 128 * 64 * 2     # one TMA box: 128 rows of 64 16-bit elements (128 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdPlan(Plan):
     """flash_fwd_sm90_kernel<T, HEAD_DIM>: 128 × 128 tiles, two consumer warpgroups of 64
-    query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA ring; a
-    persistent grid of one block per SM."""
+    query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA ring;
+    blocks walk the tiles head by head."""
 
     dynamic_smem = True
     arch_specific = True
