@@ -23,16 +23,18 @@ def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=2, arch="sm_90a")
 
 
-def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=None):
+def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=None,
+           window=None):
     q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed=seed)[:3]
     scale = D ** -0.5
     xp = backend.xp
     o, lse = sm90.forward_sm90(backend, xp.asarray(q), xp.asarray(k), xp.asarray(v),
-                               causal=causal, scale=scale, num_blocks=num_blocks)
+                               causal=causal, scale=scale, window=window, num_blocks=num_blocks)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
     ref_o, ref_lse = reference.naive_attention(q, kr, vr, causal=causal, scale=scale,
-                                               return_lse=True)
-    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=dtype)
+                                               return_lse=True, window=window)
+    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=dtype,
+                               window=window)
     assert_close_to_reference(o, ref_o, plain, dtype, what=f"O (D={D}, causal={causal})")
     assert_lse_close(lse, ref_lse, dtype)
     assert to_host(o).dtype == dtype
@@ -62,6 +64,21 @@ def test_checked_and_schedules(D, schedule, dt):
     o_rr, lse_rr = _check(_backend(), *args, seed=D, dtype=dt)
     np.testing.assert_array_equal(o, o_rr)
     np.testing.assert_array_equal(lse, lse_rr)
+
+
+@pytest.mark.parametrize("window,causal,Nq,Nk", [
+    ((100, 0), False, 300, 420),    # a sliding window right of nothing: the tiles left of it skipped
+    ((0, 100), False, 300, 300),    # right only: the tiles beyond the reach skipped
+    ((130, -1), True, 400, 300),    # causal with a left edge; Nq > Nk: rows with no key
+    ((5, 7), False, 260, 1000),     # a narrow band across tile boundaries
+])
+def test_window(window, causal, Nq, Nk):
+    """The sliding window (mask.cuh's, bottom-right aligned) against the float64 reference;
+    checked mode with two blocks walking the tiles: the ring skips what no row sees."""
+    o, lse = _check(_backend(checked=True, schedule="random"), 2, 2, 1, Nq, Nk, 64, causal,
+                    seed=Nq + Nk, window=window, num_blocks=2)
+    if causal and Nq > Nk:
+        assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
 @pytest.mark.parametrize("D,dt,Nq,Nk,causal,schedule", [
@@ -106,6 +123,10 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
     o_sm90, lse_sm90 = sm90.forward_sm90(_backend(), q, k, v, causal=True, scale=0.125)
     np.testing.assert_array_equal(o.view(np.uint16), o_sm90.view(np.uint16))
     np.testing.assert_array_equal(lse, lse_sm90)
+    o_w = cuflash.flash_attention(q, k, v, window=(40, 0), backend="emulator")   # the window too
+    o_w_sm90, _ = sm90.forward_sm90(_backend(), q, k, v, causal=False, scale=0.125,
+                                    window=(40, 0))
+    np.testing.assert_array_equal(o_w.view(np.uint16), o_w_sm90.view(np.uint16))
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90")
     o_mma = cuflash.flash_attention(q, k, v, causal=True, backend="emulator")
     assert not np.array_equal(o_mma.view(np.uint16), o.view(np.uint16))
@@ -113,7 +134,7 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
 
 def test_what_the_planner_gives_the_mma_sync_kernel():
     """Calls the Hopper kernel does not take yet run mma.sync on sm_90a, and the reason
-    says so: variants, a negative scale, split-KV (its query blocks would leave SMs idle),
+    says so: variants but the window, a negative scale, split-KV (its query blocks would leave SMs idle),
     float32, d = 96, rows 136 bytes apart, and sm_90 without the "a" features."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
@@ -125,8 +146,9 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
         return kernel_forward.forward_plan(backend, q, k, v, **{"scale": 0.125, **call})
     assert isinstance(plan(), tiling.Sm90FwdPlan)
     assert isinstance(plan(variants=Variants()), tiling.Sm90FwdPlan)      # no option set
-    for call in (dict(variants=Variants(window=(8, 0))), dict(scale=-0.125), dict(scale=None),
-                 dict(num_splits=2)):
+    assert isinstance(plan(variants=Variants(window=(8, 0))), tiling.Sm90FwdPlan)
+    for call in (dict(variants=Variants(window=(8, 0), softcap=5.0)), dict(scale=-0.125),
+                 dict(scale=None), dict(num_splits=2)):
         assert type(plan(**call)) is tiling.TcPlan, call
     long_keys = attention_inputs(1, 1, 1, 64, 1024, 64, F16)[:3]   # 1 query block, 8 key tiles
     assert type(plan(*long_keys)) is tiling.TcPlan
@@ -208,6 +230,17 @@ def test_on_the_gpu(dt, D, causal):
     if tuple(be.limits()["cc"]) != (9, 0):
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     _check(be, 2, 8, 2, 1000, 1500, D, causal, seed=D, dtype=dt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,causal", [((256, 0), False), ((300, -1), True), ((7, 130), False)])
+def test_window_on_the_gpu(window, causal):
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    _check(be, 2, 4, 2, 1000, 1300, 128, causal, seed=9, window=window)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 * The Hopper forward (`flash_fwd_sm90_kernel`, `kernel_forward_sm90`): on an sm_90a device,
-  plain float16/bfloat16 calls with d = 64 or 128 (`plain_call`, `tiling.forward_path`).
+  float16/bfloat16 calls with d = 64 or 128 and no variant but the window (`plain_call`,
+  `tiling.forward_path`).
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
 the same plan serves a plain call and one with variants. The FA2 launches also take the
@@ -84,9 +85,9 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
 
 def plain_call(scale, variants=None, segments=None, num_splits=None) -> bool:
     """Whether a call has none of what the Hopper forward does not take yet: attention
-    variants, packed sequences or a KV cache, split-KV, a scale that is not positive and
-    finite (its row max is taken of S before scaling)."""
-    return ((variants is None or variants.is_plain()) and segments is None
+    variants other than the window, packed sequences or a KV cache, split-KV, a scale that
+    is not positive and finite (its row max is taken of S before scaling)."""
+    return ((variants is None or set(variants.active()) <= {"window"}) and segments is None
             and num_splits in (None, 1) and 0 < float(scale) < float("inf"))
 
 
@@ -110,7 +111,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
                         scale=scale, variants=variants, segments=segments, num_splits=num_splits)
     if isinstance(plan, tiling.Sm90FwdPlan):
         return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
-                                                plan=plan)
+                                                window=variants and variants.window, plan=plan)
     if segments is not None and segments.block_table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")

@@ -79,9 +79,11 @@ def check_inputs(q, k, v):
         raise ValueError(f"q's {H} heads must be a multiple of k's {Hkv}")
 
 
-def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None, num_blocks=None):
+def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, window=None, plan=None,
+                 num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
+    `window`: (left, right) as `Variants.window` (−1: unbounded), None for none.
     `num_blocks`: the grid, each block walking tiles x, x + num_blocks, … (None: one block
     per tile; the persistent grid of one block per SM measured slower on an H100 while it
     walked the tiles head-interleaved, and is not yet measured head by head)."""
@@ -114,6 +116,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, plan=None, num
     grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)
     f((grid,), (plan.num_threads,),
       (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
-       np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles),
+       np.float32(scale), np.int32(bool(causal)), *map(np.int32, window or (-1, -1)),
+       np.int32(num_m_blocks), num_tiles),
       shared_mem=plan.dynamic_smem_bytes)
     return o, lse

@@ -37,9 +37,11 @@
 // K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
 // come in as zeros and are masked (keys) or dropped by the store (queries). GQA: query head h reads
 // K/V head h / group.
-// Causal masking is bottom-right aligned (mask.cuh): key tiles right of the block's
-// diagonal are never loaded.
+// Causal masking and the sliding window are mask.cuh's (bottom-right aligned): key tiles
+// outside every row's reach are never loaded; those some row sees only in part are masked
+// score by score.
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
 
@@ -83,7 +85,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_v,
                       const __grid_constant__ sm90::TensorMap map_o,
                       float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
-                      int causal, int num_m_blocks, int num_tiles) {
+                      int causal, int win_left, int win_right, int num_m_blocks,
+                      int num_tiles) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -91,20 +94,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __shared__ __align__(8) unsigned long long q_full, q_empty, full[STAGES], empty[STAGES];
     const int warpgroup = threadIdx.x / 128;
 
-    // Tile `tile` of the walk: its first query row, (b, h), and the key tiles any of its rows
-    // sees (causal: up to its last row's diagonal)
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    // Tile `tile` of the walk: its first query row, (b, h), and the key tiles [j0, j1) any
+    // of its rows sees (causal, a window: from its first row's left edge to its last row's
+    // diagonal)
     struct Tile {
-        int m0, bh, b, h, tiles;
+        int m0, bh, b, h, j0, j1;
     };
     auto tile_at = [&](int tile) {
         const int m = tile % num_m_blocks;
         Tile x;
-        x.m0 = (causal ? num_m_blocks - 1 - m : m) * BM;
+        x.m0 = (causal || win_right >= 0 ? num_m_blocks - 1 - m : m) * BM;
         x.bh = tile / num_m_blocks;  // b·H + h
         x.b = x.bh / H;
         x.h = x.bh % H;
-        const int n_end = causal ? min(Nk, max(0, x.m0 + BM + Nk - Nq)) : Nk;
-        x.tiles = (n_end + BN - 1) / BN;
+        const int n_begin = mask.key_begin(x.m0), n_end = mask.key_end(x.m0 + BM);
+        x.j0 = n_begin / BN;
+        x.j1 = n_end > n_begin ? (n_end + BN - 1) / BN : x.j0;
         return x;
     };
 
@@ -129,7 +135,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c)
                     sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.m0, x.h, x.b, &q_full);
-                for (int j = 0; j < x.tiles; ++j, ++it) {
+                for (int j = x.j0; j < x.j1; ++j, ++it) {
                     const int s = it % STAGES;
                     if (it >= STAGES) sm90::mbar_wait(&empty[s], (it / STAGES - 1) & 1);
                     sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kBoxBytes);
@@ -151,6 +157,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int row = (threadIdx.x / 32 % 4) * 16 + g;   // the thread's rows in the warpgroup's 64
     const float c = softmax_scale_log2(scale);
     int m0 = 0, r_top = 0;  // the tile's first row, the thread's top row
+    int full_lo = 0, full_hi = 0;  // the key tiles every row of the tile sees whole
     OnlineSoftmax<float> top, bottom;
     float acc[Tr::kOAcc];
 
@@ -178,12 +185,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // diagonal); the row max of S, scaled; P̃ = exp2(S·c − m_new) in place; returns α
     auto softmax = [&](int j, float& alpha_top, float& alpha_bottom) {
         const int n0 = j * BN;
-        if (n0 + BN > Nk || (causal && n0 + BN - 1 > m0 + Nk - Nq)) {
+        if (j < full_lo || j >= full_hi) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) {
                 const int col = n0 + 8 * (i / 4) + 2 * t + i % 2;
-                const int row = r_top + (i % 4 >= 2 ? 8 : 0);
-                if (col >= Nk || (causal && col > row + Nk - Nq)) sc[i] = neg_inf<float>();
+                if (mask.masked(r_top + (i % 4 >= 2 ? 8 : 0), col)) sc[i] = neg_inf<float>();
             }
         }
         float max_top = max_(sc[0], sc[1]), max_bottom = max_(sc[2], sc[3]);
@@ -231,8 +237,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // the slot is freed (empty)
     int it = 0;  // key tiles consumed so far: the ring's slot and phase, as the producer's
     for (int tile = blockIdx.x, n = 0; tile < num_tiles; tile += gridDim.x, ++n) {
-        const int tiles = tile_at(tile).tiles;
+        const int j0 = tile_at(tile).j0, tiles = tile_at(tile).j1 - j0;
         m0 = tile_at(tile).m0;
+        mask.full_tiles(m0, m0 + BM, BN, j0, j0 + tiles, full_lo, full_hi);
         r_top = m0 + warpgroup * 64 + row;
         top.init();
         bottom.init();
@@ -247,7 +254,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             your_turn();
             sm90::wgmma_wait<0>();
             float alpha_top, alpha_bottom;  // acc is 0: nothing to rescale
-            softmax(0, alpha_top, alpha_bottom);
+            softmax(j0, alpha_top, alpha_bottom);
             pack();
         }
         for (int j = 1; j < tiles; ++j) {
@@ -260,7 +267,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             your_turn();
             sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order)
             float alpha_top, alpha_bottom;
-            softmax(j, alpha_top, alpha_bottom);
+            softmax(j0 + j, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
             sm90::mbar_arrive(&empty[s_prev]);
 #pragma unroll
