@@ -44,6 +44,7 @@ import time
 
 from . import compiler, sass_cost
 from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC, FLASH_FWD_TC
+from .plans.sm90_bwd import all_sm90_bwd_plans
 from .plans.sm90_fwd import all_sm90_fwd_plans
 
 # The options CuPy's RawModule adds to the caller's (see the module docstring).
@@ -61,9 +62,12 @@ ARCHS = tuple(dict.fromkeys((*compiler.GATE_ARCHS, "sm_100", "sm_120", "sm_90a")
 # machine code (warpgroup MMA, tensor-memory loads, the mbarrier's SYNCS unit).
 SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"],
                        "flash_fwd_sm90.cu": [p.name_expression
-                                             for p in all_sm90_fwd_plans()]}}
+                                             for p in all_sm90_fwd_plans()],
+                       "flash_bwd_sm90.cu": [p.name_expression
+                                             for p in all_sm90_bwd_plans()]}}
 REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS"),
-                 "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
+                 "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS"),
+                 "flash_bwd_dkdv_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
 
 # Why an NVRTC may lack an arch of ARCHS: each CUDA release adds and drops some.
 _ARCH_RANGE = {"sm_70": "CUDA 12.9 is the last toolkit that targets sm_70",
@@ -175,7 +179,7 @@ SASS_OPCODES = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL", *_REQUIRED_OPCODES)
 
 # The kernels whose main loop's static cost a sass=True build counts: the tensor-core ones.
 COSTED = (*(f.function for f in (FLASH_FWD_TC, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC)),
-          "flash_fwd_sm90_kernel")
+          "flash_fwd_sm90_kernel", "flash_bwd_dkdv_sm90_kernel")
 
 
 def nvdisasm_path():

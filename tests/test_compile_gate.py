@@ -199,15 +199,16 @@ def test_check_kernels_rejects_an_unknown_source(capsys):
 # -- sm_90a: the Hopper kernels' machine code ------------------------------------------------
 
 def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
-    """sm90_gemm.cu and flash_fwd_sm90.cu built for sm_90a show warpgroup MMA, TMA loads and
-    mbarrier operations in their SASS; with the GEMM's wgmma or its TMA taken out the gate
+    """sm90_gemm.cu, flash_fwd_sm90.cu and flash_bwd_sm90.cu built for sm_90a show warpgroup
+    MMA, TMA loads and mbarrier operations in their SASS; with the GEMM's wgmma or its TMA taken out the gate
     fails it, naming what is missing (ptxas turns a lone wgmma.fence/commit/wait into
     placeholder HGMMA: all go)."""
     if compile_gate.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed")
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
     assert [r.kernel for r in rows] == ["sm90_gemm"] + [
-        f"flash_fwd_sm90_kernel<{t}, {d}>" for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
+        f"flash_{p}_sm90_kernel<{t}, {d}>" for p in ("fwd", "bwd_dkdv")
+        for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
     for row in rows:
         assert row.ok and all(row.sass[o] > 0 for o in ("HGMMA", "UTMALDG", "SYNCS")), \
             compile_gate.format_table([row])

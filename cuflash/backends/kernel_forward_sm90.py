@@ -32,14 +32,15 @@ def tma_strides(x) -> list[int]:
     return strides
 
 
-def _address(x) -> int:
+def address(x) -> int:
+    """The data pointer of a NumPy or CuPy array."""
     return (getattr(x, "__cuda_array_interface__", None) or x.__array_interface__)["data"][0]
 
 
 # Encoded maps by their arguments (a map holds nothing else): a training loop's buffers come
 # back at the same addresses, and four encodings cost more host time than a short launch.
 @functools.lru_cache(maxsize=256)
-def _tensor_map(encode, data_type, address, dims, strides, rows):
+def tensor_map_4d(encode, data_type, address, dims, strides, rows):
     """A 4-D (D, N, H, B) map of boxes of 64 columns by `rows`, 128-byte swizzled."""
     return encode(data_type, 4, address, list(dims), list(strides), [64, rows, 1, 1],
                   [1, 1, 1, 1], swizzle=_SWIZZLE_128B)
@@ -52,7 +53,7 @@ def tma_ready(*arrays) -> bool:
     for x in arrays:
         if x.size == 0:
             continue
-        if _address(x) % 16 or x.strides[3] != x.itemsize:
+        if address(x) % 16 or x.strides[3] != x.itemsize:
             return False
         if any(st <= 0 or st % 16 for st in tma_strides(x)):
             return False
@@ -106,7 +107,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, window=None, p
     data_type = TENSOR_MAP_TYPES[plan.dtype]
 
     def tensor_map(x, rows=plan.block_m):
-        return _tensor_map(backend.encode_tensor_map, data_type, _address(x), x.shape[::-1],
+        return tensor_map_4d(backend.encode_tensor_map, data_type, address(x), x.shape[::-1],
                            tuple(tma_strides(x)), rows)
 
     # O by each consumer warpgroup's 64 rows

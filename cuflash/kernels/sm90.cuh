@@ -142,12 +142,19 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
         else SM90_WGMMA("f16", __VA_ARGS__);                                                \
     } while (0)
 
-// D (64 x 128, f32: this thread's 64 accumulators) += A (64 x 16) · B (16 x 128), both from
-// shared memory, K-major; scale_d = 0: D = A·B
+// D (64 x N, f32: this thread's N / 2 accumulators) += A (64 x 16) · B (16 x N), both from
+// shared memory, K-major; scale_d = 0: D = A·B; N = 128 or 64
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned long long a,
                                                     unsigned long long b, int scale_d) {
     SM90_WGMMA_T(T, "m64n128k16", "66", SM90_ACC64, "%64, %65", "1, 1, 0, 0", SM90_ACC64_OUT, d,
+                 "l"(a), "l"(b), "r"(scale_d));
+}
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long a,
+                                                   unsigned long long b, int scale_d) {
+    SM90_WGMMA_T(T, "m64n64k16", "34", SM90_ACC32, "%32, %33", "1, 1, 0, 0", SM90_ACC32_OUT, d,
                  "l"(a), "l"(b), "r"(scale_d));
 }
 

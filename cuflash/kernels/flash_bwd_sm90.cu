@@ -1,0 +1,219 @@
+// flash_bwd_sm90.cu — the FlashAttention backward's dK, dV on Hopper's asynchronous machinery
+// (sm_90a): TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure.
+//
+// A block takes 128 keys K_j, V_j of one (K/V head, batch) and walks the query blocks of
+// 64 rows i of every query head of its group (causal: from the first row that sees a key of
+// the block), accumulating dK_j and dV_j in registers:
+//
+//   warpgroup 2 (producer)   gives its registers up; one elected thread loads K_j, V_j once,
+//                            then per query block i: waits until the consumers freed the
+//                            ring slot (empty), announces the bytes and starts the TMA boxes
+//                            of Q_i and dO_i (full)
+//   warpgroups 0, 1          take the registers; each owns 64 of the block's 128 keys.
+//   (consumers)              Per query block i (Algorithm 2, lines 11-21, transposed: keys
+//                            are the rows of every product):
+//                              Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   wgmma m64n64k16, both from
+//                                                               shared memory
+//                              Pᵀ = exp2(Sᵀ·c − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
+//                                                               on the accumulators
+//                              dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i wgmma m64nDk16: Pᵀ, dSᵀ from
+//                                                               registers (packed to 16
+//                                                               bits), dO_i, Q_i MN-major
+//                            then free the slot (empty); at the end dK_j *= scale, and both
+//                            go out from registers.
+//
+// dQ is not this kernel's: the two-kernel backward's dQ kernel computes it (flash_bwd_tc.cu),
+// deterministic. D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
+//
+// Layout: q, k, v, do (B, H, N, D) in T (float16 or bfloat16) with strides TMA reads (as
+// flash_fwd_sm90.cu's), 4-D maps (D, N, H, B): K and V in boxes of 64 columns × 128 rows,
+// Q and dO in boxes of 64 columns × 64 rows, 128-byte swizzle; rows past a sequence's end
+// come in as zeros and are masked. lse, D (B, Hq, Nq) float32; dk, dv contiguous (B, Hkv,
+// Nk, D) in T. Causal is bottom-right aligned (mask.cuh).
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "sm90.cuh"
+
+using namespace cuflash;
+
+namespace {
+
+// The tile and its shared memory: K_j, V_j (128 rows), and the Q_i, dO_i ring (64 rows), each
+// as D / 64 boxes of 64 columns (on 1024-byte boundaries as the 128-byte swizzle needs).
+template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
+    static constexpr int kBlockN = 128, kBlockM = 64, kStages = 2;
+    static constexpr int kBoxes = HEAD_DIM / 64;
+    static constexpr int kKvBoxElems = 128 * 64, kQBoxElems = 64 * 64;
+    static constexpr unsigned kKvBoxBytes = kKvBoxElems * 2, kQBoxBytes = kQBoxElems * 2;
+    static constexpr int kThreads = 384;
+    static constexpr int kAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
+    struct __align__(1024) Smem {
+        T k[kBoxes][kKvBoxElems];
+        T v[kBoxes][kKvBoxElems];
+        T q[kStages][kBoxes][kQBoxElems];
+        T dout[kStages][kBoxes][kQBoxElems];
+    };
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
+};
+
+// acc (64 x D) += A (64 x 16 of k step kk, in registers) · B (16 x D, MN-major)
+template <typename T, int D>
+__device__ __forceinline__ void wgmma_rs(float (&acc)[D / 2], const unsigned (&a)[4],
+                                         unsigned long long b_desc) {
+    if constexpr (D == 64) sm90::wgmma_m64n64k16_rs<T>(acc, a, b_desc, 1);
+    else sm90::wgmma_m64n128k16_rs<T>(acc, a, b_desc, 1);
+}
+
+}  // namespace
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(384, 1)
+flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
+                           const __grid_constant__ sm90::TensorMap map_k,
+                           const __grid_constant__ sm90::TensorMap map_v,
+                           const __grid_constant__ sm90::TensorMap map_do,
+                           const float* __restrict__ lse, const float* __restrict__ Dvec,
+                           T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq,
+                           int Nk, float scale, int causal) {
+    using Tr = Sm90BwdTraits<T, HEAD_DIM>;
+    constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
+    __shared__ __align__(8) unsigned long long kv_full, full[STAGES], empty[STAGES];
+
+    const int n0 = blockIdx.x * BN, bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
+    const int Hkv = Hq / group, b = bh_kv / Hkv, h_kv = bh_kv % Hkv;
+    const CausalMask mask{Nq, Nk, causal != 0};
+    // the query blocks that see a key of the block, for each of the group's query heads
+    const int i_begin = mask.first_row(n0) / BM, i_end = (Nq + BM - 1) / BM;
+    const int steps = n0 < Nk ? group * max(0, i_end - i_begin) : 0;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(&kv_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            sm90::mbar_init(&full[s], 1);
+            sm90::mbar_init(&empty[s], 256);
+        }
+        sm90::mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 2) {  // the producer
+        sm90::regs_dec<40>();
+        if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
+            sm90::mbar_arrive_expect_tx(&kv_full, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
+            for (int c = 0; c < Tr::kBoxes; ++c) {
+                sm90::tma_load_4d(sm.k[c], map_k, 64 * c, n0, h_kv, b, &kv_full);
+                sm90::tma_load_4d(sm.v[c], map_v, 64 * c, n0, h_kv, b, &kv_full);
+            }
+            for (int it = 0; it < steps; ++it) {
+                const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
+                const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
+                if (it >= STAGES) sm90::mbar_wait(&empty[s], (it / STAGES - 1) & 1);
+                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kQBoxBytes);
+                for (int c = 0; c < Tr::kBoxes; ++c) {
+                    sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, m0, hq, b, &full[s]);
+                    sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, m0, hq, b, &full[s]);
+                }
+            }
+        }
+        return;
+    }
+
+    // -- the consumers: warp w of warpgroup wg owns keys 64 wg + 16 w .. of the block; a
+    // thread keys g and g + 8 of those (accumulator i: n-tile i / 4, key + 8 for i % 4 ≥ 2,
+    // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
+    sm90::regs_inc<232>();
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
+    const int key_top = n0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
+    const float c = softmax_scale_log2(scale);
+    float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0] + warpgroup * 64 * 64);
+    const unsigned long long v_desc = sm90::desc_k_major_sw128(sm.v[0] + warpgroup * 64 * 64);
+    float s_t[32], dp_t[32];   // Sᵀ, dPᵀ: the warpgroup's 64 keys × the block's 64 queries
+    unsigned pa[BM / 16][4], pds[BM / 16][4];
+
+    sm90::mbar_wait(&kv_full, 0);
+    for (int it = 0; it < steps; ++it) {
+        const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
+        const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
+        sm90::mbar_wait(&full[s], (it / STAGES) & 1);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
+            sm90::wgmma_m64n64k16_ss<T>(s_t, k_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
+                                        sm90::desc_k_major_sw128(sm.q[s][kk / 4]) + 2 * (kk % 4),
+                                        kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            sm90::wgmma_m64n64k16_ss<T>(dp_t, v_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
+                                        sm90::desc_k_major_sw128(sm.dout[s][kk / 4]) + 2 * (kk % 4),
+                                        kk > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+
+        // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, or right of a query's
+        // diagonal), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query columns
+        const long long row0 = ((long long)b * Hq + hq) * Nq;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = m0 + 8 * n + 2 * t + e;
+                const bool in = col < Nq;
+                const float l2 = in ? lse_log2(lse[row0 + col]) : -neg_inf<float>();
+                const float dsum = in ? Dvec[row0 + col] : 0.f;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int i = 4 * n + 2 * half + e, key = key_top + 8 * half;
+                    const float p = mask.masked(col, key) ? 0.f : fast_exp2(fmaf(s_t[i], c, -l2));
+                    s_t[i] = p;
+                    dp_t[i] = p * (dp_t[i] - dsum);
+                }
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                pa[kk][r] = pack2<T>(s_t[8 * kk + 2 * r], s_t[8 * kk + 2 * r + 1]);
+                pds[kk][r] = pack2<T>(dp_t[8 * kk + 2 * r], dp_t[8 * kk + 2 * r + 1]);
+            }
+        // dV += Pᵀ dO_i, dK += dSᵀ Q_i: k step kk takes queries 16kk .. (2048 bytes on), the
+        // next 64 columns one box (8 KB) on
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            wgmma_rs<T, HEAD_DIM>(acc_dv, pa[kk],
+                                  sm90::desc_mn_major_sw128(sm.dout[s][0], Tr::kQBoxBytes) + 128 * kk);
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk],
+                                  sm90::desc_mn_major_sw128(sm.q[s][0], Tr::kQBoxBytes) + 128 * kk);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(&empty[s]);
+    }
+
+    // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
+    const long long out0 = (long long)bh_kv * Nk;
+#pragma unroll
+    for (int i = 0; i < Tr::kAcc; i += 4) {
+        const int col = 8 * (i / 4) + 2 * t;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key_top + 8 * half;
+            if (key < Nk) {
+                const long long at = (out0 + key) * HEAD_DIM + col;
+                *reinterpret_cast<unsigned*>(dk + at) =
+                    pack2<T>(acc_dk[i + 2 * half] * scale, acc_dk[i + 2 * half + 1] * scale);
+                *reinterpret_cast<unsigned*>(dv + at) =
+                    pack2<T>(acc_dv[i + 2 * half], acc_dv[i + 2 * half + 1]);
+            }
+        }
+    }
+}
