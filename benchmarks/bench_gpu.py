@@ -3,9 +3,9 @@ run on one CUDA device. Peers, each where installed: PyTorch SDPA with each of i
 backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 `dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
 two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
-has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper forward on a persistent
-grid (cuflash-sm90: flash_fwd_sm90.cu, 16-bit, d = 64 and 128, one block per SM walking the
-tiles; the planner launches one block per tile); CuPy naive
+has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper kernels as the planner
+does not run them yet (cuflash-sm90, 16-bit, d = 64 and 128: flash_fwd_sm90.cu on a
+persistent grid, flash_bwd_sm90.cu's dK/dV pass); CuPy naive
 attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
@@ -240,9 +240,10 @@ class CuflashTwoKernels(Cuflash):
 
 
 class CuflashSm90(Cuflash):
-    """cuflash's Hopper forward (flash_fwd_sm90.cu: TMA, a producer warpgroup, wgmma) on an
-    sm_90 GPU with a persistent grid (one block per SM walking the tiles), against the
-    planner's one block per tile; its backward is cuflash's."""
+    """cuflash's Hopper kernels as the planner does not run them yet, on an sm_90 GPU: the
+    forward (flash_fwd_sm90.cu) on a persistent grid (one block per SM walking the tiles,
+    against the planner's one block per tile), and the backward with dK, dV by
+    flash_bwd_sm90.cu's wgmma pass (dQ by the two-kernel backward's dQ kernel)."""
     name = "cuflash-sm90"
     dtypes = SIXTEEN_BIT
 
@@ -262,27 +263,29 @@ class CuflashSm90(Cuflash):
 
     def describe(self, q, k, v, do):
         from cuflash import tiling
-        return tiling.sm90_fwd_plan(q.dtype.name, q.shape[-1]).name_expression
+        return (f"{tiling.sm90_fwd_plan(q.dtype.name, q.shape[-1]).name_expression} (persistent); "
+                f"{tiling.sm90_bwd_plan(q.dtype.name, q.shape[-1]).name_expression}")
 
     def passes(self, q, k, v, do, causal, scale):
-        import cuflash
-        from cuflash.backends import kernel_forward_sm90, kernels
+        from cuflash.backends import kernel_backward, kernel_forward_sm90, kernels
         backend = kernels.cuda_backend()
-
         persistent = dict(causal=causal, scale=scale, num_blocks=backend.limits()["sm_count"])
 
         def fwd():
             return kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)[0]
 
+        def backward(o, lse):
+            return kernel_backward.backward(backend, do, q, k, v, o, lse, causal=causal,
+                                            scale=scale, dkdv_sm90=True)
+
         o, lse = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
-        kw = dict(causal=causal, scale=scale, backend="cuda")
 
         def bwd():
-            return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
+            return backward(o, lse)
 
         def fwd_bwd():
             o2, lse2 = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
-            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
+            return o2, backward(o2, lse2)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 

@@ -110,7 +110,8 @@ def emulator_backend(arch, *, max_smem=None, cc=None, checked=False, schedule="r
     return RecordingBackend("emulator", np, emulator.RawModule, device_key=lambda: "cpu",
                             limits=lambda: dict(lim),
                             module_options=dict(checked=checked, schedule=schedule, seed=seed,
-                                                arch=arch))
+                                                arch=arch),
+                            encode_tensor_map=emulator.tma.encode_tiled)
 
 
 def attention_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, *, seed=0):

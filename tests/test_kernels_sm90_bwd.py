@@ -49,6 +49,31 @@ def test_dkdv(dt, D, B, Hq, Hkv, Nq, Nk, causal):
     _check(_backend(), B, Hq, Hkv, Nq, Nk, D, causal, dtype=dt, seed=Nq + D)
 
 
+def test_the_whole_backward_with_it():
+    """kernel_backward.backward(dkdv_sm90=True): dK, dV by the Hopper kernel, dQ by the
+    two-kernel backward's dQ kernel; the three within the rule, dK and dV the bits of the
+    kernel alone; calls it does not take are refused by name."""
+    from conftest import emulator_backend
+    from cuflash.backends import kernel_backward
+    from cuflash.variants import Variants
+    be = emulator_backend("sm_90a")
+    (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, 64, F16, causal=True, seed=5)
+    dq, dk, dv = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
+                                          dkdv_sm90=True)
+    assert [p.kernel for p in be.take_launches()] == [
+        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_tc"]
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale)
+    plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16)
+    for name, out, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
+        assert_close_to_reference(out, r, p, F16, factor=3.0, what=name)
+    Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
+    dk_1, dv_1 = sm90_bwd.dkdv_sm90(be, do, q, k, v, lse, Dvec, causal=True, scale=scale)
+    np.testing.assert_array_equal(dv.view(np.uint16), dv_1.view(np.uint16))
+    with pytest.raises(ValueError, match="dkdv_sm90: .* no variants"):
+        kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
+                                 variants=Variants(softcap=3.0), dkdv_sm90=True)
+
+
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
 def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks, and the bits of round-robin."""

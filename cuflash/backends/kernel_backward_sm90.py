@@ -31,7 +31,7 @@ def dkdv_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float):
                          f"sm_{''.join(map(str, backend.limits()['cc']))}")
     xp = backend.xp
     plan = tiling.sm90_bwd_plan(np.dtype(q.dtype).name, q.shape[-1])
-    (B, Hq, Nq, D), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
+    (B, Hq, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
     if B * Hkv > 65535:
         raise ValueError(f"k: B·Hkv = {B * Hkv} blocks in the grid's y, at most 65535")
     dk, dv = xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)

@@ -72,7 +72,7 @@ def check_inputs(q, k, v):
             raise ValueError(f"{name}: the Hopper forward's tensor maps need contiguous rows, a "
                              f"16-byte aligned base and positive row, head and batch strides "
                              f"that are multiples of 16 bytes; got strides {x.strides}")
-    (B, H, Nq, D), (Bk, Hkv, Nk, Dk) = q.shape, k.shape
+    (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
     if D not in HEAD_DIMS or Dk != D or tuple(v.shape) != tuple(k.shape) or Bk != B:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the Hopper "
                          f"forward takes head dims {HEAD_DIMS}, k and v alike, one batch")
@@ -98,7 +98,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, window=None, p
                          f"9.0 GPU, or the emulator's sm_90a); this one is "
                          f"sm_{''.join(map(str, backend.limits()['cc']))}")
     xp = backend.xp
-    (B, H, Nq, D), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
+    (B, H, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
     if B * H * Nq == 0 or Nk == 0:   # no key: O = 0, lse = −inf
         return xp.zeros(q.shape, q.dtype), xp.full((B, H, Nq), -np.inf, np.float32)
     o = xp.empty(q.shape, q.dtype)
