@@ -5,7 +5,7 @@ backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
 has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper kernels as the planner
 does not run them yet (cuflash-sm90, 16-bit, d = 64 and 128: flash_fwd_sm90.cu on a
-persistent grid, flash_bwd_sm90.cu's dK/dV pass); CuPy naive
+persistent grid, flash_bwd_sm90.cu's dK/dV and dQ passes); CuPy naive
 attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
@@ -242,8 +242,8 @@ class CuflashTwoKernels(Cuflash):
 class CuflashSm90(Cuflash):
     """cuflash's Hopper kernels as the planner does not run them yet, on an sm_90 GPU: the
     forward (flash_fwd_sm90.cu) on a persistent grid (one block per SM walking the tiles,
-    against the planner's one block per tile), and the backward with dK, dV by
-    flash_bwd_sm90.cu's wgmma pass (dQ by the two-kernel backward's dQ kernel)."""
+    against the planner's one block per tile), and the backward by flash_bwd_sm90.cu's
+    wgmma passes (dK/dV, then dQ)."""
     name = "cuflash-sm90"
     dtypes = SIXTEEN_BIT
 
@@ -263,8 +263,9 @@ class CuflashSm90(Cuflash):
 
     def describe(self, q, k, v, do):
         from cuflash import tiling
-        return (f"{tiling.sm90_fwd_plan(q.dtype.name, q.shape[-1]).name_expression} (persistent); "
-                f"{tiling.sm90_bwd_plan(q.dtype.name, q.shape[-1]).name_expression}")
+        return "; ".join([f"{tiling.sm90_fwd_plan(q.dtype.name, q.shape[-1]).name_expression} "
+                          f"(persistent)", *(p.name_expression for p in
+                                             tiling.sm90_bwd_plans(q.dtype.name, q.shape[-1]))])
 
     def passes(self, q, k, v, do, causal, scale):
         from cuflash.backends import kernel_backward, kernel_forward_sm90, kernels
@@ -276,7 +277,7 @@ class CuflashSm90(Cuflash):
 
         def backward(o, lse):
             return kernel_backward.backward(backend, do, q, k, v, o, lse, causal=causal,
-                                            scale=scale, dkdv_sm90=True)
+                                            scale=scale, hopper=True)
 
         o, lse = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
 

@@ -67,7 +67,8 @@ SPECIFIC = {"sm_90a": {"sm90_gemm.cu": ["sm90_gemm"],
                                              for p in all_sm90_bwd_plans()]}}
 REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS"),
                  "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS"),
-                 "flash_bwd_dkdv_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
+                 "flash_bwd_dkdv_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS"),
+                 "flash_bwd_dq_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
 
 # Why an NVRTC may lack an arch of ARCHS: each CUDA release adds and drops some.
 _ARCH_RANGE = {"sm_70": "CUDA 12.9 is the last toolkit that targets sm_70",
@@ -179,7 +180,7 @@ SASS_OPCODES = ("HMMA", "LDSM", "LDGSTS", "LDL", "STL", *_REQUIRED_OPCODES)
 
 # The kernels whose main loop's static cost a sass=True build counts: the tensor-core ones.
 COSTED = (*(f.function for f in (FLASH_FWD_TC, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC)),
-          "flash_fwd_sm90_kernel", "flash_bwd_dkdv_sm90_kernel")
+          "flash_fwd_sm90_kernel", "flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel")
 
 
 def nvdisasm_path():

@@ -214,8 +214,8 @@ def test_bad_arguments_are_named(bench, capsys, argv, named):
 @pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 def test_cuflash_sm90_peer_runs_the_hopper_kernels(bench, monkeypatch):
     # cuflash-sm90 on the emulator's sm_90a standing in for an H100: its forward is
-    # flash_fwd_sm90.cu's on a persistent grid and its backward takes dK, dV from
-    # flash_bwd_sm90.cu, each matching the reference; it says what it does not take, and
+    # flash_fwd_sm90.cu's on a persistent grid and its backward flash_bwd_sm90.cu's, each
+    # matching the reference; it says what it does not take, and
     # that it needs an sm_90 GPU on any other
     from conftest import assert_close_to_reference, plain_attention, plain_backward
     from cuflash import reference
@@ -232,7 +232,8 @@ def test_cuflash_sm90_peer_runs_the_hopper_kernels(bench, monkeypatch):
     rng = np.random.default_rng(2)
     q, k, v, do = (rng.standard_normal((1, 2, 150, 64)).astype(np.float16) for _ in range(4))
     assert impl.describe(q, k, v, do) == ("flash_fwd_sm90_kernel<__half, 64> (persistent); "
-                                          "flash_bwd_dkdv_sm90_kernel<__half, 64>")
+                                          "flash_bwd_dkdv_sm90_kernel<__half, 64>; "
+                                          "flash_bwd_dq_sm90_kernel<__half, 64>")
     passes = impl.passes(q, k, v, do, True, 0.125)
     o = passes["fwd"]()
     ref = reference.naive_attention(q, k, v, causal=True, scale=0.125, return_lse=True)

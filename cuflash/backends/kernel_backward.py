@@ -55,7 +55,7 @@ def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True):
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False, allow_tf32=False, segments=None, dq_workers=None,
-             dkdv_sm90=False):
+             hopper=False):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants): the options; with `return_dbias` a fourth
@@ -65,9 +65,9 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q).
     `dq_workers`: the 5-GEMM backward's workers per (batch, K/V head) where it applies
     (None: `tiling.dq_workers`' count; 0: the two-kernel backward).
-    `dkdv_sm90`: dK, dV by the Hopper kernel (`kernel_backward_sm90.dkdv_sm90`: sm_90a,
-    16-bit, d = 64 or 128, no variants, packed sequences or dbias), dQ by the two-kernel
-    backward's dQ kernel; not yet the default, until a GPU has timed it."""
+    `hopper`: dK, dV and dQ by the Hopper kernels (`kernel_backward_sm90.backward_sm90`:
+    sm_90a, 16-bit, d = 64 or 128, no variants, packed sequences or dbias); not yet the
+    default, until a GPU has timed them."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     _, Hq, rows_q, d = q.shape
@@ -78,11 +78,10 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     acc = _dtypes.accum_dtype(q.dtype)
     # the 5-GEMM backward (16-bit, one head-dim chunk) with W workers, unless dbias is
     # wanted (the dQ kernel writes it) or the model prefers two kernels (W = 0)
-    if dkdv_sm90 and (segments is not None or return_dbias or
-                      (variants is not None and not variants.is_plain())):
-        raise ValueError("dkdv_sm90: the Hopper dK/dV kernel takes no variants, packed "
-                         "sequences or dbias yet")
-    dq_workers = 0 if dkdv_sm90 else dq_workers
+    if hopper and (segments is not None or return_dbias or
+                   (variants is not None and not variants.is_plain())):
+        raise ValueError("hopper: the Hopper backward takes no variants, packed sequences or "
+                         "dbias yet")
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                           dq_parts=not return_dbias and dq_workers != 0)
     workers = 0
@@ -145,17 +144,16 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     parts = xp.zeros((workers, *q.shape) if workers else 1, dtype=acc)
     dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
                 (parts, record(STRIDES, 0, 0, 0), 0))
+    if hopper:  # 2, 3. dK, dV, then dQ
+        return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
+                                                  causal=causal, scale=scale)
     # 2. dK, dV (and dQ's partials)
-    if dkdv_sm90:
-        dk, dv = kernel_backward_sm90.dkdv_sm90(backend, do, q, k, v, lse, Dvec, causal=causal,
-                                                scale=scale)
-    else:
-        backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
-                                     dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
-                                               strides=(*strides_in, s3(dk), s3(dv)),
-                                               dbias_cols=cols, want_dbias_cols=by_cols,
-                                               dq_parts=dq_parts, variants=vflags, **common),
-                                     shared_mem=p_dkdv.dynamic_smem_bytes)
+    backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
+                                 dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
+                                           strides=(*strides_in, s3(dk), s3(dv)),
+                                           dbias_cols=cols, want_dbias_cols=by_cols,
+                                           dq_parts=dq_parts, variants=vflags, **common),
+                                 shared_mem=p_dkdv.dynamic_smem_bytes)
     # 3. dQ: the partials' sum, or the dQ kernel
     if workers:
         threads = p_dq.num_threads * p_dq.elements_per_thread

@@ -1,11 +1,12 @@
-"""The Hopper backward's dK/dV pass (kernels/flash_bwd_sm90.cu, sm_90a): its inputs, tensor
-maps and launch.
+"""The Hopper backward (kernels/flash_bwd_sm90.cu, sm_90a): its inputs, tensor maps and
+launches.
 
-The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v, dO with strides TMA can
+The kernels take float16 or bfloat16, head dim 64 or 128, q, k, v, dO with strides TMA can
 read (`kernel_forward_sm90.tma_ready`), causal or not, GQA/MQA; lse and D = rowsum(dO ∘ O)
-(flash_bwd.cu's preprocess) in float32. It writes dK and dV; dQ is the two-kernel
-backward's dQ kernel's. The planner does not choose it yet: `dkdv_sm90` runs it on any
-backend whose device is sm_90a (the emulator's sm_90a, or an H100), for the tests.
+(flash_bwd.cu's preprocess) in float32. `backward_sm90` runs the dK/dV pass, then the dQ
+pass, on any backend whose device is sm_90a (the emulator's sm_90a, or an H100);
+`kernel_backward.backward(hopper=True)` runs them as the backward. The planner does not
+choose them yet.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, tenso
                                   tma_strides)
 
 
-def dkdv_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float):
-    """(dk, dv) of attention on `backend`'s sm_90a device by flash_bwd_dkdv_sm90_kernel:
-    dk = scale · dSᵀ Q, dv = Pᵀ dO summed over each K/V head's query heads."""
+def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float):
+    """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
+    dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
+    scale · dS K (flash_bwd_dq_sm90_kernel)."""
     check_inputs(q, k, v)
     check_inputs(do, k, v)
     if tuple(do.shape) != tuple(q.shape):
@@ -30,26 +32,32 @@ def dkdv_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float):
                          f"cc 9.0 GPU, or the emulator's sm_90a); this one is "
                          f"sm_{''.join(map(str, backend.limits()['cc']))}")
     xp = backend.xp
-    plan = tiling.sm90_bwd_plan(np.dtype(q.dtype).name, q.shape[-1])
+    p_dkdv, p_dq = tiling.sm90_bwd_plans(np.dtype(q.dtype).name, q.shape[-1])
     (B, Hq, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
-    if B * Hkv > 65535:
-        raise ValueError(f"k: B·Hkv = {B * Hkv} blocks in the grid's y, at most 65535")
-    dk, dv = xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
-    if B * Hkv * Nk == 0:
-        return dk, dv
+    for n, what in ((B * Hkv, "k: B·Hkv"), (B * Hq, "q: B·Hq")):
+        if n > 65535:
+            raise ValueError(f"{what} = {n} blocks in the grid's y, at most 65535")
+    dq, dk, dv = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+    if B * Hq * Nq == 0 or Nk == 0:
+        return dq, dk, dv
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
     Dvec = xp.ascontiguousarray(Dvec, dtype=np.float32)
-    data_type = TENSOR_MAP_TYPES[plan.dtype]
+    data_type = TENSOR_MAP_TYPES[p_dkdv.dtype]
 
-    def tensor_map(x, rows):
-        return tensor_map_4d(backend.encode_tensor_map, data_type, address(x), x.shape[::-1],
-                           tuple(tma_strides(x)), rows)
+    def maps(own, streamed, rows_own, rows_streamed):   # q, k, v, do in the kernels' order
+        rows = {**{id(x): rows_own for x in own}, **{id(x): rows_streamed for x in streamed}}
+        return tuple(tensor_map_4d(backend.encode_tensor_map, data_type, address(x),
+                                   x.shape[::-1], tuple(tma_strides(x)), rows[id(x)])
+                     for x in (q, k, v, do))
 
-    maps = (tensor_map(q, plan.block_m), tensor_map(k, plan.block_n),
-            tensor_map(v, plan.block_n), tensor_map(do, plan.block_m))
-    backend.get_function(plan)(
-        (-(-Nk // plan.block_n), B * Hkv), (plan.num_threads,),
-        (*maps, lse, Dvec, dk, dv, np.int32(Hq), np.int32(Hq // Hkv), np.int32(Nq), np.int32(Nk),
-         np.float32(scale), np.int32(bool(causal))),
-        shared_mem=plan.dynamic_smem_bytes)
-    return dk, dv
+    sizes = (np.int32(Hq), np.int32(Hq // Hkv), np.int32(Nq), np.int32(Nk), np.float32(scale),
+             np.int32(bool(causal)))
+    backend.get_function(p_dkdv)(
+        (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
+        (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), lse, Dvec, dk, dv, *sizes),
+        shared_mem=p_dkdv.dynamic_smem_bytes)
+    backend.get_function(p_dq)(
+        (-(-Nq // p_dq.own_rows), B * Hq), (p_dq.num_threads,),
+        (*maps((q, do), (k, v), p_dq.own_rows, p_dq.streamed_rows), lse, Dvec, dq, *sizes),
+        shared_mem=p_dq.dynamic_smem_bytes)
+    return dq, dk, dv

@@ -22,14 +22,25 @@
 //                            then free the slot (empty); at the end dK_j *= scale, and both
 //                            go out from registers.
 //
-// dQ is not this kernel's: the two-kernel backward's dQ kernel computes it (flash_bwd_tc.cu),
-// deterministic. D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
+// dQ is the second kernel's (flash_bwd_dq_sm90_kernel): a block takes 128 query rows Q_i, dO_i
+// of one (head, batch), loaded once, and walks the key tiles of 64 that its rows see:
+//
+//   warpgroup 2 (producer)   loads Q_i, dO_i once, then K_j, V_j per key tile into a ring
+//   warpgroups 0, 1          64 rows each: S = Q_i K_jᵀ, dP = dO_i V_jᵀ (wgmma m64n64k16,
+//   (consumers)              shared memory), P = exp2(S·c − lse·log2 e), dS = P ∘ (dP − D),
+//                            dQ_i += dS K_j (wgmma m64nDk16: dS from registers, K_j
+//                            MN-major); at the end dQ_i · scale goes out from registers.
+//
+// Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
+// backward stays bitwise deterministic. D = rowsum(dO ∘ O) comes from flash_bwd.cu's
+// preprocess.
 //
 // Layout: q, k, v, do (B, H, N, D) in T (float16 or bfloat16) with strides TMA reads (as
 // flash_fwd_sm90.cu's), 4-D maps (D, N, H, B): K and V in boxes of 64 columns × 128 rows,
 // Q and dO in boxes of 64 columns × 64 rows, 128-byte swizzle; rows past a sequence's end
-// come in as zeros and are masked. lse, D (B, Hq, Nq) float32; dk, dv contiguous (B, Hkv,
-// Nk, D) in T. Causal is bottom-right aligned (mask.cuh).
+// come in as zeros and are masked (the dQ kernel: Q, dO in boxes of 128 rows, K, V of 64).
+// lse, D (B, Hq, Nq) float32; dq, dk, dv contiguous (B, H, N, D) in T. Causal is
+// bottom-right aligned (mask.cuh).
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -53,6 +64,23 @@ template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
         T v[kBoxes][kKvBoxElems];
         T q[kStages][kBoxes][kQBoxElems];
         T dout[kStages][kBoxes][kQBoxElems];
+    };
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
+};
+
+// The dQ kernel's tile: Q_i and dO_i (128 rows), and the K_j, V_j ring (64 rows).
+template <typename T, int HEAD_DIM> struct Sm90BwdDqTraits {
+    static constexpr int kBlockM = 128, kBlockN = 64, kStages = 2;
+    static constexpr int kBoxes = HEAD_DIM / 64;
+    static constexpr int kQBoxElems = 128 * 64, kKvBoxElems = 64 * 64;
+    static constexpr unsigned kQBoxBytes = kQBoxElems * 2, kKvBoxBytes = kKvBoxElems * 2;
+    static constexpr int kThreads = 384;
+    static constexpr int kAcc = HEAD_DIM / 2;
+    struct __align__(1024) Smem {
+        T q[kBoxes][kQBoxElems];
+        T dout[kBoxes][kQBoxElems];
+        T k[kStages][kBoxes][kKvBoxElems];
+        T v[kStages][kBoxes][kKvBoxElems];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
@@ -214,6 +242,136 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 *reinterpret_cast<unsigned*>(dv + at) =
                     pack2<T>(acc_dv[i + 2 * half], acc_dv[i + 2 * half + 1]);
             }
+        }
+    }
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(384, 1)
+flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
+                         const __grid_constant__ sm90::TensorMap map_k,
+                         const __grid_constant__ sm90::TensorMap map_v,
+                         const __grid_constant__ sm90::TensorMap map_do,
+                         const float* __restrict__ lse, const float* __restrict__ Dvec,
+                         T* __restrict__ dq, int Hq, int group, int Nq, int Nk, float scale,
+                         int causal) {
+    using Tr = Sm90BwdDqTraits<T, HEAD_DIM>;
+    constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
+    __shared__ __align__(8) unsigned long long q_full, full[STAGES], empty[STAGES];
+
+    const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·Hq + h
+    const int b = bh / Hq, h = bh % Hq, h_kv = h / group;
+    const CausalMask mask{Nq, Nk, causal != 0};
+    const int tiles = (mask.key_end(min(m0 + BM, Nq)) + BN - 1) / BN;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        sm90::mbar_init(&q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            sm90::mbar_init(&full[s], 1);
+            sm90::mbar_init(&empty[s], 256);
+        }
+        sm90::mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 2) {  // the producer
+        sm90::regs_dec<40>();
+        if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
+            sm90::mbar_arrive_expect_tx(&q_full, 2 * Tr::kBoxes * Tr::kQBoxBytes);
+            for (int c = 0; c < Tr::kBoxes; ++c) {
+                sm90::tma_load_4d(sm.q[c], map_q, 64 * c, m0, h, b, &q_full);
+                sm90::tma_load_4d(sm.dout[c], map_do, 64 * c, m0, h, b, &q_full);
+            }
+            for (int j = 0; j < tiles; ++j) {
+                const int s = j % STAGES;
+                if (j >= STAGES) sm90::mbar_wait(&empty[s], (j / STAGES - 1) & 1);
+                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kKvBoxBytes);
+                for (int c = 0; c < Tr::kBoxes; ++c) {
+                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, h_kv, b, &full[s]);
+                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, h_kv, b, &full[s]);
+                }
+            }
+        }
+        return;
+    }
+
+    // -- the consumers: warp w of warpgroup wg owns rows 64 wg + 16 w .. of the block; a
+    // thread rows g and g + 8 (accumulator i: n-tile i / 4, row + 8 for i % 4 ≥ 2, column
+    // 8 (i / 4) + 2t + i % 2)
+    sm90::regs_inc<232>();
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
+    const int r_top = m0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
+    const float c = softmax_scale_log2(scale);
+    // each row's lse·log2 e and D (rows past Nq: P = 0)
+    const long long row0 = (long long)bh * Nq;
+    float l2[2], dsum[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = r_top + 8 * half;
+        l2[half] = r < Nq ? lse_log2(lse[row0 + r]) : -neg_inf<float>();
+        dsum[half] = r < Nq ? Dvec[row0 + r] : 0.f;
+    }
+    float acc[Tr::kAcc];
+#pragma unroll
+    for (int i = 0; i < Tr::kAcc; ++i) acc[i] = 0.f;
+    float s_[32], dp[32];   // S, dP: the warpgroup's 64 rows × the tile's 64 keys
+    unsigned pds[BN / 16][4];
+
+    sm90::mbar_wait(&q_full, 0);
+    for (int j = 0; j < tiles; ++j) {
+        const int s = j % STAGES, n0 = j * BN;
+        sm90::mbar_wait(&full[s], (j / STAGES) & 1);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
+            sm90::wgmma_m64n64k16_ss<T>(
+                s_, sm90::desc_k_major_sw128(sm.q[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
+                sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            sm90::wgmma_m64n64k16_ss<T>(
+                dp, sm90::desc_k_major_sw128(sm.dout[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
+                sm90::desc_k_major_sw128(sm.v[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+
+        // P = exp2(S·c − lse·log2 e) (0 where masked), dS = P ∘ (dP − D)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int half = i % 4 >= 2, col = n0 + 8 * (i / 4) + 2 * t + i % 2;
+            const float p = mask.masked(r_top + 8 * half, col) ? 0.f
+                                                               : fast_exp2(fmaf(s_[i], c, -l2[half]));
+            dp[i] = p * (dp[i] - dsum[half]);
+        }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pds[kk][r] = pack2<T>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+        // dQ += dS K_j: k step kk takes keys 16kk .. (2048 bytes on), the next 64 columns one
+        // box (8 KB) on
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs<T, HEAD_DIM>(acc, pds[kk],
+                                  sm90::desc_mn_major_sw128(sm.k[s][0], Tr::kKvBoxBytes) + 128 * kk);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(&empty[s]);
+    }
+
+    // -- dQ_i · scale, from registers
+#pragma unroll
+    for (int i = 0; i < Tr::kAcc; i += 4) {
+        const int col = 8 * (i / 4) + 2 * t;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = r_top + 8 * half;
+            if (r < Nq)
+                *reinterpret_cast<unsigned*>(dq + (row0 + r) * HEAD_DIM + col) =
+                    pack2<T>(acc[i + 2 * half] * scale, acc[i + 2 * half + 1] * scale);
         }
     }
 }

@@ -8,7 +8,7 @@
   simt_bwd   SIMT backward, `BwdTileTraits` (bwd_tile.cuh)
   tc_bwd     tensor-core backward, `TcBwdTraits` (tc_bwd_tile.cuh)
   sm90_fwd   the Hopper forward, `Sm90FwdTraits` (flash_fwd_sm90.cu, sm_90a)
-  sm90_bwd   the Hopper backward's dK/dV pass, `Sm90BwdTraits` (flash_bwd_sm90.cu, sm_90a)
+  sm90_bwd   the Hopper backward, `Sm90BwdTraits`, `Sm90BwdDqTraits` (flash_bwd_sm90.cu)
   softmax    online softmax (online_softmax.cu)
   choose     `forward_path`, `backward_path`: which plans a call takes, and why
   device     device limits, the occupancy model, split-KV, the 5-GEMM backward's workers

@@ -1,5 +1,5 @@
-"""The Hopper backward's dK/dV pass, `Sm90BwdTraits` (kernels/flash_bwd_sm90.cu): one tile,
-built for sm_90a alone (wgmma, TMA, setmaxnreg)."""
+"""The Hopper backward, `Sm90BwdTraits` and `Sm90BwdDqTraits` (kernels/flash_bwd_sm90.cu):
+the dK/dV pass and the dQ pass, built for sm_90a alone (wgmma, TMA, setmaxnreg)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,49 +7,53 @@ import dataclasses
 from .base import Plan
 from .sm90_fwd import SM90_DTYPES, SM90_HEAD_DIMS
 
-KV_BOX_BYTES = 128 * 64 * 2    # a K or V box: 128 rows of 64 16-bit elements (128 bytes)
-Q_BOX_BYTES = 64 * 64 * 2      # a Q or dO box: 64 rows
+BOX_BYTES = {128: 128 * 64 * 2, 64: 64 * 64 * 2}   # a TMA box of 64 16-bit columns, by rows
+SM90_BWD_KERNELS = ("flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90")
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90BwdPlan(Plan):
-    """flash_bwd_dkdv_sm90_kernel<T, HEAD_DIM>: 128 keys per block, two consumer
-    warpgroups of 64 keys, a producer warpgroup streaming 64-row Q_i, dO_i through a
-    two-stage TMA ring."""
+    """flash_bwd_dkdv_sm90_kernel<T, HEAD_DIM> (128 keys K_j, V_j per block; Q_i, dO_i
+    streamed in 64-row blocks) or flash_bwd_dq_sm90_kernel<T, HEAD_DIM> (128 query rows Q_i,
+    dO_i per block; K_j, V_j streamed in 64-row tiles): two consumer warpgroups of 64 rows of
+    the block's own operand, a producer warpgroup with a two-stage TMA ring."""
 
     dynamic_smem = True
     arch_specific = True
-    block_n = 128             # kBlockN: keys per block
-    block_m = 64              # kBlockM: queries per step
+    own_rows = 128            # the block's own rows (kBlockN of dK/dV, kBlockM of dQ)
+    streamed_rows = 64        # the ring's rows per step
     stages = 2                # kStages
     num_threads = 384         # kThreads
 
-    kernel: str               # "flash_bwd_dkdv_sm90"
+    kernel: str               # one of SM90_BWD_KERNELS
     dtype: str                # "float16" or "bfloat16"
     head_dim: int             # HEAD_DIM: exactly d (64 or 128)
 
     @property
     def smem_bytes(self) -> int:
-        """Smem: K_j, V_j, and the ring's Q_i, dO_i stages, each D / 64 boxes."""
+        """Smem: the block's two own tiles and the ring's stages of two streamed ones, each
+        D / 64 boxes."""
         boxes = self.head_dim // 64
-        return 2 * boxes * KV_BOX_BYTES + 2 * self.stages * boxes * Q_BOX_BYTES
+        return 2 * boxes * (BOX_BYTES[self.own_rows]
+                            + self.stages * BOX_BYTES[self.streamed_rows])
 
     def __str__(self) -> str:
-        return (f"{self.kernel} {self.dtype} D={self.head_dim} Bc={self.block_n} "
-                f"Br={self.block_m} warpgroups=2+1 stages={self.stages} smem={self.smem_bytes} B")
+        return (f"{self.kernel} {self.dtype} D={self.head_dim} own={self.own_rows} "
+                f"streamed={self.streamed_rows} warpgroups=2+1 stages={self.stages} "
+                f"smem={self.smem_bytes} B")
 
     @property
     def name_expression(self) -> str:
         return self._instantiate(self.head_dim)
 
 
-def sm90_bwd_plan(dtype: str, d: int) -> Sm90BwdPlan | None:
-    """The Hopper dK/dV plan for `dtype` (a name) and head dim `d`, None if it has none."""
+def sm90_bwd_plans(dtype: str, d: int) -> tuple[Sm90BwdPlan, Sm90BwdPlan] | None:
+    """The Hopper (dK/dV, dQ) plans for `dtype` (a name) and head dim `d`, None if none."""
     if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
-        return Sm90BwdPlan("flash_bwd_dkdv_sm90", dtype, d)
+        return tuple(Sm90BwdPlan(kernel, dtype, d) for kernel in SM90_BWD_KERNELS)
     return None
 
 
 def all_sm90_bwd_plans() -> tuple[Sm90BwdPlan, ...]:
-    return tuple(Sm90BwdPlan("flash_bwd_dkdv_sm90", t, d) for t in SM90_DTYPES
-                 for d in SM90_HEAD_DIMS)
+    return tuple(Sm90BwdPlan(kernel, t, d) for kernel in SM90_BWD_KERNELS
+                 for t in SM90_DTYPES for d in SM90_HEAD_DIMS)
