@@ -185,25 +185,31 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_wait<0>();
 
         // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, or right of a query's
-        // diagonal), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query columns
+        // diagonal), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query columns. Only the steps
+        // that cross the block's diagonal or an end take the per-score test
         const long long row0 = ((long long)b * Hq + hq) * Nq;
+        auto p_ds = [&](auto masked) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+            for (int n = 0; n < 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = m0 + 8 * n + 2 * t + e;
-                const bool in = col < Nq;
-                const float l2 = in ? lse_log2(lse[row0 + col]) : -neg_inf<float>();
-                const float dsum = in ? Dvec[row0 + col] : 0.f;
+                for (int e = 0; e < 2; ++e) {
+                    const int col = m0 + 8 * n + 2 * t + e;
+                    const bool in = !masked || col < Nq;
+                    const float l2 = in ? lse_log2(lse[row0 + col]) : -neg_inf<float>();
+                    const float dsum = in ? Dvec[row0 + col] : 0.f;
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int i = 4 * n + 2 * half + e, key = key_top + 8 * half;
-                    const float p = mask.masked(col, key) ? 0.f : fast_exp2(fmaf(s_t[i], c, -l2));
-                    s_t[i] = p;
-                    dp_t[i] = p * (dp_t[i] - dsum);
+                    for (int half = 0; half < 2; ++half) {
+                        const int i = 4 * n + 2 * half + e, key = key_top + 8 * half;
+                        const float p = masked && mask.masked(col, key)
+                                            ? 0.f : fast_exp2(fmaf(s_t[i], c, -l2));
+                        s_t[i] = p;
+                        dp_t[i] = p * (dp_t[i] - dsum);
+                    }
                 }
             }
-        }
+        };
+        if (m0 + BM > Nq || mask.tile_needs_mask(m0, n0, BN)) p_ds(Bool<true>{});
+        else p_ds(Bool<false>{});
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -338,14 +344,19 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
 
-        // P = exp2(S·c − lse·log2 e) (0 where masked), dS = P ∘ (dP − D)
+        // P = exp2(S·c − lse·log2 e) (0 where masked), dS = P ∘ (dP − D); only the tiles
+        // that cross the block's diagonal or Nk take the per-score test
+        auto p_ds = [&](auto masked) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int half = i % 4 >= 2, col = n0 + 8 * (i / 4) + 2 * t + i % 2;
-            const float p = mask.masked(r_top + 8 * half, col) ? 0.f
-                                                               : fast_exp2(fmaf(s_[i], c, -l2[half]));
-            dp[i] = p * (dp[i] - dsum[half]);
-        }
+            for (int i = 0; i < 32; ++i) {
+                const int half = i % 4 >= 2, col = n0 + 8 * (i / 4) + 2 * t + i % 2;
+                const float p = masked && mask.masked(r_top + 8 * half, col)
+                                    ? 0.f : fast_exp2(fmaf(s_[i], c, -l2[half]));
+                dp[i] = p * (dp[i] - dsum[half]);
+            }
+        };
+        if (mask.tile_needs_mask(m0, n0, BN)) p_ds(Bool<true>{});
+        else p_ds(Bool<false>{});
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
