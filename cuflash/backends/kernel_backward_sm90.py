@@ -16,6 +16,8 @@ from .. import tiling
 from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, tensor_map_4d,
                                   tma_strides)
 
+_FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+
 
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
@@ -50,11 +52,20 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                                    x.shape[::-1], tuple(tma_strides(x)), rows[id(x)])
                      for x in (q, k, v, do))
 
+    # the dK/dV pass reads lse and D 64 queries at a time by TMA: rows padded to 16 bytes
+    nq4 = -(-Nq // 4) * 4
+    padded = [xp.zeros((B * Hq, nq4), np.float32) for _ in range(2)]
+    for dst, x in zip(padded, (lse, Dvec)):
+        dst[:, :Nq] = x.reshape(B * Hq, Nq)
+    map_lse, map_dsum = (backend.encode_tensor_map(_FLOAT32, 2, x, [nq4, B * Hq], [nq4 * 4],
+                                                   [p_dkdv.streamed_rows, 1], [1, 1])
+                         for x in padded)
     sizes = (np.int32(Hq), np.int32(Hq // Hkv), np.int32(Nq), np.int32(Nk), np.float32(scale),
              np.int32(bool(causal)))
     backend.get_function(p_dkdv)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
-        (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), lse, Dvec, dk, dv, *sizes),
+        (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
+         *sizes),
         shared_mem=p_dkdv.dynamic_smem_bytes)
     backend.get_function(p_dq)(
         (-(-Nq // p_dq.own_rows), B * Hq), (p_dq.num_threads,),

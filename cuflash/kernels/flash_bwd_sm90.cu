@@ -39,7 +39,8 @@
 // flash_fwd_sm90.cu's), 4-D maps (D, N, H, B): K and V in boxes of 64 columns × 128 rows,
 // Q and dO in boxes of 64 columns × 64 rows, 128-byte swizzle; rows past a sequence's end
 // come in as zeros and are masked (the dQ kernel: Q, dO in boxes of 128 rows, K, V of 64).
-// lse, D (B, Hq, Nq) float32; dq, dk, dv contiguous (B, H, N, D) in T. Causal is
+// lse, D (B, Hq, Nq) float32 (the dK/dV kernel reads them by 2-D maps (Nq', B·Hq) of rows
+// padded to 16 bytes, 64 at a time); dq, dk, dv contiguous (B, H, N, D) in T. Causal is
 // bottom-right aligned (mask.cuh).
 #include "common.cuh"
 #include "mask.cuh"
@@ -64,6 +65,8 @@ template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
         T v[kBoxes][kKvBoxElems];
         T q[kStages][kBoxes][kQBoxElems];
         T dout[kStages][kBoxes][kQBoxElems];
+        float lse[kStages][kBlockM];    // the query block's lse and D, with its Q_i and dO_i
+        float dsum[kStages][kBlockM];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
@@ -101,7 +104,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_k,
                            const __grid_constant__ sm90::TensorMap map_v,
                            const __grid_constant__ sm90::TensorMap map_do,
-                           const float* __restrict__ lse, const float* __restrict__ Dvec,
+                           const __grid_constant__ sm90::TensorMap map_lse,
+                           const __grid_constant__ sm90::TensorMap map_dsum,
                            T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq,
                            int Nk, float scale, int causal) {
     using Tr = Sm90BwdTraits<T, HEAD_DIM>;
@@ -140,11 +144,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
                 const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
                 if (it >= STAGES) sm90::mbar_wait(&empty[s], (it / STAGES - 1) & 1);
-                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kQBoxBytes);
+                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
                     sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, m0, hq, b, &full[s]);
                     sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, m0, hq, b, &full[s]);
                 }
+                sm90::tma_load_2d(sm.lse[s], map_lse, m0, b * Hq + hq, &full[s]);
+                sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, &full[s]);
             }
         }
         return;
@@ -167,7 +173,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     sm90::mbar_wait(&kv_full, 0);
     for (int it = 0; it < steps; ++it) {
-        const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
+        const int s = it % STAGES;
         const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
         sm90::mbar_wait(&full[s], (it / STAGES) & 1);
         sm90::wgmma_fence();
@@ -185,9 +191,9 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_wait<0>();
 
         // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, or right of a query's
-        // diagonal), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query columns. Only the steps
-        // that cross the block's diagonal or an end take the per-score test
-        const long long row0 = ((long long)b * Hq + hq) * Nq;
+        // diagonal), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query columns, their lse and D
+        // come with Q_i. Only the steps that cross the block's diagonal or an end take the
+        // per-score test
         auto p_ds = [&](auto masked) {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -195,8 +201,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 for (int e = 0; e < 2; ++e) {
                     const int col = m0 + 8 * n + 2 * t + e;
                     const bool in = !masked || col < Nq;
-                    const float l2 = in ? lse_log2(lse[row0 + col]) : -neg_inf<float>();
-                    const float dsum = in ? Dvec[row0 + col] : 0.f;
+                    const float l2 = in ? lse_log2(sm.lse[s][col - m0]) : -neg_inf<float>();
+                    const float dsum = in ? sm.dsum[s][col - m0] : 0.f;
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int i = 4 * n + 2 * half + e, key = key_top + 8 * half;
