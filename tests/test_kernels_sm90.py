@@ -67,8 +67,8 @@ def test_checked_and_schedules(D, schedule, dt):
 
 
 @pytest.mark.parametrize("window,causal,Nq,Nk", [
-    ((100, 0), False, 300, 420),    # a sliding window right of nothing: the tiles left of it skipped
-    ((0, 100), False, 300, 300),    # right only: the tiles beyond the reach skipped
+    ((100, 0), False, 300, 420),    # 100 keys back to the diagonal: tiles left of it skipped
+    ((0, 100), False, 300, 300),    # the diagonal to 100 ahead: tiles beyond it skipped
     ((130, -1), True, 400, 300),    # causal with a left edge; Nq > Nk: rows with no key
     ((5, 7), False, 260, 1000),     # a narrow band across tile boundaries
 ])

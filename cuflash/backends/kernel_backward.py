@@ -76,12 +76,13 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    # the 5-GEMM backward (16-bit, one head-dim chunk) with W workers, unless dbias is
-    # wanted (the dQ kernel writes it) or the model prefers two kernels (W = 0)
     if hopper and (segments is not None or return_dbias or
                    (variants is not None and not variants.is_plain())):
         raise ValueError("hopper: the Hopper backward takes no variants, packed sequences or "
                          "dbias yet")
+    dq_workers = 0 if hopper else dq_workers   # its D comes from the plain preprocess
+    # the 5-GEMM backward (16-bit, one head-dim chunk) with W workers, unless dbias is
+    # wanted (the dQ kernel writes it) or the model prefers two kernels (W = 0)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                           dq_parts=not return_dbias and dq_workers != 0)
     workers = 0
@@ -141,12 +142,12 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                               shared_mem=pre.dynamic_smem_bytes)
     # dQ's float32 partials, one per worker (zeroed: a worker adds only the rows its key
     # blocks see), as (W, *q.shape) contiguous; else a dummy
-    parts = xp.zeros((workers, *q.shape) if workers else 1, dtype=acc)
-    dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
-                (parts, record(STRIDES, 0, 0, 0), 0))
     if hopper:  # 2, 3. dK, dV, then dQ
         return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
                                                   causal=causal, scale=scale)
+    parts = xp.zeros((workers, *q.shape) if workers else 1, dtype=acc)
+    dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
+                (parts, record(STRIDES, 0, 0, 0), 0))
     # 2. dK, dV (and dQ's partials)
     backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,

@@ -110,7 +110,8 @@ DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies 
 DQ_PARTS_TILE_COST = 1.0
 
 
-def dq_workers(units: int, key_blocks: int, sm_count, tile_cost: float = DQ_PARTS_TILE_COST) -> int:
+def dq_workers(units: int, key_blocks: int, sm_count,
+               tile_cost: float = DQ_PARTS_TILE_COST) -> int:
     """Workers W per (batch, K/V head) of the 5-GEMM backward for `units` (batch × K/V
     heads) over `key_blocks` key blocks each on `sm_count` SMs: up to FlashAttention-2's
     ⌈SMs / units⌉ (at most the key blocks and DQ_PARTS_MAX), the fewest whose waves take

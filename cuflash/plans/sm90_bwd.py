@@ -34,7 +34,8 @@ class Sm90BwdPlan(Plan):
         """Smem: the block's two own tiles and the ring's stages of two streamed ones, each
         D / 64 boxes; the dK/dV pass's stages also hold their queries' lse and D."""
         boxes = self.head_dim // 64
-        stats = 2 * self.stages * self.streamed_rows * 4 if self.kernel == "flash_bwd_dkdv_sm90" else 0
+        dkdv = self.kernel == "flash_bwd_dkdv_sm90"
+        stats = 2 * self.stages * self.streamed_rows * 4 if dkdv else 0
         return 2 * boxes * (BOX_BYTES[self.own_rows]
                             + self.stages * BOX_BYTES[self.streamed_rows]) + stats
 
