@@ -11,6 +11,7 @@ import cuflash
 from cuflash import _dtypes, reference
 from cuflash.backends import kernel_forward_sm90 as sm90
 from cuflash.backends import kernels
+from cuflash.variants import Variants
 
 from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
                       plain_attention, to_host)
@@ -19,22 +20,35 @@ pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
 
 
+def _variants(xp, opts):
+    """cuflash.variants.Variants from flash_attention's options (what the API hands a
+    backend), arrays on the backend's device."""
+    alibi = opts.get("alibi_slopes")
+    return Variants(window=opts.get("window"), softcap=opts.get("softcap"),
+                    alibi=None if alibi is None else xp.asarray(alibi, np.float32),
+                    bias=None if opts.get("bias") is None else xp.asarray(opts["bias"]),
+                    mask=None if opts.get("mask") is None else xp.asarray(opts["mask"]),
+                    dropout_p=opts.get("dropout_p", 0.0), seed=opts.get("seed", 0))
+
+
 def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=2, arch="sm_90a")
 
 
-def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=None,
-           window=None):
+def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=None, opts=None):
+    """The kernel against the float64 reference; `opts` as flash_attention takes the
+    variants (4-D bias and mask)."""
+    opts = opts or {}
     q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed=seed)[:3]
     scale = D ** -0.5
     xp = backend.xp
+    var = _variants(xp, opts)
     o, lse = sm90.forward_sm90(backend, xp.asarray(q), xp.asarray(k), xp.asarray(v),
-                               causal=causal, scale=scale, window=window, num_blocks=num_blocks)
+                               causal=causal, scale=scale, variants=var, num_blocks=num_blocks)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
     ref_o, ref_lse = reference.naive_attention(q, kr, vr, causal=causal, scale=scale,
-                                               return_lse=True, window=window)
-    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=dtype,
-                               window=window)
+                                               return_lse=True, **opts)
+    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=dtype, **opts)
     assert_close_to_reference(o, ref_o, plain, dtype, what=f"O (D={D}, causal={causal})")
     assert_lse_close(lse, ref_lse, dtype)
     assert to_host(o).dtype == dtype
@@ -76,9 +90,55 @@ def test_window(window, causal, Nq, Nk):
     """The sliding window (mask.cuh's, bottom-right aligned) against the float64 reference;
     checked mode with two blocks walking the tiles: the ring skips what no row sees."""
     o, lse = _check(_backend(checked=True, schedule="random"), 2, 2, 1, Nq, Nk, 64, causal,
-                    seed=Nq + Nk, window=window, num_blocks=2)
+                    seed=Nq + Nk, num_blocks=2, opts=dict(window=window))
     if causal and Nq > Nk:
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
+
+
+def _options(names, B, H, Nq, Nk, dtype, seed=1):
+    rng = np.random.default_rng(seed)
+    opts = {}
+    for n in names:
+        if n == "window":
+            opts["window"] = (90, 30)
+        elif n == "softcap":
+            opts["softcap"] = 0.7
+        elif n == "alibi":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, H))
+        elif n == "bias":                # the input dtype, full shape
+            opts["bias"] = rng.uniform(-1, 1, (B, H, Nq, Nk)).astype(dtype)
+        elif n == "bias_f32":            # float32, broadcast over batch and query rows
+            opts["bias"] = rng.uniform(-1, 1, (1, H, 1, Nk)).astype(np.float32)
+        elif n == "mask":
+            m = rng.random((B, 1, Nq, Nk)) > 0.3
+            m[0, 0, 3] = False           # a row that sees no key
+            opts["mask"] = m
+        elif n == "dropout":
+            opts["dropout_p"], opts["seed"] = 0.3, 1234
+    return opts
+
+
+@pytest.mark.parametrize("names,causal,dt", [
+    (["softcap"], False, F16), (["alibi"], True, BF16), (["bias"], False, F16),
+    (["bias_f32"], True, F16), (["mask"], False, BF16), (["dropout"], True, F16),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, BF16),
+], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
+def test_variants(names, causal, dt):
+    """Every attention variant, alone and all at once, against the float64 reference
+    (dropout's keep decisions are cuflash.dropout_mask's: the reference draws the same);
+    GQA, partial tiles, two blocks walking the tiles."""
+    B, H, Hkv, Nq, Nk = 2, 2, 1, 150, 200
+    _check(_backend(), B, H, Hkv, Nq, Nk, 64, causal, seed=7, dtype=dt, num_blocks=2,
+           opts=_options(names, B, H, Nq, Nk, dt))
+
+
+def test_variants_checked_at_ragged_sizes():
+    """Every option, Nq and Nk not multiples of the tile, in checked mode: no race, and no
+    bias or mask read outside [0, Nq) x [0, Nk)."""
+    B, H, Nq, Nk = 1, 2, 37, 75
+    _check(_backend(checked=True, schedule="random"), B, H, 1, Nq, Nk, 128, True, seed=6,
+           opts=_options(["window", "softcap", "alibi", "bias", "mask", "dropout"], B, H, Nq, Nk,
+                         F16))
 
 
 @pytest.mark.parametrize("D,dt,Nq,Nk,causal,schedule", [
@@ -123,9 +183,10 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
     o_sm90, lse_sm90 = sm90.forward_sm90(_backend(), q, k, v, causal=True, scale=0.125)
     np.testing.assert_array_equal(o.view(np.uint16), o_sm90.view(np.uint16))
     np.testing.assert_array_equal(lse, lse_sm90)
-    o_w = cuflash.flash_attention(q, k, v, window=(40, 0), backend="emulator")   # the window too
+    o_w = cuflash.flash_attention(q, k, v, window=(40, 0), softcap=2.0,   # the variants too
+                                  backend="emulator")
     o_w_sm90, _ = sm90.forward_sm90(_backend(), q, k, v, causal=False, scale=0.125,
-                                    window=(40, 0))
+                                    variants=Variants(window=(40, 0), softcap=2.0))
     np.testing.assert_array_equal(o_w.view(np.uint16), o_w_sm90.view(np.uint16))
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90")
     o_mma = cuflash.flash_attention(q, k, v, causal=True, backend="emulator")
@@ -134,7 +195,7 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
 
 def test_what_the_planner_gives_the_mma_sync_kernel():
     """Calls the Hopper kernel does not take yet run mma.sync on sm_90a, and the reason
-    says so: variants but the window, a negative scale, split-KV (its query blocks would leave SMs idle),
+    says so: a negative scale, split-KV (its query blocks would leave SMs idle),
     float32, d = 96, rows 136 bytes apart, and sm_90 without the "a" features."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
@@ -145,10 +206,7 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     def plan(q=q, k=k, v=v, backend=be, **call):
         return kernel_forward.forward_plan(backend, q, k, v, **{"scale": 0.125, **call})
     assert isinstance(plan(), tiling.Sm90FwdPlan)
-    assert isinstance(plan(variants=Variants()), tiling.Sm90FwdPlan)      # no option set
-    assert isinstance(plan(variants=Variants(window=(8, 0))), tiling.Sm90FwdPlan)
-    for call in (dict(variants=Variants(window=(8, 0), softcap=5.0)), dict(scale=-0.125),
-                 dict(scale=None), dict(num_splits=2)):
+    for call in (dict(scale=-0.125), dict(scale=None), dict(num_splits=2)):
         assert type(plan(**call)) is tiling.TcPlan, call
     long_keys = attention_inputs(1, 1, 1, 64, 1024, 64, F16)[:3]   # 1 query block, 8 key tiles
     assert type(plan(*long_keys)) is tiling.TcPlan
@@ -240,7 +298,7 @@ def test_window_on_the_gpu(window, causal):
     be = kernels.cuda_backend()
     if not be.limits()["sm90a"]:
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
-    _check(be, 2, 4, 2, 1000, 1300, 128, causal, seed=9, window=window)
+    _check(be, 2, 4, 2, 1000, 1300, 128, causal, seed=9, opts=dict(window=window))
 
 
 @pytest.mark.gpu

@@ -1,9 +1,9 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
 The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v (B, H, N, D) with strides
-TMA can read (`tma_ready`), causal or not, a sliding window, GQA/MQA; no other variant,
-varlen, KV cache or split-KV yet. The planner (`tiling.forward_path`) gives such calls on an
-sm_90a device its plan (`Sm90FwdPlan`); `forward_sm90` also runs it directly on any backend
+TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
+GQA/MQA; no varlen, KV cache or split-KV yet. The planner (`tiling.forward_path`) gives such
+calls on an sm_90a device its plan (`Sm90FwdPlan`); `forward_sm90` also runs it directly on any backend
 whose device is sm_90a (the emulator's sm_90a, or an H100), for the tests and the GPU check.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import functools
 import numpy as np
 
 from .. import tiling
+from .kernel_variants import variant_args
 from .marshal import i32
 
 HEAD_DIMS = tiling.SM90_HEAD_DIMS
@@ -80,11 +81,11 @@ def check_inputs(q, k, v):
         raise ValueError(f"q's {H} heads must be a multiple of k's {Hkv}")
 
 
-def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, window=None, plan=None,
+def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None, plan=None,
                  num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
-    `window`: (left, right) as `Variants.window` (−1: unbounded), None for none.
+    `variants` (cuflash.variants.Variants): the options, None for none.
     `num_blocks`: the grid, each block walking tiles x, x + num_blocks, … (None: one block
     per tile; the persistent grid of one block per SM measured slower on an H100 while it
     walked the tiles head-interleaved, and is not yet measured head by head)."""
@@ -117,7 +118,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, window=None, p
     grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)
     f((grid,), (plan.num_threads,),
       (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
-       np.float32(scale), np.int32(bool(causal)), *map(np.int32, window or (-1, -1)),
-       np.int32(num_m_blocks), num_tiles),
+       np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
+       *variant_args(xp, variants, np.float32)),
       shared_mem=plan.dynamic_smem_bytes)
     return o, lse

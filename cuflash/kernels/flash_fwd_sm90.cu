@@ -44,6 +44,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
+#include "variants.cuh"
 
 using namespace cuflash;
 
@@ -68,6 +69,15 @@ template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
 
+// Every element one place towards x[0], `in` into the last (register moves): N of them bring
+// each element back to its place, so a rolled loop takes element e from x[0] at step e
+// without a dynamic index (which would put x in local memory)
+template <int N> __device__ __forceinline__ void rotate(float (&x)[N], float in) {
+#pragma unroll
+    for (int i = 0; i < N - 1; ++i) x[i] = x[i + 1];
+    x[N - 1] = in;
+}
+
 // acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major)
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
@@ -85,8 +95,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_v,
                       const __grid_constant__ sm90::TensorMap map_o,
                       float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
-                      int causal, int win_left, int win_right, int num_m_blocks,
-                      int num_tiles) {
+                      int causal, int num_m_blocks, int num_tiles,
+                      CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -94,7 +104,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __shared__ __align__(8) unsigned long long q_full, q_empty, full[STAGES], empty[STAGES];
     const int warpgroup = threadIdx.x / 128;
 
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     // Tile `tile` of the walk: its first query row, (b, h), and the key tiles [j0, j1) any
     // of its rows sees (causal, a window: from its first row's left edge to its last row's
     // diagonal)
@@ -104,7 +115,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     auto tile_at = [&](int tile) {
         const int m = tile % num_m_blocks;
         Tile x;
-        x.m0 = (causal || win_right >= 0 ? num_m_blocks - 1 - m : m) * BM;
+        x.m0 = (causal || var.win_right >= 0 ? num_m_blocks - 1 - m : m) * BM;
         x.bh = tile / num_m_blocks;  // b·H + h
         x.b = x.bh / H;
         x.h = x.bh % H;
@@ -157,17 +168,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int row = (threadIdx.x / 32 % 4) * 16 + g;   // the thread's rows in the warpgroup's 64
     const float c = softmax_scale_log2(scale);
     int m0 = 0, r_top = 0;  // the tile's first row, the thread's top row
+    int tile_b = 0, tile_h = 0;  // its batch and head, for the variants
+    const bool scores = var.scores(), dropout = var.dropout();
     int full_lo = 0, full_hi = 0;  // the key tiles every row of the tile sees whole
     OnlineSoftmax<float> top, bottom;
     float acc[Tr::kOAcc];
 
-    // S = Q_i K_jᵀ of tile j in slot s, issued (k16 steps along D, 32 bytes each in a box)
+    // S = Q_i K_jᵀ of tile j in slot s, issued (k16 steps along D, 32 bytes each in a box;
+    // the next box 16 KB on)
     float sc[64];
+    const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * 64);
     auto issue_s = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
             sm90::wgmma_m64n128k16_ss<T>(
-                sc, sm90::desc_k_major_sw128(sm.q[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
+                sc, q_desc + (kk / 4) * (Tr::kBoxBytes >> 4) + 2 * (kk % 4),
                 sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
     };
@@ -181,11 +196,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                   sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kBoxBytes) + 128 * kk);
         sm90::wgmma_commit();
     };
-    // The online softmax of tile j's S: masked keys −inf (past Nk, or right of a row's
-    // diagonal); the row max of S, scaled; P̃ = exp2(S·c − m_new) in place; returns α
+    // The online softmax of tile j's S: masked keys −inf (past Nk, outside a row's causal
+    // or window reach), or with variants each score through their chain (variants.cuh, in
+    // natural units and back: rows past Nq −inf, so no bias or mask is read there); the row
+    // max of S, scaled; P̃ = exp2(S·c − m_new) in place, dropped out for P̃ V; returns α
     auto softmax = [&](int j, float& alpha_top, float& alpha_bottom) {
         const int n0 = j * BN;
-        if (j < full_lo || j >= full_hi) {
+        if (scores) {  // the chain inlined once: a rolled loop takes score e from sc[0]
+            var.bind(tile_b, tile_h, Nq, Nk);
+            const float inv_c = 1.f / c;  // back from log2 units to S's
+#pragma unroll 1
+            for (int e = 0; e < 64; ++e) {
+                const int col = n0 + 8 * (e / 4) + 2 * t + e % 2, r = r_top + (e % 4 >= 2 ? 8 : 0);
+                rotate(sc, variant_score(var, mask, sc[0], scale, r, col) * inv_c);
+            }
+        } else if (j < full_lo || j >= full_hi) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) {
                 const int col = n0 + 8 * (i / 4) + 2 * t + i % 2;
@@ -211,8 +236,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             sum_top += sc[i] + sc[i + 1];
             sum_bottom += sc[i + 2] + sc[i + 3];
         }
-        top.l_i += sum_top;
+        top.l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
         bottom.l_i += sum_bottom;
+        if (dropout) {  // keep bits first (Philox inlined once: a rolled loop), then P̃
+            var.bind(tile_b, tile_h, Nq, Nk);
+            unsigned long long keep = 0;
+#pragma unroll 1
+            for (int e = 0; e < 32; ++e)  // a row's pair of columns (scores 2e, 2e + 1)
+                keep |= (unsigned long long)var.keep_pair(r_top + (e % 2) * 8, n0 + 8 * (e / 2) + 2 * t)
+                        << (2 * e);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) sc[i] = (keep >> i) & 1u ? sc[i] * var.keep_scale : 0.f;
+        }
     };
     // P̃ to 16 bits, all of the tile: a wgmma owns its A registers until the wait that
     // retires it, so none may be written while the previous P̃ V still runs
@@ -239,6 +274,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     for (int tile = blockIdx.x, n = 0; tile < num_tiles; tile += gridDim.x, ++n) {
         const int j0 = tile_at(tile).j0, tiles = tile_at(tile).j1 - j0;
         m0 = tile_at(tile).m0;
+        tile_b = tile_at(tile).b;
+        tile_h = tile_at(tile).h;
         mask.full_tiles(m0, m0 + BM, BN, j0, j0 + tiles, full_lo, full_hi);
         r_top = m0 + warpgroup * 64 + row;
         top.init();

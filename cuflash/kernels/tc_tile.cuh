@@ -466,18 +466,6 @@ __device__ __forceinline__ void rescale_acc_if_moved(FragC (&acc)[N], float alph
 // compute_scores and flash_fwd.cu apply it). The thread's elements of S are (r_top, c),
 // (r_top, c + 1), (r_top + 8, c), (r_top + 8, c + 1) with c = c0 + 8j: c0 + 8j is even.
 
-// One score from the raw product qk: the chain in natural units (x = scale·qk), then log2
-// units; −inf where the causal/window mask or the bool mask hides the key, and for rows
-// and keys outside [0, Nq) × [0, Nk), whose bias and mask are never read.
-template <typename T>
-__device__ __forceinline__ float variant_score(const Variants<T>& var, const CausalMask& mask,
-                                               float qk, float scale, int i, int j) {
-    float t;
-    return (i < mask.Nq && !mask.masked(i, j))
-               ? var.score(qk * scale, i, j, t) * MathConst<float>::log2e
-               : neg_inf<float>();
-}
-
 // Every element of the thread's fragments one place towards s[0].c0 (n-tile n's c0 ← c1 ←
 // c2 ← c3 ← n-tile n + 1's c0), `in` into the last: register moves only; returns the
 // element that leaves s[0].c0. 4·N rotations bring every element back to its place, so a

@@ -5,11 +5,13 @@
 //       → causal / window (mask.cuh) / bool mask → softmax → dropout → ·V
 // A kernel receives the options as run-time arguments (no template flag: one
 // specialization serves every combination), binds them to its (batch, head) once with
-// bind(), and calls score() on each score in natural units and keep() on each P̃.
+// bind(), and calls score() on each score in natural units (variant_score: from the raw
+// product, with the causal/window mask, in log2 units) and keep() on each P̃.
 // bias and mask are read in place with four element strides (0 along a broadcast axis).
 #pragma once
 
 #include "common.cuh"
+#include "mask.cuh"
 #include "philox.cuh"
 
 namespace cuflash {
@@ -102,6 +104,18 @@ template <typename T> struct Variants {
         return (x0 >= drop_threshold ? 1u : 0u) | (x1 >= drop_threshold ? 2u : 0u);
     }
 };
+
+// One score from the raw product qk: the chain in natural units (x = scale·qk), then log2
+// units; −inf where the causal/window mask or the bool mask hides the key, and for rows
+// and keys outside [0, Nq) × [0, Nk), whose bias and mask are never read.
+template <typename T>
+__device__ __forceinline__ float variant_score(const Variants<T>& var, const CausalMask& mask,
+                                               float qk, float scale, int i, int j) {
+    float t;
+    return (i < mask.Nq && !mask.masked(i, j))
+               ? var.score(qk * scale, i, j, t) * MathConst<float>::log2e
+               : neg_inf<float>();
+}
 
 }  // namespace cuflash
 
