@@ -302,6 +302,19 @@ def test_window_on_the_gpu(window, causal):
 
 
 @pytest.mark.gpu
+def test_variants_on_the_gpu():
+    """Every variant at once on an H100: the bias and mask read in place, dropout's bits."""
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    B, H, Nq, Nk = 2, 4, 700, 900
+    _check(be, B, H, 2, Nq, Nk, 128, True, seed=4, opts=_options(
+        ["window", "softcap", "alibi", "bias", "mask", "dropout"], B, H, Nq, Nk, F16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_and_persistent_on_the_gpu(causal):
     """On an H100: the driver's 4-D maps over (B, N, H, D) memory and padded rows, and three
