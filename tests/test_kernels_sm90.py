@@ -199,7 +199,6 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     float32, d = 96, rows 136 bytes apart, and sm_90 without the "a" features."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
-    from cuflash.variants import Variants
     be = _backend()
     q, k, v = attention_inputs(1, 2, 1, 100, 120, 64, F16)[:3]
 
