@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import tiling
-from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, tensor_map_4d,
-                                  tma_strides)
+from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, check_launch,
+                                  tensor_map_4d, tma_strides)
 
 _FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 
@@ -27,12 +27,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     check_inputs(do, k, v)
     if tuple(do.shape) != tuple(q.shape):
         raise ValueError(f"do: expected q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
-    if not (np.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: the Hopper backward takes a positive finite scale, got {scale!r}")
-    if not backend.limits()["sm90a"]:
-        raise ValueError(f"backend: the Hopper backward needs a device that runs sm_90a code (a "
-                         f"cc 9.0 GPU, or the emulator's sm_90a); this one is "
-                         f"sm_{''.join(map(str, backend.limits()['cc']))}")
+    check_launch(backend, scale, "backward")
     xp = backend.xp
     p_dkdv, p_dq = tiling.sm90_bwd_plans(np.dtype(q.dtype).name, q.shape[-1])
     (B, Hq, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]

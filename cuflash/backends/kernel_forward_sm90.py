@@ -81,6 +81,18 @@ def check_inputs(q, k, v):
         raise ValueError(f"q's {H} heads must be a multiple of k's {Hkv}")
 
 
+def check_launch(backend, scale, what: str):
+    """ValueError unless `scale` is positive and finite (the kernels take the row max of S,
+    then scale it) and `backend`'s device runs sm_90a code; `what`: "forward" or
+    "backward", for the message."""
+    if not (np.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: the Hopper {what} takes a positive finite scale, got {scale!r}")
+    if not backend.limits()["sm90a"]:
+        raise ValueError(f"backend: the Hopper {what} needs a device that runs sm_90a code (a "
+                         f"cc 9.0 GPU, or the emulator's sm_90a); this one is "
+                         f"sm_{''.join(map(str, backend.limits()['cc']))}")
+
+
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None, plan=None,
                  num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
@@ -92,12 +104,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     if plan is None:
         check_inputs(q, k, v)
         plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1])
-    if not (np.isfinite(scale) and scale > 0):   # the row max is taken of S, then scaled
-        raise ValueError(f"scale: the Hopper forward takes a positive finite scale, got {scale!r}")
-    if not backend.limits()["sm90a"]:
-        raise ValueError(f"backend: the Hopper forward needs a device that runs sm_90a code (a cc "
-                         f"9.0 GPU, or the emulator's sm_90a); this one is "
-                         f"sm_{''.join(map(str, backend.limits()['cc']))}")
+    check_launch(backend, scale, "forward")
     xp = backend.xp
     (B, H, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
     if B * H * Nq == 0 or Nk == 0:   # no key: O = 0, lse = −inf
