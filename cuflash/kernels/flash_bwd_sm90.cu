@@ -112,7 +112,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
-    __shared__ __align__(8) unsigned long long kv_full, full[STAGES], empty[STAGES];
+    __shared__ __align__(8) unsigned long long kv_full;
+    __shared__ sm90::Ring<STAGES> ring;  // Q_i, dO_i, lse, D
 
     const int n0 = blockIdx.x * BN, bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
     const int Hkv = Hq / group, b = bh_kv / Hkv, h_kv = bh_kv % Hkv;
@@ -124,10 +125,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     if (threadIdx.x == 0) {
         sm90::mbar_init(&kv_full, 1);
-        for (int s = 0; s < STAGES; ++s) {
-            sm90::mbar_init(&full[s], 1);
-            sm90::mbar_init(&empty[s], 256);
-        }
+        ring.init(256);
         sm90::mbar_init_fence();
     }
     __syncthreads();
@@ -143,14 +141,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             for (int it = 0; it < steps; ++it) {
                 const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
                 const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
-                if (it >= STAGES) sm90::mbar_wait(&empty[s], (it / STAGES - 1) & 1);
-                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
+                auto* full = ring.acquire(it, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, m0, hq, b, &full[s]);
-                    sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, m0, hq, b, &full[s]);
+                    sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, m0, hq, b, full);
+                    sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, m0, hq, b, full);
                 }
-                sm90::tma_load_2d(sm.lse[s], map_lse, m0, b * Hq + hq, &full[s]);
-                sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, &full[s]);
+                sm90::tma_load_2d(sm.lse[s], map_lse, m0, b * Hq + hq, full);
+                sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, full);
             }
         }
         return;
@@ -175,7 +172,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     for (int it = 0; it < steps; ++it) {
         const int s = it % STAGES;
         const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
-        sm90::mbar_wait(&full[s], (it / STAGES) & 1);
+        ring.wait(it);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
@@ -236,7 +233,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                   sm90::desc_mn_major_sw128(sm.q[s][0], Tr::kQBoxBytes) + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(&empty[s]);
+        ring.release(it);
     }
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
@@ -271,7 +268,8 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
-    __shared__ __align__(8) unsigned long long q_full, full[STAGES], empty[STAGES];
+    __shared__ __align__(8) unsigned long long q_full;
+    __shared__ sm90::Ring<STAGES> ring;  // K_j, V_j
 
     const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·Hq + h
     const int b = bh / Hq, h = bh % Hq, h_kv = h / group;
@@ -281,10 +279,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
-        for (int s = 0; s < STAGES; ++s) {
-            sm90::mbar_init(&full[s], 1);
-            sm90::mbar_init(&empty[s], 256);
-        }
+        ring.init(256);
         sm90::mbar_init_fence();
     }
     __syncthreads();
@@ -299,11 +294,10 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             }
             for (int j = 0; j < tiles; ++j) {
                 const int s = j % STAGES;
-                if (j >= STAGES) sm90::mbar_wait(&empty[s], (j / STAGES - 1) & 1);
-                sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kKvBoxBytes);
+                auto* full = ring.acquire(j, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, h_kv, b, &full[s]);
-                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, h_kv, b, &full[s]);
+                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, h_kv, b, full);
+                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, h_kv, b, full);
                 }
             }
         }
@@ -335,7 +329,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     sm90::mbar_wait(&q_full, 0);
     for (int j = 0; j < tiles; ++j) {
         const int s = j % STAGES, n0 = j * BN;
-        sm90::mbar_wait(&full[s], (j / STAGES) & 1);
+        ring.wait(j);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
@@ -376,7 +370,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                   sm90::desc_mn_major_sw128(sm.k[s][0], Tr::kKvBoxBytes) + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(&empty[s]);
+        ring.release(j);
     }
 
     // -- dQ_i · scale, from registers

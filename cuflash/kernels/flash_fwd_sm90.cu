@@ -101,7 +101,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
-    __shared__ __align__(8) unsigned long long q_full, q_empty, full[STAGES], empty[STAGES];
+    __shared__ __align__(8) unsigned long long q_full, q_empty;
+    __shared__ sm90::Ring<STAGES> ring;  // K_j, V_j
     const int warpgroup = threadIdx.x / 128;
 
     Variants<T> var = CUFLASH_VARIANTS(T);
@@ -128,10 +129,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
         sm90::mbar_init(&q_empty, 256);
-        for (int s = 0; s < STAGES; ++s) {
-            sm90::mbar_init(&full[s], 1);
-            sm90::mbar_init(&empty[s], 256);
-        }
+        ring.init(256);
         sm90::mbar_init_fence();
     }
     __syncthreads();
@@ -148,11 +146,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.m0, x.h, x.b, &q_full);
                 for (int j = x.j0; j < x.j1; ++j, ++it) {
                     const int s = it % STAGES;
-                    if (it >= STAGES) sm90::mbar_wait(&empty[s], (it / STAGES - 1) & 1);
-                    sm90::mbar_arrive_expect_tx(&full[s], 2 * Tr::kBoxes * Tr::kBoxBytes);
+                    auto* full = ring.acquire(it, 2 * Tr::kBoxes * Tr::kBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c) {
-                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, x.h / group, x.b, &full[s]);
-                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, x.h / group, x.b, &full[s]);
+                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, x.h / group, x.b, full);
+                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, x.h / group, x.b, full);
                     }
                 }
             }
@@ -284,7 +281,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
         sm90::mbar_wait(&q_full, n & 1);
         if (tiles > 0) {
-            sm90::mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
+            ring.wait(it);
             my_turn();
             sm90::wgmma_fence();
             issue_s(it % STAGES);
@@ -296,7 +293,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         }
         for (int j = 1; j < tiles; ++j) {
             const int s = (it + j) % STAGES, s_prev = (it + j - 1) % STAGES;
-            sm90::mbar_wait(&full[s], ((it + j) / STAGES) & 1);
+            ring.wait(it + j);
             my_turn();
             sm90::wgmma_fence();
             issue_s(s);           // S_j
@@ -306,7 +303,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             float alpha_top, alpha_bottom;
             softmax(j0 + j, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
-            sm90::mbar_arrive(&empty[s_prev]);
+            ring.release(it + j - 1);
 #pragma unroll
             for (int i = 0; i < Tr::kOAcc; i += 4) {
                 acc[i] *= alpha_top;
@@ -322,7 +319,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             issue_pv((it + tiles - 1) % STAGES);
             your_turn();
             sm90::wgmma_wait<0>();
-            sm90::mbar_arrive(&empty[(it + tiles - 1) % STAGES]);
+            ring.release(it + tiles - 1);
         }
         it += tiles;
         sm90::mbar_arrive(&q_empty);  // every S of the tile has retired: Q_i may go

@@ -57,6 +57,32 @@ __device__ __forceinline__ bool elect_one() {
 template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N)); }
 template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N)); }
 
+// ---- A ring of STAGES shared-memory slots between one producer thread and `consumers`
+// threads: slot s's "full" mbarrier takes the producer's arrival and the copies' bytes, its
+// "empty" one the consumers' arrivals. Step `it` uses slot it % STAGES in phase
+// (it / STAGES) & 1; the producer reuses a slot once its previous step was released ----
+template <int STAGES> struct Ring {
+    unsigned long long full[STAGES], empty[STAGES];
+
+    __device__ __forceinline__ void init(int consumers) {  // by one thread, then fenced
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], consumers);
+        }
+    }
+    // the producer: waits until step it's slot is free, announces `bytes` of copies; returns
+    // the mbarrier those copies complete on
+    __device__ __forceinline__ unsigned long long* acquire(int it, unsigned bytes) {
+        const int s = it % STAGES;
+        if (it >= STAGES) mbar_wait(&empty[s], (it / STAGES - 1) & 1);
+        mbar_arrive_expect_tx(&full[s], bytes);
+        return &full[s];
+    }
+    // a consumer: until step it's copies have landed; then, done with them
+    __device__ __forceinline__ void wait(int it) { mbar_wait(&full[it % STAGES], (it / STAGES) & 1); }
+    __device__ __forceinline__ void release(int it) { mbar_arrive(&empty[it % STAGES]); }
+};
+
 // ---- TMA: a 2-D box at (c0 innermost, c1) into shared memory, completing bytes on `bar` ----
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int c0, int c1, unsigned long long* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
