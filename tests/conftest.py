@@ -342,3 +342,50 @@ def packed(rng, lengths_q, lengths_k, hq, hkv, d, dtype=np.float32):
 def seqs(cu):
     """The row slices of the packed sequences of cu_seqlens `cu`."""
     return [slice(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+
+
+# -- attention variants' options, as the kernel tests draw them ----------------------------
+
+def variant_options(names, dtype, shape, seed=1):
+    """The user's options (as flash_attention takes them) by name, for a (B, Hq, Hkv, Nq,
+    Nk, d) problem."""
+    B, Hq, _, Nq, Nk, _ = shape
+    rng = np.random.default_rng(seed)
+    opts = {}
+    for n in names:
+        if n == "causal":
+            opts["causal"] = True
+        elif n == "window":
+            opts["window"] = (20, 4)
+        elif n == "window_left":
+            opts["window"] = (90, -1)
+        elif n == "softcap":
+            opts["softcap"] = 0.7
+        elif n == "alibi":
+            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq))
+        elif n == "bias":               # the input dtype, full shape
+            opts["bias"] = rng.uniform(-1, 1, (B, Hq, Nq, Nk)).astype(dtype)
+        elif n == "bias_f32":           # float32, broadcast over batch and query rows
+            opts["bias"] = rng.uniform(-1, 1, (1, Hq, 1, Nk)).astype(np.float32)
+        elif n == "mask":
+            m = rng.random((B, 1, Nq, Nk)) > 0.3
+            m[0, 0, 3] = False          # a row that sees no key
+            opts["mask"] = m
+        elif n == "dropout":
+            opts["dropout_p"], opts["seed"] = 0.3, 1234
+        else:
+            raise KeyError(n)
+    return opts
+
+
+def variants_of(opts, xp=np):
+    """cuflash.variants.Variants from 4-D options (what cuflash.api hands a backend), its
+    arrays on `xp`'s device."""
+    from cuflash import variants
+    alibi, bias, mask = opts.get("alibi_slopes"), opts.get("bias"), opts.get("mask")
+    return variants.Variants(
+        window=opts.get("window"), softcap=opts.get("softcap"),
+        alibi=None if alibi is None else xp.ascontiguousarray(xp.asarray(alibi, np.float32)),
+        bias=None if bias is None else xp.asarray(bias),
+        mask=None if mask is None else xp.asarray(mask),
+        dropout_p=opts.get("dropout_p", 0.0), seed=opts.get("seed", 0))

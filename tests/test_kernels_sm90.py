@@ -13,22 +13,11 @@ from cuflash.backends import kernel_forward_sm90 as sm90
 from cuflash.backends import kernels
 from cuflash.variants import Variants
 
-from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
-                      plain_attention, to_host)
+from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close,
+                      attention_inputs, plain_attention, to_host, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
-
-
-def _variants(xp, opts):
-    """cuflash.variants.Variants from flash_attention's options (what the API hands a
-    backend), arrays on the backend's device."""
-    alibi = opts.get("alibi_slopes")
-    return Variants(window=opts.get("window"), softcap=opts.get("softcap"),
-                    alibi=None if alibi is None else xp.asarray(alibi, np.float32),
-                    bias=None if opts.get("bias") is None else xp.asarray(opts["bias"]),
-                    mask=None if opts.get("mask") is None else xp.asarray(opts["mask"]),
-                    dropout_p=opts.get("dropout_p", 0.0), seed=opts.get("seed", 0))
 
 
 def _backend(checked=False, schedule="round-robin"):
@@ -42,7 +31,7 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=
     q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed=seed)[:3]
     scale = D ** -0.5
     xp = backend.xp
-    var = _variants(xp, opts)
+    var = variants_of(opts, xp)
     o, lse = sm90.forward_sm90(backend, xp.asarray(q), xp.asarray(k), xp.asarray(v),
                                causal=causal, scale=scale, variants=var, num_blocks=num_blocks)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
@@ -95,29 +84,6 @@ def test_window(window, causal, Nq, Nk):
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
-def _options(names, B, H, Nq, Nk, dtype, seed=1):
-    rng = np.random.default_rng(seed)
-    opts = {}
-    for n in names:
-        if n == "window":
-            opts["window"] = (90, 30)
-        elif n == "softcap":
-            opts["softcap"] = 0.7
-        elif n == "alibi":
-            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, H))
-        elif n == "bias":                # the input dtype, full shape
-            opts["bias"] = rng.uniform(-1, 1, (B, H, Nq, Nk)).astype(dtype)
-        elif n == "bias_f32":            # float32, broadcast over batch and query rows
-            opts["bias"] = rng.uniform(-1, 1, (1, H, 1, Nk)).astype(np.float32)
-        elif n == "mask":
-            m = rng.random((B, 1, Nq, Nk)) > 0.3
-            m[0, 0, 3] = False           # a row that sees no key
-            opts["mask"] = m
-        elif n == "dropout":
-            opts["dropout_p"], opts["seed"] = 0.3, 1234
-    return opts
-
-
 @pytest.mark.parametrize("names,causal,dt", [
     (["softcap"], False, F16), (["alibi"], True, BF16), (["bias"], False, F16),
     (["bias_f32"], True, F16), (["mask"], False, BF16), (["dropout"], True, F16),
@@ -129,7 +95,7 @@ def test_variants(names, causal, dt):
     GQA, partial tiles, two blocks walking the tiles."""
     B, H, Hkv, Nq, Nk = 2, 2, 1, 150, 200
     _check(_backend(), B, H, Hkv, Nq, Nk, 64, causal, seed=7, dtype=dt, num_blocks=2,
-           opts=_options(names, B, H, Nq, Nk, dt))
+           opts=variant_options(names, dt, (B, H, Hkv, Nq, Nk, 64)))
 
 
 def test_variants_checked_at_ragged_sizes():
@@ -137,8 +103,8 @@ def test_variants_checked_at_ragged_sizes():
     bias or mask read outside [0, Nq) x [0, Nk)."""
     B, H, Nq, Nk = 1, 2, 37, 75
     _check(_backend(checked=True, schedule="random"), B, H, 1, Nq, Nk, 128, True, seed=6,
-           opts=_options(["window", "softcap", "alibi", "bias", "mask", "dropout"], B, H, Nq, Nk,
-                         F16))
+           opts=variant_options(["window", "softcap", "alibi", "bias", "mask", "dropout"], F16,
+                                (B, H, 1, Nq, Nk, 128)))
 
 
 @pytest.mark.parametrize("D,dt,Nq,Nk,causal,schedule", [
@@ -309,8 +275,8 @@ def test_variants_on_the_gpu():
     if not be.limits()["sm90a"]:
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     B, H, Nq, Nk = 2, 4, 700, 900
-    _check(be, B, H, 2, Nq, Nk, 128, True, seed=4, opts=_options(
-        ["window", "softcap", "alibi", "bias", "mask", "dropout"], B, H, Nq, Nk, F16))
+    _check(be, B, H, 2, Nq, Nk, 128, True, seed=4, opts=variant_options(
+        ["window", "softcap", "alibi", "bias", "mask", "dropout"], F16, (B, H, 2, Nq, Nk, 128)))
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ from cuflash.backends import kernel_backward, kernel_forward
 
 from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
                       emulator_backend, plain_attention, plain_backward, plain_lse,
-                      plain_tf32_attention, round_tf32)
+                      plain_tf32_attention, round_tf32, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -51,44 +51,7 @@ def _inputs(dtype, shape=SHAPE, seed=0):
 
 
 def _options(names, dtype, shape=SHAPE, seed=1):
-    """The user's options (as flash_attention takes them) by name."""
-    B, Hq, _, Nq, Nk, _ = shape
-    rng = np.random.default_rng(seed)
-    opts = {}
-    for n in names:
-        if n == "causal":
-            opts["causal"] = True
-        elif n == "window":
-            opts["window"] = (20, 4)
-        elif n == "window_left":
-            opts["window"] = (90, -1)
-        elif n == "softcap":
-            opts["softcap"] = 0.7
-        elif n == "alibi":
-            opts["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq))
-        elif n == "bias":               # the input dtype, full shape
-            opts["bias"] = rng.uniform(-1, 1, (B, Hq, Nq, Nk)).astype(dtype)
-        elif n == "bias_f32":           # float32, broadcast over batch and query rows
-            opts["bias"] = rng.uniform(-1, 1, (1, Hq, 1, Nk)).astype(np.float32)
-        elif n == "mask":
-            m = rng.random((B, 1, Nq, Nk)) > 0.3
-            m[0, 0, 3] = False          # a row that sees no key
-            opts["mask"] = m
-        elif n == "dropout":
-            opts["dropout_p"], opts["seed"] = 0.3, 1234
-        else:
-            raise KeyError(n)
-    return opts
-
-
-def _variants(opts):
-    """cuflash.variants.Variants from 4-D options (what cuflash.api hands a backend)."""
-    alibi = opts.get("alibi_slopes")
-    return variants.Variants(
-        window=opts.get("window"), softcap=opts.get("softcap"),
-        alibi=None if alibi is None else np.ascontiguousarray(alibi, np.float32),
-        bias=opts.get("bias"), mask=opts.get("mask"),
-        dropout_p=opts.get("dropout_p", 0.0), seed=opts.get("seed", 0))
+    return variant_options(names, dtype, shape, seed)
 
 
 def _run(dtype, arch, split, q, k, v, opts, *, checked=False, schedule="round-robin"):
@@ -100,7 +63,7 @@ def _run(dtype, arch, split, q, k, v, opts, *, checked=False, schedule="round-ro
     scale = 1.0 / math.sqrt(d)
     be = _backend(arch, checked=checked, schedule=schedule)
     o, lse = kernel_forward.forward(be, q, k, v, causal=causal, scale=scale, algorithm="fa2",
-                                    variants=_variants(opts), allow_tf32=split is False)
+                                    variants=variants_of(opts), allow_tf32=split is False)
     (plan,) = be.take_launches()
     assert plan.kernel == "flash_fwd_tc", plan
     assert getattr(plan, "split", None) == split, plan
@@ -200,7 +163,7 @@ def _run_backward(dtype, arch, do, q, k, v, opts, *, checked=False, schedule="ro
                                        **opts)
     o, lse = o.astype(dtype), lse.astype(np.float32)
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
-                                     variants=_variants(opts), dq_workers=dq_workers)
+                                     variants=variants_of(opts), dq_workers=dq_workers)
     launched = [p.kernel for p in be.take_launches()]
     lim = be.limits()
     dkdv = tiling.backward_path(d, dtype, lim["cc"], max_smem=lim["max_smem"])[0][0]
@@ -288,7 +251,7 @@ def _run_backward_dbias(dtype, arch, layout, names, shape=SHAPE, *, checked=Fals
                                        **opts)
     o, lse = o.astype(dtype), lse.astype(np.float32)
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
-                                     variants=_variants(opts), return_dbias=True)
+                                     variants=variants_of(opts), return_dbias=True)
     tc = tiling.TC_BWD_KERNELS
     launched = {p.kernel for p in be.take_launches()}
     assert launched == {"flash_bwd_preprocess", *tc}, launched
