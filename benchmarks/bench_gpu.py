@@ -2,10 +2,10 @@
 run on one CUDA device. Peers, each where installed: PyTorch SDPA with each of its fused
 backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 `dot_product_attention(implementation="cudnn")` (jax-cudnn) and flash-attn; cuflash's own
-two-kernel backward (cuflash-2kernel: the default backward of 16-bit inputs up to d = 128
-has five GEMMs, this one seven); on an sm_90 GPU cuflash's Hopper kernels as the planner
-does not run them yet (cuflash-sm90, 16-bit, d = 64 and 128: flash_fwd_sm90.cu on a
-persistent grid, flash_bwd_sm90.cu's dK/dV and dQ passes); CuPy naive
+mma.sync two-kernel backward (cuflash-2kernel: the default off sm_90, where the Hopper
+backward is); on an sm_90 GPU cuflash's Hopper forward on a persistent
+grid, which the planner does not run (cuflash-sm90, 16-bit, d = 64 and 128: one block per
+SM walking the tiles; its backward the planner's); CuPy naive
 attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
@@ -62,7 +62,7 @@ from cuflash.flops import attention_flops  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODES = ("fwd", "bwd", "fwd+bwd")
-# cuflash-2kernel: cuflash's own two-kernel backward, the A/B of its 5-GEMM one
+# cuflash-2kernel: cuflash's mma.sync two-kernel backward, the A/B of the Hopper one
 PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn",
          "cuflash-2kernel", "cuflash-sm90")
 EXTRA_PEERS = ("cupy-naive",)
@@ -186,7 +186,7 @@ class Cuflash(_CupyImpl):
         from cuflash.backends import kernel_backward, kernel_forward, kernels
         backend = kernels.cuda_backend()
         fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5)
-        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v)
+        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True)
         return f"{fwd.name_expression}; {dkdv.name_expression}; {dq.name_expression}"
 
     def passes(self, q, k, v, do, causal, scale):
@@ -207,10 +207,10 @@ class Cuflash(_CupyImpl):
 
 
 class CuflashTwoKernels(Cuflash):
-    """cuflash with the backward's dQ from a kernel of its own (seven GEMMs per tile, no dQ
-    partials): beside "cuflash", whose 16-bit backward up to d = 128 takes five GEMMs, the
-    measured answer to the 5-GEMM backward's model. Where no 5-GEMM tile applies (float32,
-    d > 128) both run the same kernels."""
+    """cuflash's mma.sync backward with dQ from a kernel of its own (seven GEMMs per tile, no
+    dQ partials): the default's kernels off sm_90 (where the 5-GEMM backward's tile cost
+    does not beat them, `tiling.DQ_PARTS_TILE_COST`), on sm_90 the measure of the Hopper
+    backward against them."""
     name = "cuflash-2kernel"
 
     def describe(self, q, k, v, do):
@@ -240,10 +240,10 @@ class CuflashTwoKernels(Cuflash):
 
 
 class CuflashSm90(Cuflash):
-    """cuflash's Hopper kernels as the planner does not run them yet, on an sm_90 GPU: the
-    forward (flash_fwd_sm90.cu) on a persistent grid (one block per SM walking the tiles,
-    against the planner's one block per tile), and the backward by flash_bwd_sm90.cu's
-    wgmma passes (dK/dV, then dQ)."""
+    """cuflash's Hopper forward (flash_fwd_sm90.cu) as the planner does not run it, on an
+    sm_90 GPU: on a persistent grid (one block per SM walking the tiles, against the
+    planner's one block per tile); the backward the planner's (on sm_90: flash_bwd_sm90.cu's
+    wgmma passes, dK/dV then dQ)."""
     name = "cuflash-sm90"
     dtypes = SIXTEEN_BIT
 
@@ -277,7 +277,7 @@ class CuflashSm90(Cuflash):
 
         def backward(o, lse):
             return kernel_backward.backward(backend, do, q, k, v, o, lse, causal=causal,
-                                            scale=scale, hopper=True)
+                                            scale=scale)
 
         o, lse = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
 

@@ -62,23 +62,38 @@ def test_checked_and_schedules(D, schedule, dt):
 
 
 def test_the_whole_backward_with_it():
-    """kernel_backward.backward(hopper=True): the preprocess, then the two Hopper passes, each
-    gradient within the rule; calls they do not take are refused by name."""
+    """kernel_backward.backward on sm_90a: the preprocess, then the two Hopper passes, each
+    gradient within the rule; the calls they do not take run the mma.sync kernels."""
+    from cuflash import tiling
     from cuflash.variants import Variants
     be = emulator_backend("sm_90a")
     (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, 64, F16, causal=True, seed=5)
-    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
-                                     hopper=True)
-    assert [p.kernel for p in be.take_launches()] == [
-        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale)
+    hopper = ["flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
+    assert [p.kernel for p in be.take_launches()] == hopper
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale)
     plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16)
     for name, out, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
         assert_close_to_reference(out, r, p, F16, factor=3.0, what=name)
+    mma_sync = ["flash_bwd_preprocess", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"]
+    for call in (dict(variants=Variants(softcap=3.0)), dict(dq_workers=0),
+                 dict(scale=-scale)):
+        kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, **{"scale": scale, **call})
+        assert [p.kernel for p in be.take_launches()] == mma_sync, call
+    padded = np.zeros(do.shape[:-1] + (72,), F16)[..., :64]   # dO's rows 144 bytes apart:
+    padded[...] = do                                          # TMA reads them in place
+    grads_padded = kernel_backward.backward(be, padded, q, k, v, o, lse, causal=True, scale=scale)
+    assert [p.kernel for p in be.take_launches()] == hopper
+    for x, y in zip(grads, grads_padded):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+    (p_kv, p_q), why = tiling.backward_path(96, "float16", (9, 0), max_smem=232448, sm90a=True,
+                                            plain=True)
+    assert p_kv.kernel == "flash_bwd_dkdv_tc" and "d = 64 or 128" in why
+    (p_kv, p_q), why = tiling.backward_path(128, "bfloat16", (9, 0), max_smem=232448,
+                                            sm90a=True, plain=True)
+    assert (p_kv.kernel, p_q.kernel) == ("flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90")
+    assert "wgmma on sm_90a" in why
     Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
-    with pytest.raises(ValueError, match="hopper: .* no variants"):
-        kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
-                                 variants=Variants(softcap=3.0), hopper=True)
     with pytest.raises(ValueError, match="sm_90a"):
         sm90_bwd.backward_sm90(kernels.emulator_backend(arch="sm_90"), do, q, k, v, lse, Dvec,
                                causal=True, scale=scale)

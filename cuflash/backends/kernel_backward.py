@@ -39,23 +39,46 @@ sums of dS instead, summed over the other broadcast axes here: `dbias_launch`,
 from __future__ import annotations
 
 from .. import _dtypes, tiling
-from . import kernel_backward_sm90
+from . import kernel_backward_sm90, kernel_forward, kernel_forward_sm90
 from .kernel_forward import loads_16b_aligned
 from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .marshal import (LAYOUT, STRIDES, check_grid_yz, dkdv_args, dq_args, dq_sum_args, i32,
                       prepare, preprocess_args, record, strides)
 
 
-def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True):
+def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True, plain=False):
     """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays; with
-    `dq_parts` the 5-GEMM pair where it applies (`tiling.backward_path`)."""
+    `dq_parts` the 5-GEMM pair where it applies, with `plain` (a call `plain_call` passes)
+    the Hopper pair where the device and q, k, v, dO allow (`tiling.backward_path`)."""
+    plain = plain and kernel_forward_sm90.tma_ready(q, k, v, do)
     return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
-                                allow_tf32=allow_tf32, dq_parts=dq_parts, **backend.limits())
+                                allow_tf32=allow_tf32, dq_parts=dq_parts, plain=plain,
+                                **backend.limits())
+
+
+def plain_call(scale, variants=None, return_dbias=False, segments=None) -> bool:
+    """Whether a backward call has none of what the Hopper backward does not take yet:
+    variants, dbias, packed sequences, a scale that is not positive and finite."""
+    return (kernel_forward.plain_call(scale, segments) and not return_dbias
+            and (variants is None or variants.is_plain()))
+
+
+def preprocess(backend, do, o, lse):
+    """D = rowsum(dO ∘ O) (flash_bwd_preprocess), in lse's shape and dtype (the
+    accumulation dtype), for dO and O (B, H, rows, d)."""
+    _, H, rows_q, d = o.shape
+    pre = tiling.bwd_preprocess_plan(o.dtype)
+    rows = i32(lse.size, "batch x heads x Nq")
+    Dvec = backend.xp.empty(lse.shape, dtype=lse.dtype)
+    backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
+                              preprocess_args(do, o, Dvec, heads=i32(H, "query heads"),
+                                              rows=rows_q, d=i32(d, "d")),
+                              shared_mem=pre.dynamic_smem_bytes)
+    return Dvec
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
-             return_dbias=False, allow_tf32=False, segments=None, dq_workers=None,
-             hopper=False):
+             return_dbias=False, allow_tf32=False, segments=None, dq_workers=None):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants): the options; with `return_dbias` a fourth
@@ -64,10 +87,9 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do, o
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q).
     `dq_workers`: the 5-GEMM backward's workers per (batch, K/V head) where it applies
-    (None: `tiling.dq_workers`' count; 0: the two-kernel backward).
-    `hopper`: dK, dV and dQ by the Hopper kernels (`kernel_backward_sm90.backward_sm90`:
-    sm_90a, 16-bit, d = 64 or 128, no variants, packed sequences or dbias); not yet the
-    default, until a GPU has timed them."""
+    (None: `tiling.dq_workers`' count; 0: the two-kernel backward); a count also keeps the
+    call on mma.sync. On an sm_90a device a `plain_call` runs the Hopper kernels
+    (`kernel_backward_sm90.backward_sm90`) where `tiling.backward_path` takes them."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     _, Hq, rows_q, d = q.shape
@@ -76,15 +98,19 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nq = rows_q if segments is None else segments.max_q   # the grid's longest sequence
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
-    if hopper and (segments is not None or return_dbias or
-                   (variants is not None and not variants.is_plain())):
-        raise ValueError("hopper: the Hopper backward takes no variants, packed sequences or "
-                         "dbias yet")
-    dq_workers = 0 if hopper else dq_workers   # its D comes from the plain preprocess
-    # the 5-GEMM backward (16-bit, one head-dim chunk) with W workers, unless dbias is
-    # wanted (the dQ kernel writes it) or the model prefers two kernels (W = 0)
+    # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
+    # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
+    # prefers two kernels (W = 0)
+    plain = dq_workers is None and plain_call(scale, variants, return_dbias, segments)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
-                                          dq_parts=not return_dbias and dq_workers != 0)
+                                          dq_parts=not return_dbias and dq_workers != 0,
+                                          plain=plain)
+    if isinstance(p_dkdv, tiling.Sm90BwdPlan):   # 1. D, 2. dK, dV, 3. dQ
+        lse = xp.ascontiguousarray(lse, dtype=acc)
+        Dvec = preprocess(backend, do, o, lse)
+        return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
+                                                  causal=causal, scale=scale,
+                                                  plans=(p_dkdv, p_dq))
     workers = 0
     if isinstance(p_dq, tiling.DqSumPlan):
         key_blocks = -(-Nk // p_dkdv.block_rows)
@@ -94,18 +120,15 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
             (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                                   dq_parts=False)
     tc = isinstance(p_dkdv, tiling.TcBwdPlan)  # tensor cores (f16, bf16, tf32): d <= 256
-    pre = tiling.bwd_preprocess_plan(q.dtype)
     num_d_chunks = tiling.bwd_head_dim_chunks(d)  # SIMT: one argument for both kernels
     # tensor cores: each plan's own chunks (the kernels count them from d)
     chunks_kv = p_dkdv.num_d_chunks(d) if tc else num_d_chunks
     lse = xp.ascontiguousarray(lse, dtype=acc)
-    Dvec = xp.empty(lse.shape, dtype=acc)
     dq = xp.empty(q.shape, dtype=q.dtype)
     dk = xp.empty(k.shape, dtype=q.dtype)
     dv = xp.empty(v.shape, dtype=q.dtype)
 
     # 32-bit row indices and sizes; the grid's y and z carry heads and batch.
-    rows = i32(lse.size, "batch x heads x Nq")
     for n, what in ((B, "batch"), (Hq, "query heads"), (Hkv, "key/value heads")):
         check_grid_yz(n, what)
     grid_kv = i32((workers or -(-Nk // p_dkdv.block_rows)) * chunks_kv, "dK/dV blocks per head")
@@ -135,16 +158,9 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     else:
         dq_launches = [(heads_per_block, batch_per_block)]
 
-    # 1. D = rowsum(dO ∘ O)
-    backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
-                              preprocess_args(do, o, Dvec, heads=sizes[0], rows=rows_q,
-                                              d=sizes[4]),
-                              shared_mem=pre.dynamic_smem_bytes)
+    Dvec = preprocess(backend, do, o, lse)   # 1. D = rowsum(dO ∘ O)
     # dQ's float32 partials, one per worker (zeroed: a worker adds only the rows its key
     # blocks see), as (W, *q.shape) contiguous; else a dummy
-    if hopper:  # 2, 3. dK, dV, then dQ
-        return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
-                                                  causal=causal, scale=scale)
     parts = xp.zeros((workers, *q.shape) if workers else 1, dtype=acc)
     dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
                 (parts, record(STRIDES, 0, 0, 0), 0))

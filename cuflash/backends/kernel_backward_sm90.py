@@ -5,8 +5,7 @@ The kernels take float16 or bfloat16, head dim 64 or 128, q, k, v, dO with strid
 read (`kernel_forward_sm90.tma_ready`), causal or not, GQA/MQA; lse and D = rowsum(dO ∘ O)
 (flash_bwd.cu's preprocess) in float32. `backward_sm90` runs the dK/dV pass, then the dQ
 pass, on any backend whose device is sm_90a (the emulator's sm_90a, or an H100);
-`kernel_backward.backward(hopper=True)` runs them as the backward. The planner does not
-choose them yet.
+`kernel_backward.backward` runs them for the plain calls `tiling.backward_path` gives them.
 """
 from __future__ import annotations
 
@@ -19,17 +18,18 @@ from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, check
 _FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 
 
-def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float):
+def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, plans=None):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
-    scale · dS K (flash_bwd_dq_sm90_kernel)."""
+    scale · dS K (flash_bwd_dq_sm90_kernel). `plans`: the planner's (dK/dV, dQ) pair for
+    these inputs (None: `tiling.sm90_bwd_plans`')."""
     check_inputs(q, k, v)
     check_inputs(do, k, v)
     if tuple(do.shape) != tuple(q.shape):
         raise ValueError(f"do: expected q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
     check_launch(backend, scale, "backward")
     xp = backend.xp
-    p_dkdv, p_dq = tiling.sm90_bwd_plans(np.dtype(q.dtype).name, q.shape[-1])
+    p_dkdv, p_dq = plans or tiling.sm90_bwd_plans(np.dtype(q.dtype).name, q.shape[-1])
     (B, Hq, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
     for n, what in ((B * Hkv, "k: B·Hkv"), (B * Hq, "q: B·Hq")):
         if n > 65535:

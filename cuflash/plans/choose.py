@@ -2,12 +2,13 @@
 `forward_path` and `backward_path` take tensor cores where dtype, device, head dim and
 alignment allow (the forward: wgmma on sm_90a for the calls the Hopper kernel takes), and
 the SIMT plans (`simt_forward_plan`, `simt_backward_plans`) otherwise, saying what refused
-the tensor cores."""
+the tensor cores (the backward: wgmma on sm_90a for the calls the Hopper kernels take)."""
 from __future__ import annotations
 
 from .base import ELEMENTS, dtype_name
 from .simt_bwd import simt_backward_plans
 from .simt_fwd import simt_forward_plan
+from .sm90_bwd import sm90_bwd_plans
 from .sm90_fwd import SM90_DTYPES, SM90_HEAD_DIMS, sm90_fwd_plan
 from .tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, dq_parts_tiles,
                      tc_bwd_candidates)
@@ -120,7 +121,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
 
 def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
                   sm_count=None, sm90a: bool = False, allow_tf32: bool = False,
-                  dq_parts: bool = True):
+                  dq_parts: bool = True, plain: bool = False):
     """((dkdv_plan, dq_plan), reason): the backward kernels a call takes, and why.
 
     Tensor cores (two `TcBwdPlan`s) where the dtype is float16 (sm_75+), bfloat16 or
@@ -136,7 +137,12 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     `dq_parts` (16-bit, one head-dim chunk, the tile fits): the 5-GEMM backward instead,
     (the dK/dV plan with DQ_PARTS, `DqSumPlan`): the dK/dV blocks also accumulate dQ in
     float32 partials that flash_bwd_dq_sum adds in order (`device.dq_workers` sizes them;
-    where it gives 0, and for dbias, the caller asks again without)."""
+    where it gives 0, and for dbias, the caller asks again without).
+
+    The Hopper backward (two `Sm90BwdPlan`s: the dK/dV pass, then the dQ pass; wgmma, TMA)
+    where the device runs sm_90a code (`sm90a`), the call is `plain` (q, k, v, dO strided as
+    TMA reads them, a positive scale; no variants, dbias or packed sequences: the kernels
+    take none yet), the dtype float16 or bfloat16, d 64 or 128, and both tiles fit."""
     name = dtype_name(dtype)
 
     def simt():
@@ -153,6 +159,11 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
                                operands="q, k, v or dO")
     if why:
         return simt(), why
+    hopper = sm90_bwd_plans(name, d) if sm90a else None
+    if hopper is not None and plain and all(p.smem_bytes <= max_smem for p in hopper):
+        return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup, "
+                        "dK/dV then dQ (a plain call: variants, dbias and packed sequences "
+                        "run mma.sync)")
     D = next(b for b in head_dims if d <= b)
     fits = tuple(_first_fit(tc_bwd_candidates(kernel, name, D, split=not allow_tf32, cc=cc),
                             max_smem) for kernel in TC_BWD_KERNELS)
@@ -162,6 +173,11 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
                      for p in fits if p.num_d_chunks(d) > 1)
     why = f"tensor cores: {_instruction(name, cc, allow_tf32)}{chunks}"
     fused = _first_fit(dq_parts_tiles(name, D, cc), max_smem) if dq_parts else None
+    if sm90a and name in SM90_DTYPES:   # the Hopper backward was there and did not take it
+        why += (f" (the sm_90a wgmma backward takes d = "
+                f"{' or '.join(map(str, SM90_HEAD_DIMS))} and plain calls: q, k, v, dO with "
+                f"rows whole and strides multiples of 16 bytes, a positive scale, no variants, "
+                f"dbias or packed sequences)")
     if fused is not None:
         return ((fused, DqSumPlan(name)),
                 f"{why}, 5 GEMMs (dQ from the dK/dV blocks in float32 partials)")
