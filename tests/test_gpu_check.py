@@ -98,6 +98,22 @@ sanitize_gpu: synccheck: exit=124 errors=? tests=[12 passed so far, stopped]
         "synccheck": {"exit": 124, "errors": None, "tests": "12 passed so far, stopped"}}
 
 
+def test_a_sanitizer_stopped_at_its_cap_is_incomplete(gpu_check):
+    """No error in what ran, one tool stopped: INCOMPLETE, not PASS and not FAIL; an error
+    anywhere, or a tool that failed otherwise: FAIL."""
+    def verdict(text, rc=1):
+        return gpu_check.sanitize_markdown({"command": "sanitize_gpu.sh", "when": "now",
+                                            "gpu": "H100", "budget": 90, "exit": rc,
+                                            "ok": False, "skipped": None,
+                                            "tools": gpu_check.parse_sanitize(text)})
+    stopped = ("sanitize_gpu: memcheck: exit=0 errors=0 tests=[9 passed in 4s]\n"
+               "sanitize_gpu: synccheck: exit=124 errors=? tests=[3 passed so far, stopped]\n")
+    assert "**INCOMPLETE: no sanitizer error in what ran" in verdict(stopped)
+    assert "**FAIL** (exit 1)" in verdict(SANITIZER_RUN)
+    failed = stopped.replace("synccheck: exit=124 errors=?", "synccheck: exit=1 errors=0")
+    assert "**FAIL** (exit 1)" in verdict(failed)
+
+
 H100 = {"when": "2026-11-20T10:00:00", "host": "gpu-host", "python": "3.12.3", "cupy": "14.2.0",
         "torch": "2.11.0+cu130", "jax": "0.11.2", "jaxlib": "0.11.2", "flash_attn": None,
         "gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "gpu_memory": "81559 MiB",

@@ -361,12 +361,23 @@ def tests_markdown(sec):
     return "\n".join(lines)
 
 
+def sanitize_verdict(sec):
+    """PASS: three tools, no error; INCOMPLETE: no error in what ran, but a tool stopped at
+    its cap; FAIL: an error, a failing test or a run that went wrong."""
+    if sec["ok"]:
+        return "PASS"
+    tools = sec["tools"].values()
+    if tools and all(t["exit"] in (0, 124) and not t["errors"] for t in tools):
+        return "INCOMPLETE: no sanitizer error in what ran; a tool stopped at the cap"
+    return "FAIL"
+
+
 def sanitize_markdown(sec):
     lines = [f"`{sec['command']}` ({_when(sec)}): the three tools within {sec['budget']} s, "
              "racecheck last.", ""]
     if sec.get("skipped"):
         return "\n".join(lines + [f"**NOT RUN**: {sec['skipped']}"])
-    lines += [f"**{'PASS' if sec['ok'] else 'FAIL'}** (exit {sec['exit']}).", "",
+    lines += [f"**{sanitize_verdict(sec)}** (exit {sec['exit']}).", "",
               "| tool | sanitizer errors | tests | exit |", "|---|---|---|---|"]
     for tool in ("memcheck", "racecheck", "synccheck"):
         t = sec["tools"].get(tool)
@@ -632,7 +643,9 @@ def main(argv=None):
         print("\n=== gpu_check summary ===")
         for name in SECTIONS:
             sec = state.get(name)
-            verdict = "not run" if sec is None else ("ok" if sec["ok"] else "FAILED")
+            verdict = ("not run" if sec is None else "ok" if sec["ok"] else
+                       "incomplete" if name == "sanitize" and sanitize_verdict(sec) != "FAIL"
+                       else "FAILED")
             ran = "" if sec is None or name in args.only else " (an earlier stage)"
             print(f"  {name:9s} {verdict}{ran}")
         print(f"wrote {args.out / 'gpu_check.md'}, gpu_check.json, gpu_check.log"
