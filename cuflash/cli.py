@@ -152,7 +152,7 @@ def _print_plans(target):
         for d in (64, 128, 256):
             fwd, why = tiling.forward_path(d, dtype, target.cc, plain=True, **kwargs)
             # the 5-GEMM pair only where its tile can beat two kernels' (tiling.dq_workers)
-            bwd, bwd_why = tiling.backward_path(d, dtype, target.cc, **kwargs,
+            bwd, bwd_why = tiling.backward_path(d, dtype, target.cc, **kwargs, plain=True,
                                                 dq_parts=tiling.DQ_PARTS_TILE_COST < 1)
             lines += [(f"{dtype:9s} d={d:<4d} forward ", fwd.name_expression, occupancy(fwd)),
                       (why,)]

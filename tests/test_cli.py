@@ -55,7 +55,8 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     """--verbose shows what every arch would run and why, with the occupancy from the
     gate's registers (here 128 for every kernel)."""
     from cuflash import compile_gate, tiling
-    names = [*tiling.every_plan(), *(p.name_expression for p in tiling.all_sm90_fwd_plans())]
+    names = [*tiling.every_plan(), *(p.name_expression for p in (*tiling.all_sm90_fwd_plans(),
+                                                                  *tiling.all_sm90_bwd_plans()))]
     monkeypatch.setattr(compile_gate, "cached_registers", lambda arch: dict.fromkeys(names, 128))
     assert cli.main(["info", "--verbose"]) == 0
     out = capsys.readouterr().out
@@ -68,12 +69,14 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     assert "tensor cores" in first[1]
     sm70 = out[out.index("plans on sm_70 (Tesla V100"):out.index("plans on sm_75")]
     assert "SIMT: float16 tensor cores need sm_75" in sm70
-    # an H100 runs the Hopper forward for plain calls (384 threads × 128 registers: 1 block
+    # an H100 runs the Hopper forward and backward for plain calls (384 threads × 128 registers: 1 block
     # of 160 KB), mma.sync for the rest
     sm90 = out[out.index("plans on sm_90 (H100"):out.index("plans on sm_100")].splitlines()
     i = next(i for i, x in enumerate(sm90) if "float16   d=128  forward" in x)
     assert "flash_fwd_sm90_kernel<__half, 128>" in sm90[i] and "1 block, 12 warps" in sm90[i]
     assert "wgmma on sm_90a" in sm90[i + 1]
+    assert "flash_bwd_dkdv_sm90_kernel<__half, 128>" in sm90[i + 2] and "1 block" in sm90[i + 2]
+    assert "flash_bwd_dq_sm90_kernel<__half, 128>" in sm90[i + 3]
     assert "?" not in out and "check-kernels" not in out
 
 
