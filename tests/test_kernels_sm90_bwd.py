@@ -22,16 +22,22 @@ def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=3, arch="sm_90a")
 
 
-def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0):
+def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, window=None):
     """dQ, dK, dV on `backend` within the rule (factor 3 over a plain dtype implementation)."""
     (do, q, k, v, o, lse), scale = backward_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, causal=causal,
                                                    seed=seed)
+    if window is not None:   # o and lse of the windowed forward
+        o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, window=window,
+                                           return_lse=True)
+        o, lse = o.astype(dtype), lse.astype(np.float32)
     Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
     xp = backend.xp
     grads = sm90_bwd.backward_sm90(backend, *map(xp.asarray, (do, q, k, v, lse, Dvec)),
-                                   causal=causal, scale=scale)
-    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
-    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype)
+                                   causal=causal, scale=scale, window=window)
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
+                                       window=window)
+    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype,
+                           window=window)
     for name, out, r, p, like in zip(("dq", "dk", "dv"), grads, ref, plain, (q, k, v)):
         assert out.shape == like.shape and out.dtype == like.dtype, name
         assert_close_to_reference(out, r, p, dtype, factor=3.0, what=f"{name} (D={D}, causal={causal})")
@@ -49,6 +55,24 @@ def test_backward(dt, D, B, Hq, Hkv, Nq, Nk, causal):
     dq, _, _ = _check(_backend(), B, Hq, Hkv, Nq, Nk, D, causal, dtype=dt, seed=Nq + D)
     if causal and Nq > Nk:
         assert np.all(dq[..., :Nq - Nk, :].astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize("window,causal,Nq,Nk", [
+    ((40, 0), False, 200, 300),     # left edge inside both passes' tiles, Nq < Nk
+    ((100, 70), False, 300, 200),   # both edges; rows that see no key (dQ = 0)
+    ((130, -1), True, 256, 256),    # causal with a left edge on a tile boundary + 2
+    ((-1, 20), False, 150, 150),    # the right edge alone
+])
+def test_window(window, causal, Nq, Nk):
+    """The sliding window: the query blocks (dK/dV) and key tiles (dQ) outside it are
+    skipped, the steps its edges cross masked score by score."""
+    _check(_backend(), 1, 2, 1, Nq, Nk, 64, causal, seed=Nq + Nk, window=window)
+
+
+def test_window_checked():
+    """Blocks whose query or key range the window cuts short: no hazard in checked mode."""
+    _check(_backend(checked=True, schedule="random"), 1, 2, 2, 200, 260, 128, True,
+           dtype=BF16, seed=9, window=(70, -1))
 
 
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
@@ -75,6 +99,9 @@ def test_the_whole_backward_with_it():
     plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16)
     for name, out, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
         assert_close_to_reference(out, r, p, F16, factor=3.0, what=name)
+    kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
+                             variants=Variants(window=(50, 0)))   # the window alone: Hopper
+    assert [p.kernel for p in be.take_launches()] == hopper
     mma_sync = ["flash_bwd_preprocess", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"]
     for call in (dict(variants=Variants(softcap=3.0)), dict(dq_workers=0),
                  dict(scale=-scale)):
@@ -111,3 +138,4 @@ def test_on_the_gpu(dt, D, causal):
     if not be.limits()["sm90a"]:
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     _check(be, 2, 8, 2, 700, 900, D, causal, dtype=dt, seed=D)
+    _check(be, 1, 4, 2, 900, 700, D, causal, dtype=dt, seed=D + 1, window=(200, 30))

@@ -58,9 +58,10 @@ def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True, pla
 
 def plain_call(scale, variants=None, return_dbias=False, segments=None) -> bool:
     """Whether a backward call has none of what the Hopper backward does not take yet:
-    variants, dbias, packed sequences, a scale that is not positive and finite."""
+    variants other than the window, dbias, packed sequences, a scale that is not positive
+    and finite."""
     return (kernel_forward.plain_call(scale, segments) and not return_dbias
-            and (variants is None or variants.is_plain()))
+            and (variants is None or variants.active() in ((), ("window",))))
 
 
 def preprocess(backend, do, o, lse):
@@ -110,6 +111,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
         Dvec = preprocess(backend, do, o, lse)
         return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
                                                   causal=causal, scale=scale,
+                                                  window=variants.window if variants else None,
                                                   plans=(p_dkdv, p_dq))
     workers = 0
     if isinstance(p_dq, tiling.DqSumPlan):

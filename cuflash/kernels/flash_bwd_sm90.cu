@@ -2,8 +2,9 @@
 // (sm_90a): TMA, mbarriers, warp specialization and wgmma, FlashAttention-3's structure.
 //
 // A block takes 128 keys K_j, V_j of one (K/V head, batch) and walks the query blocks of
-// 64 rows i of every query head of its group (causal: from the first row that sees a key of
-// the block), accumulating dK_j and dV_j in registers:
+// 64 rows i of every query head of its group that see a key of the block (causal, a
+// sliding window: from the first row whose reach gets there to the last whose window's
+// left edge does), accumulating dK_j and dV_j in registers:
 //
 //   warpgroup 2 (producer)   gives its registers up; one elected thread loads K_j, V_j once,
 //                            then per query block i: waits until the consumers freed the
@@ -23,7 +24,8 @@
 //                            go out from registers.
 //
 // dQ is the second kernel's (flash_bwd_dq_sm90_kernel): a block takes 128 query rows Q_i, dO_i
-// of one (head, batch), loaded once, and walks the key tiles of 64 that its rows see:
+// of one (head, batch), loaded once, and walks the key tiles of 64 that its rows see (from
+// its first row's window edge to its last row's reach):
 //
 //   warpgroup 2 (producer)   loads Q_i, dO_i once, then K_j, V_j per key tile into a ring
 //   warpgroups 0, 1          64 rows each: S = Q_i K_jᵀ, dP = dO_i V_jᵀ (wgmma m64n64k16,
@@ -40,8 +42,8 @@
 // Q and dO in boxes of 64 columns × 64 rows, 128-byte swizzle; rows past a sequence's end
 // come in as zeros and are masked (the dQ kernel: Q, dO in boxes of 128 rows, K, V of 64).
 // lse, D (B, Hq, Nq) float32 (the dK/dV kernel reads them by 2-D maps (Nq', B·Hq) of rows
-// padded to 16 bytes, 64 at a time); dq, dk, dv contiguous (B, H, N, D) in T. Causal is
-// bottom-right aligned (mask.cuh).
+// padded to 16 bytes, 64 at a time); dq, dk, dv contiguous (B, H, N, D) in T. Causal and
+// the window (left, right; −1: unbounded) are bottom-right aligned (mask.cuh).
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -107,7 +109,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_lse,
                            const __grid_constant__ sm90::TensorMap map_dsum,
                            T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq,
-                           int Nk, float scale, int causal) {
+                           int Nk, float scale, int causal, int win_left, int win_right) {
     using Tr = Sm90BwdTraits<T, HEAD_DIM>;
     constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -117,9 +119,10 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     const int n0 = blockIdx.x * BN, bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
     const int Hkv = Hq / group, b = bh_kv / Hkv, h_kv = bh_kv % Hkv;
-    const CausalMask mask{Nq, Nk, causal != 0};
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
     // the query blocks that see a key of the block, for each of the group's query heads
-    const int i_begin = mask.first_row(n0) / BM, i_end = (Nq + BM - 1) / BM;
+    const int i_begin = mask.first_row(n0) / BM;
+    const int i_end = (mask.row_end(min(n0 + BN, Nk)) + BM - 1) / BM;
     const int steps = n0 < Nk ? group * max(0, i_end - i_begin) : 0;
     const int warpgroup = threadIdx.x / 128;
 
@@ -187,10 +190,10 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
 
-        // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, or right of a query's
-        // diagonal), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query columns, their lse and D
-        // come with Q_i. Only the steps that cross the block's diagonal or an end take the
-        // per-score test
+        // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, right of a query's
+        // diagonal, outside its window), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query
+        // columns, their lse and D come with Q_i. Only the steps that cross the diagonal, a
+        // window edge or an end take the per-score test
         auto p_ds = [&](auto masked) {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -211,7 +214,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 }
             }
         };
-        if (m0 + BM > Nq || mask.tile_needs_mask(m0, n0, BN)) p_ds(Bool<true>{});
+        if (m0 + BM > Nq || !mask.sees_all(m0, m0 + BM, n0, n0 + BN)) p_ds(Bool<true>{});
         else p_ds(Bool<false>{});
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
@@ -263,7 +266,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                          const __grid_constant__ sm90::TensorMap map_do,
                          const float* __restrict__ lse, const float* __restrict__ Dvec,
                          T* __restrict__ dq, int Hq, int group, int Nq, int Nk, float scale,
-                         int causal) {
+                         int causal, int win_left, int win_right) {
     using Tr = Sm90BwdDqTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -273,8 +276,10 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·Hq + h
     const int b = bh / Hq, h = bh % Hq, h_kv = h / group;
-    const CausalMask mask{Nq, Nk, causal != 0};
-    const int tiles = (mask.key_end(min(m0 + BM, Nq)) + BN - 1) / BN;
+    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    // the key tiles [j0, j0 + tiles) any row of the block sees
+    const int j0 = mask.key_begin(m0) / BN;
+    const int tiles = max(0, (mask.key_end(min(m0 + BM, Nq)) + BN - 1) / BN - j0);
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -296,8 +301,8 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 const int s = j % STAGES;
                 auto* full = ring.acquire(j, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, h_kv, b, full);
-                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, h_kv, b, full);
+                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, (j0 + j) * BN, h_kv, b, full);
+                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, (j0 + j) * BN, h_kv, b, full);
                 }
             }
         }
@@ -328,7 +333,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     sm90::mbar_wait(&q_full, 0);
     for (int j = 0; j < tiles; ++j) {
-        const int s = j % STAGES, n0 = j * BN;
+        const int s = j % STAGES, n0 = (j0 + j) * BN;
         ring.wait(j);
         sm90::wgmma_fence();
 #pragma unroll
@@ -345,7 +350,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_wait<0>();
 
         // P = exp2(S·c − lse·log2 e) (0 where masked), dS = P ∘ (dP − D); only the tiles
-        // that cross the block's diagonal or Nk take the per-score test
+        // that cross the block's diagonal, a window edge or Nk take the per-score test
         auto p_ds = [&](auto masked) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
@@ -355,7 +360,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 dp[i] = p * (dp[i] - dsum[half]);
             }
         };
-        if (mask.tile_needs_mask(m0, n0, BN)) p_ds(Bool<true>{});
+        if (!mask.sees_all(m0, m0 + BM, n0, n0 + BN)) p_ds(Bool<true>{});
         else p_ds(Bool<false>{});
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)

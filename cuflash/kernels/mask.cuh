@@ -66,6 +66,14 @@ struct CausalMask {
         return r >= 0 && (n0 + block_n - 1 > m0 + (Nk - Nq) + r);      // crosses the diagonal
     }
 
+    // Whether every row of [m0, m1) sees every key of [n0, n1): keys in range, no diagonal
+    // and no window edge inside. The Hopper backward's steps skip the per-score test there.
+    __device__ __forceinline__ bool sees_all(int m0, int m1, int n0, int n1) const {
+        const int r = reach_right();
+        return n1 <= Nk && !(r >= 0 && n1 - 1 > m0 + (Nk - Nq) + r) &&
+               !(left >= 0 && n0 < m1 - 1 + (Nk - Nq) - left);
+    }
+
     // The key tiles [lo, hi) of [t_begin, t_end) that every row of [m0, m1) sees whole
     // (no partial tile, no diagonal, no window edge crosses them): the forward runs them
     // without the per-element test. Empty (lo = hi) when there are none.
