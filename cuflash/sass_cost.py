@@ -310,7 +310,8 @@ def steady_state_path(blocks: list[Block], head: int, body: set[int]) -> list[in
     """The blocks of one steady-state iteration of the loop (head, body): of the paths from
     the head to a back edge, with the back edges of inner loops cut (their blocks entered
     once), the one passing the most HMMA, tile copies and global reductions, then the
-    fewest instructions."""
+    fewest inner loops (a rolled loop on a side path, such as the variants' chain, is not
+    the steady state), then the fewest instructions."""
     # depth-first from the head within the body: the retreating edges are the back edges
     # (of this loop and of inner ones), the rest is a DAG whose postorder reversed sorts it
     order, seen, retreat, on_stack = [], {head}, set(), {head}
@@ -329,16 +330,17 @@ def steady_state_path(blocks: list[Block], head: int, body: set[int]) -> list[in
                 seen.add(nxt)
                 on_stack.add(nxt)
                 stack.append((nxt, iter(blocks[nxt].successors)))
+    inner = {s for _, s in retreat if s != head}   # inner loops' heads
     weight = {b: (sum(_is_mma(i) or _is_tile_io(i) for i in blocks[b].instructions),
-                  -len(blocks[b].instructions)) for b in seen}
-    best = {head: (weight[head], [head])}   # lexicographic: (work, −instructions)
+                  -(b in inner), -len(blocks[b].instructions)) for b in seen}
+    best = {head: (weight[head], [head])}   # lexicographic: (work, −loops, −instructions)
     for b in reversed(order):
         if b not in best:
             continue
-        (w, c), path = best[b]
+        (w, n, c), path = best[b]
         for s in blocks[b].successors:
             if s in body and (b, s) not in retreat:
-                cand = ((w + weight[s][0], c + weight[s][1]), path + [s])
+                cand = ((w + weight[s][0], n + weight[s][1], c + weight[s][2]), path + [s])
                 if s not in best or cand[0] > best[s][0]:
                     best[s] = cand
     latches = [b for b in best if head in blocks[b].successors]

@@ -12,7 +12,7 @@ from cuflash.backends import kernel_backward, kernels
 from cuflash.backends import kernel_backward_sm90 as sm90_bwd
 
 from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, backward_inputs,
-                      emulator_backend, plain_backward, to_host)
+                      emulator_backend, plain_backward, to_host, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
@@ -22,22 +22,22 @@ def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=3, arch="sm_90a")
 
 
-def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, window=None):
-    """dQ, dK, dV on `backend` within the rule (factor 3 over a plain dtype implementation)."""
+def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None):
+    """dQ, dK, dV on `backend` within the rule (factor 3 over a plain dtype implementation);
+    `opts` as flash_attention takes the variants (4-D bias and mask)."""
+    opts = opts or {}
     (do, q, k, v, o, lse), scale = backward_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, causal=causal,
                                                    seed=seed)
-    if window is not None:   # o and lse of the windowed forward
-        o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, window=window,
-                                           return_lse=True)
+    if opts:   # o and lse of the forward with them
+        o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                           **opts)
         o, lse = o.astype(dtype), lse.astype(np.float32)
     Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
     xp = backend.xp
     grads = sm90_bwd.backward_sm90(backend, *map(xp.asarray, (do, q, k, v, lse, Dvec)),
-                                   causal=causal, scale=scale, window=window)
-    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
-                                       window=window)
-    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype,
-                           window=window)
+                                   causal=causal, scale=scale, variants=variants_of(opts, xp))
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
+    plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
     for name, out, r, p, like in zip(("dq", "dk", "dv"), grads, ref, plain, (q, k, v)):
         assert out.shape == like.shape and out.dtype == like.dtype, name
         assert_close_to_reference(out, r, p, dtype, factor=3.0, what=f"{name} (D={D}, causal={causal})")
@@ -66,13 +66,30 @@ def test_backward(dt, D, B, Hq, Hkv, Nq, Nk, causal):
 def test_window(window, causal, Nq, Nk):
     """The sliding window: the query blocks (dK/dV) and key tiles (dQ) outside it are
     skipped, the steps its edges cross masked score by score."""
-    _check(_backend(), 1, 2, 1, Nq, Nk, 64, causal, seed=Nq + Nk, window=window)
+    _check(_backend(), 1, 2, 1, Nq, Nk, 64, causal, seed=Nq + Nk, opts=dict(window=window))
+
+
+@pytest.mark.parametrize("names,causal,dt", [
+    (["softcap"], False, F16), (["alibi"], True, BF16), (["bias"], False, F16),
+    (["bias_f32"], True, F16), (["mask"], False, BF16), (["dropout"], True, F16),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, BF16),
+], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
+def test_variants(names, causal, dt):
+    """Every attention variant, alone and all at once, against the float64 reference
+    (dropout's keep decisions are the forward's); GQA, partial tiles."""
+    B, Hq, Hkv, Nq, Nk = 2, 2, 1, 150, 200
+    _check(_backend(), B, Hq, Hkv, Nq, Nk, 64, causal, dtype=dt, seed=7,
+           opts=variant_options(names, dt, (B, Hq, Hkv, Nq, Nk, 64)))
 
 
 def test_window_checked():
-    """Blocks whose query or key range the window cuts short: no hazard in checked mode."""
+    """Blocks whose query or key range the window cuts short, and every variant at ragged
+    sizes: no hazard in checked mode, no bias or mask read outside [0, Nq) x [0, Nk)."""
     _check(_backend(checked=True, schedule="random"), 1, 2, 2, 200, 260, 128, True,
-           dtype=BF16, seed=9, window=(70, -1))
+           dtype=BF16, seed=9, opts=dict(window=(70, -1)))
+    every = ["window", "softcap", "alibi", "bias", "mask", "dropout"]   # and every variant
+    _check(_backend(checked=True, schedule="random"), 1, 2, 1, 37, 75, 128, True, seed=6,
+           opts=variant_options(every, F16, (1, 2, 1, 37, 75, 128)))
 
 
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
@@ -103,10 +120,13 @@ def test_the_whole_backward_with_it():
                              variants=Variants(window=(50, 0)))   # the window alone: Hopper
     assert [p.kernel for p in be.take_launches()] == hopper
     mma_sync = ["flash_bwd_preprocess", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"]
-    for call in (dict(variants=Variants(softcap=3.0)), dict(dq_workers=0),
-                 dict(scale=-scale)):
+    kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
+                             variants=Variants(softcap=3.0))   # any variant: Hopper
+    assert [p.kernel for p in be.take_launches()] == hopper
+    bias = Variants(bias=np.zeros((1, 4, 150, 200), np.float32))
+    for call in (dict(variants=bias, return_dbias=True), dict(dq_workers=0), dict(scale=-scale)):
         kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, **{"scale": scale, **call})
-        assert [p.kernel for p in be.take_launches()] == mma_sync, call
+        assert list(dict.fromkeys(p.kernel for p in be.take_launches())) == mma_sync, call
     padded = np.zeros(do.shape[:-1] + (72,), F16)[..., :64]   # dO's rows 144 bytes apart:
     padded[...] = do                                          # TMA reads them in place
     grads_padded = kernel_backward.backward(be, padded, q, k, v, o, lse, causal=True, scale=scale)
@@ -138,4 +158,4 @@ def test_on_the_gpu(dt, D, causal):
     if not be.limits()["sm90a"]:
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     _check(be, 2, 8, 2, 700, 900, D, causal, dtype=dt, seed=D)
-    _check(be, 1, 4, 2, 900, 700, D, causal, dtype=dt, seed=D + 1, window=(200, 30))
+    _check(be, 1, 4, 2, 900, 700, D, causal, dtype=dt, seed=D + 1, opts=dict(window=(200, 30)))

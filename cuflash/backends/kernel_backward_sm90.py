@@ -2,7 +2,8 @@
 launches.
 
 The kernels take float16 or bfloat16, head dim 64 or 128, q, k, v, dO with strides TMA can
-read (`kernel_forward_sm90.tma_ready`), causal or not, a sliding window, GQA/MQA; lse and D = rowsum(dO ∘ O)
+read (`kernel_forward_sm90.tma_ready`), causal or not, every attention variant (without
+dbias), GQA/MQA; lse and D = rowsum(dO ∘ O)
 (flash_bwd.cu's preprocess) in float32. `backward_sm90` runs the dK/dV pass, then the dQ
 pass, on any backend whose device is sm_90a (the emulator's sm_90a, or an H100);
 `kernel_backward.backward` runs them for the plain calls `tiling.backward_path` gives them.
@@ -12,18 +13,19 @@ from __future__ import annotations
 import numpy as np
 
 from .. import tiling
+from .kernel_variants import variant_args
 from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, check_launch,
                                   tensor_map_4d, tma_strides)
 
 _FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 
 
-def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, window=None,
+def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
                   plans=None):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
-    scale · dS K (flash_bwd_dq_sm90_kernel). `window`: None or (left, right), −1 unbounded
-    (the forward's). `plans`: the planner's (dK/dV, dQ) pair for these inputs (None:
+    scale · dS K (flash_bwd_dq_sm90_kernel). `variants` (cuflash.variants.Variants): the
+    forward's options, None for none. `plans`: the planner's (dK/dV, dQ) pair for these inputs (None:
     `tiling.sm90_bwd_plans`')."""
     check_inputs(q, k, v)
     check_inputs(do, k, v)
@@ -57,9 +59,8 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     map_lse, map_dsum = (backend.encode_tensor_map(_FLOAT32, 2, x, [nq4, B * Hq], [nq4 * 4],
                                                    [p_dkdv.streamed_rows, 1], [1, 1])
                          for x in padded)
-    left, right = window if window is not None else (-1, -1)
     sizes = (np.int32(Hq), np.int32(Hq // Hkv), np.int32(Nq), np.int32(Nk), np.float32(scale),
-             np.int32(bool(causal)), np.int32(left), np.int32(right))
+             np.int32(bool(causal)), *variant_args(xp, variants, np.float32))
     backend.get_function(p_dkdv)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,

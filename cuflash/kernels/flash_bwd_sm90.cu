@@ -43,11 +43,16 @@
 // come in as zeros and are masked (the dQ kernel: Q, dO in boxes of 128 rows, K, V of 64).
 // lse, D (B, Hq, Nq) float32 (the dK/dV kernel reads them by 2-D maps (Nq', B·Hq) of rows
 // padded to 16 bytes, 64 at a time); dq, dk, dv contiguous (B, H, N, D) in T. Causal and
-// the window (left, right; −1: unbounded) are bottom-right aligned (mask.cuh).
+// the window (left, right; −1: unbounded) are bottom-right aligned (mask.cuh). The other
+// variants (softcap, ALiBi, bias, bool mask, dropout) take every score of a step through
+// flash_bwd.cu's chain (recompute_p_ds_variants, bwd_tile.cuh), inlined once in a rolled
+// loop.
+#include "bwd_tile.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "sm90.cuh"
+#include "variants.cuh"
 
 using namespace cuflash;
 
@@ -109,7 +114,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_lse,
                            const __grid_constant__ sm90::TensorMap map_dsum,
                            T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq,
-                           int Nk, float scale, int causal, int win_left, int win_right) {
+                           int Nk, float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90BwdTraits<T, HEAD_DIM>;
     constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -119,7 +124,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     const int n0 = blockIdx.x * BN, bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
     const int Hkv = Hq / group, b = bh_kv / Hkv, h_kv = bh_kv % Hkv;
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     // the query blocks that see a key of the block, for each of the group's query heads
     const int i_begin = mask.first_row(n0) / BM;
     const int i_end = (mask.row_end(min(n0 + BN, Nk)) + BM - 1) / BM;
@@ -160,6 +166,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // thread keys g and g + 8 of those (accumulator i: n-tile i / 4, key + 8 for i % 4 ≥ 2,
     // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
     sm90::regs_inc<232>();
+    const bool variants = var.scores() || var.dropout();
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
     const int key_top = n0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
     const float c = softmax_scale_log2(scale);
@@ -214,8 +221,23 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 }
             }
         };
-        if (m0 + BM > Nq || !mask.sees_all(m0, m0 + BM, n0, n0 + BN)) p_ds(Bool<true>{});
-        else p_ds(Bool<false>{});
+        if (variants) {  // Pᵀ ∘ Z (dropout) for dV, dSᵀ ∘ (1 − t²) (softcap) for dK
+            var.bind(b, h_kv * group + it / (i_end - i_begin), Nq, Nk);
+#pragma unroll 1
+            for (int e = 0; e < 32; ++e) {
+                const int col = m0 + 8 * (e / 4) + 2 * t + e % 2, key = key_top + 8 * (e % 4 >= 2);
+                const bool hidden = col >= Nq || mask.masked(col, key);
+                float p, ds, ds_raw;
+                recompute_p_ds_variants(s_t[0], dp_t[0], scale, lse_log2(sm.lse[s][col - m0]),
+                                        sm.dsum[s][col - m0], hidden, var, col, key, p, ds, ds_raw);
+                rotate(s_t, p);
+                rotate(dp_t, ds_raw);
+            }
+        } else if (m0 + BM > Nq || !mask.sees_all(m0, m0 + BM, n0, n0 + BN)) {
+            p_ds(Bool<true>{});
+        } else {
+            p_ds(Bool<false>{});
+        }
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -266,7 +288,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                          const __grid_constant__ sm90::TensorMap map_do,
                          const float* __restrict__ lse, const float* __restrict__ Dvec,
                          T* __restrict__ dq, int Hq, int group, int Nq, int Nk, float scale,
-                         int causal, int win_left, int win_right) {
+                         int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90BwdDqTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -276,7 +298,8 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·Hq + h
     const int b = bh / Hq, h = bh % Hq, h_kv = h / group;
-    const CausalMask mask{Nq, Nk, causal != 0, win_left, win_right};
+    Variants<T> var = CUFLASH_VARIANTS(T);
+    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     // the key tiles [j0, j0 + tiles) any row of the block sees
     const int j0 = mask.key_begin(m0) / BN;
     const int tiles = max(0, (mask.key_end(min(m0 + BM, Nq)) + BN - 1) / BN - j0);
@@ -313,6 +336,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // thread rows g and g + 8 (accumulator i: n-tile i / 4, row + 8 for i % 4 ≥ 2, column
     // 8 (i / 4) + 2t + i % 2)
     sm90::regs_inc<232>();
+    const bool variants = var.scores() || var.dropout();
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
     const int r_top = m0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
     const float c = softmax_scale_log2(scale);
@@ -360,8 +384,25 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 dp[i] = p * (dp[i] - dsum[half]);
             }
         };
-        if (!mask.sees_all(m0, m0 + BM, n0, n0 + BN)) p_ds(Bool<true>{});
-        else p_ds(Bool<false>{});
+        if (variants) {  // dS ∘ (1 − t²) (softcap) for dQ
+            var.bind(b, h, Nq, Nk);
+#pragma unroll 1
+            for (int e = 0; e < 32; ++e) {
+                const int half = e % 4 >= 2, row = r_top + 8 * half;
+                const int col = n0 + 8 * (e / 4) + 2 * t + e % 2;
+                float p, ds, ds_raw;
+                recompute_p_ds_variants(s_[0], dp[0], scale, half ? l2[1] : l2[0],
+                                        half ? dsum[1] : dsum[0],
+                                        row >= Nq || mask.masked(row, col), var, row, col, p,
+                                        ds, ds_raw);
+                rotate(s_, p);
+                rotate(dp, ds_raw);
+            }
+        } else if (!mask.sees_all(m0, m0 + BM, n0, n0 + BN)) {
+            p_ds(Bool<true>{});
+        } else {
+            p_ds(Bool<false>{});
+        }
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll

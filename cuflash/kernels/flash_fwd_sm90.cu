@@ -69,15 +69,6 @@ template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
 
-// Every element one place towards x[0], `in` into the last (register moves): N of them bring
-// each element back to its place, so a rolled loop takes element e from x[0] at step e
-// without a dynamic index (which would put x in local memory)
-template <int N> __device__ __forceinline__ void rotate(float (&x)[N], float in) {
-#pragma unroll
-    for (int i = 0; i < N - 1; ++i) x[i] = x[i + 1];
-    x[N - 1] = in;
-}
-
 // acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major)
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],

@@ -117,6 +117,16 @@ __device__ __forceinline__ float variant_score(const Variants<T>& var, const Cau
                : neg_inf<float>();
 }
 
+// Every element one place towards x[0], `in` into the last (register moves): N of them bring
+// each element back to its place, so a rolled loop over a thread's scores takes element e
+// from x[0] at step e without a dynamic index (which would put x in local memory), and the
+// variants' chain is inlined once (the Hopper kernels; rotate_fragments for mma.sync's)
+template <int N> __device__ __forceinline__ void rotate(float (&x)[N], float in) {
+#pragma unroll
+    for (int i = 0; i < N - 1; ++i) x[i] = x[i + 1];
+    x[N - 1] = in;
+}
+
 }  // namespace cuflash
 
 // The variants' kernel parameters, appended to every attention kernel's list (the order
