@@ -11,8 +11,9 @@ from cuflash import _dtypes, reference
 from cuflash.backends import kernel_backward, kernels
 from cuflash.backends import kernel_backward_sm90 as sm90_bwd
 
-from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, backward_inputs,
-                      emulator_backend, plain_backward, to_host, variant_options, variants_of)
+from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, attention_inputs,
+                      backward_inputs, emulator_backend, plain_backward, to_host,
+                      variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
@@ -83,13 +84,58 @@ def test_variants(names, causal, dt):
 
 
 def test_window_checked():
-    """Blocks whose query or key range the window cuts short, and every variant at ragged
-    sizes: no hazard in checked mode, no bias or mask read outside [0, Nq) x [0, Nk)."""
+    """Blocks whose query or key range the window cuts short, packed sequences, and every
+    variant at ragged sizes: no hazard in checked mode, no bias or mask read outside
+    [0, Nq) x [0, Nk)."""
     _check(_backend(checked=True, schedule="random"), 1, 2, 2, 200, 260, 128, True,
            dtype=BF16, seed=9, opts=dict(window=(70, -1)))
+    _packed_check(_backend(checked=True, schedule="random"), [30, 100], [50, 70], 2, 1, 64,
+                  True)   # packed sequences, blocks past a sequence's end
     every = ["window", "softcap", "alibi", "bias", "mask", "dropout"]   # and every variant
     _check(_backend(checked=True, schedule="random"), 1, 2, 1, 37, 75, 128, True, seed=6,
            opts=variant_options(every, F16, (1, 2, 1, 37, 75, 128)))
+
+
+def _packed_check(backend, lens_q, lens_k, Hq, Hkv, D, causal, dtype=F16, opts=None):
+    """kernel_backward.backward over packed sequences: each sequence's dQ, dK, dV within
+    the rule against its own float64 reference."""
+    from cuflash.backends.kernel_forward import Segments
+    opts = opts or {}
+    scale = D ** -0.5
+    seqs = []
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        q, k, v, do = attention_inputs(1, Hq, Hkv, nq, nk, D, dtype, seed=b)
+        o, lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
+                                           return_lse=True, **opts)
+        seqs.append((do, q, k, v, o.astype(dtype), lse.astype(np.float32)))
+    packed = [np.concatenate(xs, axis=2) for xs in zip(*seqs)]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    xp = backend.xp
+    segments = Segments(batch=len(lens_q), max_q=max(lens_q), max_k=max(lens_k),
+                        cu_q=xp.asarray(cu_q), cu_k=xp.asarray(cu_k))
+    grads = kernel_backward.backward(backend, *map(xp.asarray, packed), causal=causal,
+                                     scale=scale, segments=segments,
+                                     variants=variants_of(opts, xp) if opts else None)
+    grads = [to_host(g) for g in grads]
+    for b, seq in enumerate(seqs):
+        ref = reference.attention_backward(*seq, causal=causal, scale=scale, **opts)
+        plain = plain_backward(*seq, causal=causal, scale=scale, dtype=dtype, **opts)
+        for name, g, r, p, cu in zip(("dq", "dk", "dv"), grads, ref, plain, (cu_q, cu_k, cu_k)):
+            assert_close_to_reference(g[:, :, cu[b]:cu[b + 1]], r, p, dtype, factor=3.0,
+                                      what=f"{name} of sequence {b}")
+
+
+@pytest.mark.parametrize("causal,opts", [(False, None), (True, None),
+                                         (True, dict(window=(60, -1), softcap=0.7))])
+def test_packed_sequences(causal, opts):
+    """Packed sequences (varlen): each block reads its own sequence's rows at its offset
+    (the boxes' rows past its end, the next sequence's, masked), blocks past a sequence's
+    end return at once, lse and D gathered by batch row for the dK/dV pass's TMA; lengths
+    that cross tiles, one of a single row, a sequence with more keys than queries."""
+    be = emulator_backend("sm_90a")
+    _packed_check(be, [70, 200, 1, 130], [90, 150, 64, 130], 4, 2, 64, causal, opts=opts)
+    assert [p.kernel for p in be.take_launches()] == [
+        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
 
 
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
@@ -159,3 +205,4 @@ def test_on_the_gpu(dt, D, causal):
         pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     _check(be, 2, 8, 2, 700, 900, D, causal, dtype=dt, seed=D)
     _check(be, 1, 4, 2, 900, 700, D, causal, dtype=dt, seed=D + 1, opts=dict(window=(200, 30)))
+    _packed_check(be, [700, 300, 1], [900, 200, 64], 8, 2, D, causal, dtype=dt)

@@ -21,11 +21,13 @@ _FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 
 
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
-                  plans=None):
+                  segments=None, plans=None):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
     scale · dS K (flash_bwd_dq_sm90_kernel). `variants` (cuflash.variants.Variants): the
-    forward's options, None for none. `plans`: the planner's (dK/dV, dQ) pair for these inputs (None:
+    forward's options, None for none. `segments` (kernel_forward.Segments, cu_q and cu_k
+    only): packed sequences, q, do (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and
+    D (1, Hq, total_q). `plans`: the planner's (dK/dV, dQ) pair for these inputs (None:
     `tiling.sm90_bwd_plans`')."""
     check_inputs(q, k, v)
     check_inputs(do, k, v)
@@ -34,7 +36,9 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     check_launch(backend, scale, "backward")
     xp = backend.xp
     p_dkdv, p_dq = plans or tiling.sm90_bwd_plans(np.dtype(q.dtype).name, q.shape[-1])
-    (B, Hq, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
+    (_, Hq, rows_q, _), Hkv, rows_k = q.shape, k.shape[1], k.shape[2]
+    B, Nq, Nk = ((q.shape[0], rows_q, rows_k) if segments is None else
+                 (segments.batch, segments.max_q, segments.max_k))
     for n, what in ((B * Hkv, "k: B·Hkv"), (B * Hq, "q: B·Hq")):
         if n > 65535:
             raise ValueError(f"{what} = {n} blocks in the grid's y, at most 65535")
@@ -51,16 +55,16 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                                    x.shape[::-1], tuple(tma_strides(x)), rows[id(x)])
                      for x in (q, k, v, do))
 
-    # the dK/dV pass reads lse and D 64 queries at a time by TMA: rows padded to 16 bytes
+    # the dK/dV pass reads lse and D 64 queries at a time by TMA: (B·Hq, Nq) rows padded to
+    # 16 bytes (a packed sequence's own rows gathered into its batch row's)
     nq4 = -(-Nq // 4) * 4
-    padded = [xp.zeros((B * Hq, nq4), np.float32) for _ in range(2)]
-    for dst, x in zip(padded, (lse, Dvec)):
-        dst[:, :Nq] = x.reshape(B * Hq, Nq)
+    padded = [_rows_by_batch(xp, x, segments, Nq, nq4) for x in (lse, Dvec)]
     map_lse, map_dsum = (backend.encode_tensor_map(_FLOAT32, 2, x, [nq4, B * Hq], [nq4 * 4],
                                                    [p_dkdv.streamed_rows, 1], [1, 1])
                          for x in padded)
-    sizes = (np.int32(Hq), np.int32(Hq // Hkv), np.int32(Nq), np.int32(Nk), np.float32(scale),
-             np.int32(bool(causal)), *variant_args(xp, variants, np.float32))
+    cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
+    sizes = (*cu, np.int32(Hq), np.int32(Hq // Hkv), np.int32(rows_q), np.int32(rows_k),
+             np.float32(scale), np.int32(bool(causal)), *variant_args(xp, variants, np.float32))
     backend.get_function(p_dkdv)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
@@ -71,3 +75,21 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
         (*maps((q, do), (k, v), p_dq.own_rows, p_dq.streamed_rows), lse, Dvec, dq, *sizes),
         shared_mem=p_dq.dynamic_smem_bytes)
     return dq, dk, dv
+
+
+def _rows_by_batch(xp, x, segments, Nq, width):
+    """x (B, Hq, Nq), or packed (1, Hq, total_q), as (B·Hq, width) float32 rows of Nq
+    entries: sequence b's entries of head h in row b·Hq + h, zeros after them."""
+    if segments is None:
+        B, Hq = x.shape[:2]
+        out = xp.zeros((B * Hq, width), np.float32)
+        out[:, :Nq] = x.reshape(B * Hq, Nq)
+        return out
+    cu = segments.cu_q.astype(np.int64)
+    pos = cu[:-1, None] + xp.arange(Nq)[None, :]            # (B, Nq) rows of x[0, h]
+    inside = pos < cu[1:, None]
+    rows = xp.where(inside[:, None, :], xp.take(x[0], xp.minimum(pos, x.shape[2] - 1), axis=1)
+                    .transpose(1, 0, 2), 0)                 # (B, Hq, Nq)
+    out = xp.zeros((segments.batch * x.shape[1], width), np.float32)
+    out[:, :Nq] = rows.reshape(-1, Nq)
+    return out

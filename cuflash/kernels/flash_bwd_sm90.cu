@@ -42,7 +42,11 @@
 // Q and dO in boxes of 64 columns × 64 rows, 128-byte swizzle; rows past a sequence's end
 // come in as zeros and are masked (the dQ kernel: Q, dO in boxes of 128 rows, K, V of 64).
 // lse, D (B, Hq, Nq) float32 (the dK/dV kernel reads them by 2-D maps (Nq', B·Hq) of rows
-// padded to 16 bytes, 64 at a time); dq, dk, dv contiguous (B, H, N, D) in T. Causal and
+// padded to 16 bytes, 64 at a time); dq, dk, dv contiguous (B, H, N, D) in T. Packed
+// sequences (cu_q, cu_k: row offsets, else null): q, k, v, do, o and the gradients (1, H,
+// total, D), lse and D (1, Hq, total_q), Nq and Nk the totals; a block of batch row b reads
+// its own sequence's rows (the boxes' rows past its end, the next sequence's, are masked)
+// and returns at once where its rows start past its sequence's end. Causal and
 // the window (left, right; −1: unbounded) are bottom-right aligned (mask.cuh). The other
 // variants (softcap, ALiBi, bias, bool mask, dropout) take every score of a step through
 // flash_bwd.cu's chain (recompute_p_ds_variants, bwd_tile.cuh), inlined once in a rolled
@@ -113,8 +117,10 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_do,
                            const __grid_constant__ sm90::TensorMap map_lse,
                            const __grid_constant__ sm90::TensorMap map_dsum,
-                           T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq,
-                           int Nk, float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
+                           T* __restrict__ dk, T* __restrict__ dv,
+                           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Hq,
+                           int group, int Nq, int Nk, float scale, int causal,
+                           CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90BwdTraits<T, HEAD_DIM>;
     constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -124,12 +130,20 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     const int n0 = blockIdx.x * BN, bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
     const int Hkv = Hq / group, b = bh_kv / Hkv, h_kv = bh_kv % Hkv;
+    // packed: batch row b's first rows and lengths; the tensors' batch coordinate is 0
+    const int q_row0 = cu_q ? cu_q[b] : 0, k_row0 = cu_k ? cu_k[b] : 0, tb = cu_q ? 0 : b;
+    const long long out0 = ((long long)tb * Hkv + h_kv) * Nk + k_row0;  // dK, dV's row 0
+    if (cu_q) {
+        Nq = cu_q[b + 1] - q_row0;
+        Nk = cu_k[b + 1] - k_row0;
+    }
+    if (n0 >= Nk) return;  // past the sequence's keys
     Variants<T> var = CUFLASH_VARIANTS(T);
     const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     // the query blocks that see a key of the block, for each of the group's query heads
     const int i_begin = mask.first_row(n0) / BM;
     const int i_end = (mask.row_end(min(n0 + BN, Nk)) + BM - 1) / BM;
-    const int steps = n0 < Nk ? group * max(0, i_end - i_begin) : 0;
+    const int steps = group * max(0, i_end - i_begin);
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -144,16 +158,16 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
             sm90::mbar_arrive_expect_tx(&kv_full, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
             for (int c = 0; c < Tr::kBoxes; ++c) {
-                sm90::tma_load_4d(sm.k[c], map_k, 64 * c, n0, h_kv, b, &kv_full);
-                sm90::tma_load_4d(sm.v[c], map_v, 64 * c, n0, h_kv, b, &kv_full);
+                sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
+                sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
             }
             for (int it = 0; it < steps; ++it) {
                 const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
                 const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
                 auto* full = ring.acquire(it, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, m0, hq, b, full);
-                    sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, m0, hq, b, full);
+                    sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row0 + m0, hq, tb, full);
+                    sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row0 + m0, hq, tb, full);
                 }
                 sm90::tma_load_2d(sm.lse[s], map_lse, m0, b * Hq + hq, full);
                 sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, full);
@@ -262,7 +276,6 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     }
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
-    const long long out0 = (long long)bh_kv * Nk;
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; i += 4) {
         const int col = 8 * (i / 4) + 2 * t;
@@ -287,8 +300,9 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                          const __grid_constant__ sm90::TensorMap map_v,
                          const __grid_constant__ sm90::TensorMap map_do,
                          const float* __restrict__ lse, const float* __restrict__ Dvec,
-                         T* __restrict__ dq, int Hq, int group, int Nq, int Nk, float scale,
-                         int causal, CUFLASH_VARIANT_PARAMS(T)) {
+                         T* __restrict__ dq, const int* __restrict__ cu_q,
+                         const int* __restrict__ cu_k, int Hq, int group, int Nq, int Nk,
+                         float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90BwdDqTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -298,6 +312,13 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·Hq + h
     const int b = bh / Hq, h = bh % Hq, h_kv = h / group;
+    const int q_row0 = cu_q ? cu_q[b] : 0, k_row0 = cu_k ? cu_k[b] : 0, tb = cu_q ? 0 : b;
+    const long long row0 = ((long long)tb * Hq + h) * Nq + q_row0;  // lse, D, dQ's row 0
+    if (cu_q) {
+        Nq = cu_q[b + 1] - q_row0;
+        Nk = cu_k[b + 1] - k_row0;
+    }
+    if (m0 >= Nq) return;  // past the sequence's rows
     Variants<T> var = CUFLASH_VARIANTS(T);
     const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     // the key tiles [j0, j0 + tiles) any row of the block sees
@@ -317,15 +338,16 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
             sm90::mbar_arrive_expect_tx(&q_full, 2 * Tr::kBoxes * Tr::kQBoxBytes);
             for (int c = 0; c < Tr::kBoxes; ++c) {
-                sm90::tma_load_4d(sm.q[c], map_q, 64 * c, m0, h, b, &q_full);
-                sm90::tma_load_4d(sm.dout[c], map_do, 64 * c, m0, h, b, &q_full);
+                sm90::tma_load_4d(sm.q[c], map_q, 64 * c, q_row0 + m0, h, tb, &q_full);
+                sm90::tma_load_4d(sm.dout[c], map_do, 64 * c, q_row0 + m0, h, tb, &q_full);
             }
             for (int j = 0; j < tiles; ++j) {
                 const int s = j % STAGES;
                 auto* full = ring.acquire(j, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, (j0 + j) * BN, h_kv, b, full);
-                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, (j0 + j) * BN, h_kv, b, full);
+                    const int row = k_row0 + (j0 + j) * BN;
+                    sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, h_kv, tb, full);
+                    sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, h_kv, tb, full);
                 }
             }
         }
@@ -341,7 +363,6 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int r_top = m0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
     const float c = softmax_scale_log2(scale);
     // each row's lse·log2 e and D (rows past Nq: P = 0)
-    const long long row0 = (long long)bh * Nq;
     float l2[2], dsum[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
