@@ -231,7 +231,7 @@ def test_cuflash_sm90_peer_runs_the_hopper_kernels(bench, monkeypatch):
     assert impl.missing() is None
     rng = np.random.default_rng(2)
     q, k, v, do = (rng.standard_normal((1, 2, 150, 64)).astype(np.float16) for _ in range(4))
-    assert impl.describe(q, k, v, do) == ("flash_fwd_sm90_kernel<__half, 64> (persistent); "
+    assert impl.describe(q, k, v, do) == ("flash_fwd_sm90_kernel<__half, 64, false> (persistent); "
                                           "flash_bwd_dkdv_sm90_kernel<__half, 64>; "
                                           "flash_bwd_dq_sm90_kernel<__half, 64>")
     passes = impl.passes(q, k, v, do, True, 0.125)

@@ -73,7 +73,7 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     # of 160 KB), mma.sync for the rest
     sm90 = out[out.index("plans on sm_90 (H100"):out.index("plans on sm_100")].splitlines()
     i = next(i for i, x in enumerate(sm90) if "float16   d=128  forward" in x)
-    assert "flash_fwd_sm90_kernel<__half, 128>" in sm90[i] and "1 block, 12 warps" in sm90[i]
+    assert "flash_fwd_sm90_kernel<__half, 128, false>" in sm90[i] and "1 block, 12 warps" in sm90[i]
     assert "wgmma on sm_90a" in sm90[i + 1]
     assert "flash_bwd_dkdv_sm90_kernel<__half, 128>" in sm90[i + 2] and "1 block" in sm90[i + 2]
     assert "flash_bwd_dq_sm90_kernel<__half, 128>" in sm90[i + 3]

@@ -207,7 +207,9 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         pytest.skip("nvdisasm not installed")
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
     assert [r.kernel for r in rows] == ["sm90_gemm"] + [
-        f"flash_{p}_sm90_kernel<{t}, {d}>" for p in ("fwd", "bwd_dkdv", "bwd_dq")
+        f"flash_fwd_sm90_kernel<{t}, {d}, {varlen}>" for t in ("__half", "__nv_bfloat16")
+        for d in (64, 128) for varlen in ("false", "true")] + [
+        f"flash_{p}_sm90_kernel<{t}, {d}>" for p in ("bwd_dkdv", "bwd_dq")
         for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
     for row in rows:
         assert row.ok and all(row.sass[o] > 0 for o in ("HGMMA", "UTMALDG", "SYNCS")), \
@@ -234,7 +236,7 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         text = text.replace(line, by)
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False,
                                  sources={"flash_fwd_sm90.cu": text}, only=("flash_fwd_sm90.cu",))
-    assert [r.status for r in rows] == ["NO HGMMA"] * 4
+    assert [r.status for r in rows] == ["NO HGMMA"] * 8
 
 
 def test_cupy_arch_option_keeps_the_specific_target():

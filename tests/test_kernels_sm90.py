@@ -14,7 +14,8 @@ from cuflash.backends import kernels
 from cuflash.variants import Variants
 
 from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close,
-                      attention_inputs, plain_attention, to_host, variant_options, variants_of)
+                      attention_inputs, emulator_backend, plain_attention, to_host,
+                      variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
@@ -189,6 +190,71 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert "mma.m16n8k16" in why and "d = 64 or 128" in why
     _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
+
+
+def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=None,
+                  num_blocks=None):
+    """The kernel over packed sequences: each sequence's O and lse against its own float64
+    reference."""
+    from cuflash.backends.kernel_forward import Segments
+    opts = opts or {}
+    scale = D ** -0.5
+    seqs = [attention_inputs(1, H, Hkv, nq, nk, D, dtype, seed=b)[:3]
+            for b, (nq, nk) in enumerate(zip(lens_q, lens_k))]
+    q, k, v = (np.concatenate(xs, axis=2) for xs in zip(*seqs))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    xp = backend.xp
+    segments = Segments(batch=len(lens_q), max_q=max(lens_q), max_k=max(lens_k),
+                        cu_q=xp.asarray(cu_q), cu_k=xp.asarray(cu_k))
+    o, lse = sm90.forward_sm90(backend, *map(xp.asarray, (q, k, v)), causal=causal,
+                               scale=scale, segments=segments, num_blocks=num_blocks,
+                               variants=variants_of(opts, xp) if opts else None)
+    o, lse = to_host(o), to_host(lse)
+    for b, (qb, kb, vb) in enumerate(seqs):
+        kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (kb, vb))
+        ref_o, ref_lse = reference.naive_attention(qb, kr, vr, causal=causal, scale=scale,
+                                                   return_lse=True, **opts)
+        plain, _ = plain_attention(qb, kr, vr, causal=causal, scale=scale, dtype=dtype, **opts)
+        rows = slice(cu_q[b], cu_q[b + 1])
+        assert_close_to_reference(o[:, :, rows], ref_o, plain, dtype, what=f"O of sequence {b}")
+        assert_lse_close(lse[:, :, rows], ref_lse, dtype)
+
+
+@pytest.mark.parametrize("causal,opts", [(False, None), (True, None),
+                                         (True, dict(window=(60, -1), softcap=0.7))])
+def test_packed_sequences(causal, opts):
+    """Packed sequences (varlen): each tile reads its sequence's rows at its offsets (the
+    boxes' rows past its end, the next sequence's, masked as keys and left unwritten as
+    queries), tiles past a sequence's end are skipped; lengths that cross tiles, one of a
+    single row, more keys than queries and fewer; one block per tile, and three blocks
+    walking them."""
+    for num_blocks in (None, 3):
+        _packed_check(_backend(), [70, 200, 1, 130], [90, 150, 64, 130], 4, 2, 64, causal,
+                      opts=opts, num_blocks=num_blocks)
+
+
+def test_the_planner_gives_packed_sequences_to_it():
+    """kernel_forward.forward with packed sequences on sm_90a: the Hopper kernel where its
+    query blocks fill the SMs (no split-KV), mma.sync with a KV cache."""
+    from cuflash import tiling
+    from cuflash.backends import kernel_forward
+    from cuflash.backends.kernel_forward import Segments
+    be = emulator_backend("sm_90a")
+    q, k, v = (np.zeros((1, 32, 4096, 64), F16) for _ in range(3))
+    cu = np.array([0, 1000, 4096], np.int32)
+    packed = Segments(batch=2, max_q=3096, max_k=3096, cu_q=cu, cu_k=cu)
+    assert isinstance(kernel_forward.forward_plan(be, q, k, v, scale=0.125, segments=packed),
+                      tiling.Sm90FwdPlan)
+    cache = Segments(batch=2, max_q=3096, max_k=3096, cu_q=cu, cu_k=cu,
+                     used_k=np.array([5, 6], np.int32))
+    assert type(kernel_forward.forward_plan(be, q, k, v, scale=0.125, segments=cache)) is tiling.TcPlan
+
+
+def test_packed_sequences_checked():
+    """The same in checked mode under a random schedule: no hazard, no row of the next
+    sequence written."""
+    _packed_check(_backend(checked=True, schedule="random"), [30, 150], [50, 70], 2, 1, 128,
+                  True, dtype=BF16)
 
 
 def test_strided_inputs():

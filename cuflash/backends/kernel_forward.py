@@ -14,8 +14,8 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 * The Hopper forward (`flash_fwd_sm90_kernel`, `kernel_forward_sm90`): on an sm_90a device,
-  float16/bfloat16 calls with d = 64 or 128, no packed sequences, KV cache or split-KV
-  (`plain_call`, `tiling.forward_path`).
+  float16/bfloat16 calls with d = 64 or 128, packed sequences or not, no KV cache or
+  split-KV (`plain_call`, `tiling.forward_path`).
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
 the same plan serves a plain call and one with variants. The FA2 launches also take the
@@ -70,12 +70,14 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
     def path(plain):
         return tiling.forward_path(q.shape[-1], q.dtype, algorithm=algorithm,
                                    aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
-                                   plain=plain, **lim)[0]
+                                   plain=plain, varlen=segments is not None, **lim)[0]
 
     plan = path(scale is not None and plain_call(scale, segments, num_splits)
                 and kernel_forward_sm90.tma_ready(q, k, v))
     if isinstance(plan, tiling.Sm90FwdPlan):
         (B, Hq, Nq, _), Nk = q.shape, k.shape[2]
+        if segments is not None:
+            B, Nq, Nk = segments.batch, segments.max_q, segments.max_k
         blocks = -(-Nq // plan.block_m) * Hq * B
         if num_splits is None and tiling.split_kv_count(blocks, -(-Nk // plan.block_n),
                                                         lim["sm_count"]) > 1:
@@ -84,10 +86,11 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
 
 
 def plain_call(scale, segments=None, num_splits=None) -> bool:
-    """Whether a call has none of what the Hopper forward does not take yet: packed
-    sequences or a KV cache, split-KV, a scale that is not positive and finite (its row max
-    is taken of S before scaling)."""
-    return (segments is None and num_splits in (None, 1) and 0 < float(scale) < float("inf"))
+    """Whether a call has none of what the Hopper forward does not take yet: a KV cache,
+    split-KV, a scale that is not positive and finite (its row max is taken of S before
+    scaling); packed sequences it takes."""
+    return ((segments is None or (segments.used_k is None and segments.block_table is None))
+            and num_splits in (None, 1) and 0 < float(scale) < float("inf"))
 
 
 def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,
@@ -110,7 +113,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
                         scale=scale, segments=segments, num_splits=num_splits)
     if isinstance(plan, tiling.Sm90FwdPlan):
         return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
-                                                variants=variants, plan=plan)
+                                                variants=variants, plan=plan, segments=segments)
     if segments is not None and segments.block_table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")

@@ -2,7 +2,7 @@
 
 The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v (B, H, N, D) with strides
 TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
-GQA/MQA; no varlen, KV cache or split-KV yet. The planner (`tiling.forward_path`) gives such
+GQA/MQA, packed sequences (varlen); no KV cache or split-KV yet. The planner (`tiling.forward_path`) gives such
 calls on an sm_90a device its plan (`Sm90FwdPlan`); `forward_sm90` also runs it directly on any backend
 whose device is sm_90a (the emulator's sm_90a, or an H100), for the tests and the GPU check.
 """
@@ -94,23 +94,34 @@ def check_launch(backend, scale, what: str):
 
 
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None, plan=None,
-                 num_blocks=None):
+                 segments=None, num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
     `variants` (cuflash.variants.Variants): the options, None for none.
+    `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, o
+    (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse (1, H, total_q).
     `num_blocks`: the grid, each block walking tiles x, x + num_blocks, … (None: one block
-    per tile; the persistent grid of one block per SM measured slower on an H100 while it
-    walked the tiles head-interleaved, and is not yet measured head by head)."""
+    per tile; a persistent grid of one block per SM measured slower causal on an H100,
+    `docs/kernels.md`)."""
     if plan is None:
         check_inputs(q, k, v)
-        plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1])
+        plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1], segments is not None)
+    if segments is not None and (segments.used_k is not None or segments.block_table is not None):
+        raise ValueError("segments: the Hopper forward takes packed sequences (cu_q, cu_k), "
+                         "not a KV cache")
+    if plan.varlen != (segments is not None):
+        raise ValueError(f"plan: {plan} is for {'packed' if plan.varlen else 'padded'} "
+                         f"sequences; the call's are {'padded' if segments is None else 'packed'}")
     check_launch(backend, scale, "forward")
     xp = backend.xp
-    (B, H, Nq, _), Hkv, Nk = q.shape, k.shape[1], k.shape[2]
+    (_, H, rows_q, _), Hkv, rows_k = q.shape, k.shape[1], k.shape[2]
+    B, Nq, Nk = ((q.shape[0], rows_q, rows_k) if segments is None else
+                 (segments.batch, segments.max_q, segments.max_k))
+    lse_shape = q.shape[:3]
     if B * H * Nq == 0 or Nk == 0:   # no key: O = 0, lse = −inf
-        return xp.zeros(q.shape, q.dtype), xp.full((B, H, Nq), -np.inf, np.float32)
+        return xp.zeros(q.shape, q.dtype), xp.full(lse_shape, -np.inf, np.float32)
     o = xp.empty(q.shape, q.dtype)
-    lse = xp.empty((B, H, Nq), np.float32)
+    lse = xp.empty(lse_shape, np.float32)
     f = backend.get_function(plan)
     data_type = TENSOR_MAP_TYPES[plan.dtype]
 
@@ -123,8 +134,9 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     num_m_blocks = -(-Nq // plan.block_m)
     num_tiles = i32(num_m_blocks * B * H, "query blocks x heads x batch")
     grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)
+    cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
     f((grid,), (plan.num_threads,),
-      (*maps, lse, np.int32(H), np.int32(H // Hkv), np.int32(Nq), np.int32(Nk),
+      (*maps, o, lse, *cu, np.int32(H), np.int32(H // Hkv), np.int32(rows_q), np.int32(rows_k),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
        *variant_args(xp, variants, np.float32)),
       shared_mem=plan.dynamic_smem_bytes)

@@ -36,7 +36,13 @@
 // maps are 4-D (D, N, H, B), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
 // K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
 // come in as zeros and are masked (keys) or dropped by the store (queries). GQA: query head h reads
-// K/V head h / group.
+// K/V head h / group. Packed sequences (VARLEN; cu_q, cu_k: row offsets): q, k, v, o
+// (1, H, total, D), lse (1, H, total_q), Nq and Nk the totals, the grid's query blocks
+// those of the longest sequence; a tile reads its sequence's rows at its offsets (the
+// boxes' rows past its end, the next sequence's, are masked as keys or left unwritten as
+// queries: its O leaves from registers, row by row), and a tile whose rows start past its
+// sequence's end is skipped. A specialization of its own: the tile's rows and lengths read
+// from memory would move the padded walk's descriptor arithmetic off the uniform datapath.
 // Causal masking and the sliding window are mask.cuh's (bottom-right aligned): key tiles
 // outside every row's reach are never loaded; those some row sees only in part are masked
 // score by score.
@@ -79,15 +85,16 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a
 
 }  // namespace
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_k,
                       const __grid_constant__ sm90::TensorMap map_v,
                       const __grid_constant__ sm90::TensorMap map_o,
-                      float* __restrict__ lse, int H, int group, int Nq, int Nk, float scale,
-                      int causal, int num_m_blocks, int num_tiles,
-                      CUFLASH_VARIANT_PARAMS(T)) {
+                      T* __restrict__ o, float* __restrict__ lse,
+                      const int* __restrict__ cu_q, const int* __restrict__ cu_k, int H,
+                      int group, int Nq, int Nk, float scale, int causal, int num_m_blocks,
+                      int num_tiles, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -97,21 +104,31 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int warpgroup = threadIdx.x / 128;
 
     Variants<T> var = CUFLASH_VARIANTS(T);
-    const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
-    // Tile `tile` of the walk: its first query row, (b, h), and the key tiles [j0, j1) any
-    // of its rows sees (causal, a window: from its first row's left edge to its last row's
-    // diagonal)
+    // Tile `tile` of the walk: its first query row, (b, h), its sequence's mask (lengths),
+    // first rows and batch coordinate in the tensors, its row 0 in o and lse, and the key
+    // tiles [j0, j1) any of its rows sees (causal, a window: from its first row's left edge
+    // to its last row's diagonal); skip: its rows start past its sequence's end
     struct Tile {
-        int m0, bh, b, h, j0, j1;
+        int m0, b, h, q_row0, k_row0, tb, j0, j1;
+        long long row0;
+        bool skip;
+        CausalMask mask;
     };
     auto tile_at = [&](int tile) {
-        const int m = tile % num_m_blocks;
+        const int m = tile % num_m_blocks, bh = tile / num_m_blocks;  // bh = b·H + h
         Tile x;
         x.m0 = (causal || var.win_right >= 0 ? num_m_blocks - 1 - m : m) * BM;
-        x.bh = tile / num_m_blocks;  // b·H + h
-        x.b = x.bh / H;
-        x.h = x.bh % H;
-        const int n_begin = mask.key_begin(x.m0), n_end = mask.key_end(x.m0 + BM);
+        x.b = bh / H;
+        x.h = bh % H;
+        x.q_row0 = VARLEN ? cu_q[x.b] : 0;
+        x.k_row0 = VARLEN ? cu_k[x.b] : 0;
+        x.tb = VARLEN ? 0 : x.b;
+        x.row0 = ((long long)x.tb * H + x.h) * Nq + x.q_row0;
+        x.mask = CausalMask{VARLEN ? cu_q[x.b + 1] - x.q_row0 : Nq,
+                            VARLEN ? cu_k[x.b + 1] - x.k_row0 : Nk, causal != 0, var.win_left,
+                            var.win_right};
+        x.skip = x.m0 >= x.mask.Nq;
+        const int n_begin = x.mask.key_begin(x.m0), n_end = x.mask.key_end(x.m0 + BM);
         x.j0 = n_begin / BN;
         x.j1 = n_end > n_begin ? (n_end + BN - 1) / BN : x.j0;
         return x;
@@ -129,18 +146,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::regs_dec<40>();  // 128 · 40 + 256 · 232 of the 64 K registers
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
             int it = 0;  // key tiles loaded so far: the ring's slot and phase
-            for (int tile = blockIdx.x, n = 0; tile < num_tiles; tile += gridDim.x, ++n) {
+            int n = 0;   // tiles loaded so far: q_empty's phase
+            for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
                 const Tile x = tile_at(tile);
-                if (n > 0) sm90::mbar_wait(&q_empty, (n - 1) & 1);
+                if (x.skip) continue;
+                if (n++ > 0) sm90::mbar_wait(&q_empty, (n - 2) & 1);
                 sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c)
-                    sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.m0, x.h, x.b, &q_full);
+                    sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.q_row0 + x.m0, x.h, x.tb, &q_full);
                 for (int j = x.j0; j < x.j1; ++j, ++it) {
-                    const int s = it % STAGES;
+                    const int s = it % STAGES, row = x.k_row0 + j * BN;
                     auto* full = ring.acquire(it, 2 * Tr::kBoxes * Tr::kBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c) {
-                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, j * BN, x.h / group, x.b, full);
-                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, j * BN, x.h / group, x.b, full);
+                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, x.tb, full);
+                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, x.tb, full);
                     }
                 }
             }
@@ -157,6 +176,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const float c = softmax_scale_log2(scale);
     int m0 = 0, r_top = 0;  // the tile's first row, the thread's top row
     int tile_b = 0, tile_h = 0;  // its batch and head, for the variants
+    CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};  // its sequence's
     const bool scores = var.scores(), dropout = var.dropout();
     int full_lo = 0, full_hi = 0;  // the key tiles every row of the tile sees whole
     OnlineSoftmax<float> top, bottom;
@@ -191,7 +211,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     auto softmax = [&](int j, float& alpha_top, float& alpha_bottom) {
         const int n0 = j * BN;
         if (scores) {  // the chain inlined once: a rolled loop takes score e from sc[0]
-            var.bind(tile_b, tile_h, Nq, Nk);
+            var.bind(tile_b, tile_h, mask.Nq, mask.Nk);
             const float inv_c = 1.f / c;  // back from log2 units to S's
 #pragma unroll 1
             for (int e = 0; e < 64; ++e) {
@@ -227,7 +247,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         top.l_i += sum_top;  // ℓ sums the undropped P̃: lse is the pre-dropout one
         bottom.l_i += sum_bottom;
         if (dropout) {  // keep bits first (Philox inlined once: a rolled loop), then P̃
-            var.bind(tile_b, tile_h, Nq, Nk);
+            var.bind(tile_b, tile_h, mask.Nq, mask.Nk);
             unsigned long long keep = 0;
 #pragma unroll 1
             for (int e = 0; e < 32; ++e)  // a row's pair of columns (scores 2e, 2e + 1)
@@ -259,18 +279,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // Slot j's K_j is read by S_j, its V_j by the P̃ V of the next iteration, after which
     // the slot is freed (empty)
     int it = 0;  // key tiles consumed so far: the ring's slot and phase, as the producer's
-    for (int tile = blockIdx.x, n = 0; tile < num_tiles; tile += gridDim.x, ++n) {
+    int n = 0;   // tiles run so far: q_full's phase
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        if (tile_at(tile).skip) continue;
         const int j0 = tile_at(tile).j0, tiles = tile_at(tile).j1 - j0;
         m0 = tile_at(tile).m0;
         tile_b = tile_at(tile).b;
         tile_h = tile_at(tile).h;
+        mask = tile_at(tile).mask;
         mask.full_tiles(m0, m0 + BM, BN, j0, j0 + tiles, full_lo, full_hi);
         r_top = m0 + warpgroup * 64 + row;
         top.init();
         bottom.init();
 #pragma unroll
         for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
-        sm90::mbar_wait(&q_full, n & 1);
+        sm90::mbar_wait(&q_full, n++ & 1);
         if (tiles > 0) {
             ring.wait(it);
             my_turn();
@@ -318,36 +341,50 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i. O goes
         // through the warpgroup's rows of the O buffer, in the boxes' swizzled layout, once
         // the last tile's store has read them, then out by one TMA store per box: rows past
-        // Nq are dropped by the store
+        // Nq are dropped by the store. Packed sequences store from registers: the rows past
+        // the sequence's end are the next one's
         top.l_i = warp_reduce_sum<4>(top.l_i);
         bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
         const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
-        if (threadIdx.x % 128 == 0) sm90::bulk_wait_read();
-        sm90::bar_sync(3 + warpgroup, 128);  // the O buffer's rows are free
-#pragma unroll
-        for (int i = 0; i < Tr::kOAcc; i += 4) {
-            const int col = 8 * (i / 4) + 2 * t, box = col / 64;
-            unsigned char* rows = reinterpret_cast<unsigned char*>(sm.o[box] + warpgroup * 64 * 64);
-            // 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8)
-            auto at = [&](int r) {
-                return rows + r * 128 + (((col % 64) / 8) ^ (r % 8)) * 16 + (col % 8) * 2;
-            };
-            *reinterpret_cast<unsigned*>(at(row)) = pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
-            *reinterpret_cast<unsigned*>(at(row + 8)) =
-                pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
-        }
-        sm90::fence_proxy_async();
-        sm90::bar_sync(3 + warpgroup, 128);  // the warpgroup's writes all made
         const Tile x = tile_at(tile);  // its head and batch again: no registers held over the loop
-        if (threadIdx.x % 128 == 0) {
-            for (int b = 0; b < Tr::kBoxes; ++b)
-                sm90::tma_store_4d(map_o, 64 * b, m0 + warpgroup * 64, x.h, x.b,
-                                   sm.o[b] + warpgroup * 64 * 64);
-            sm90::bulk_commit();
+        if constexpr (VARLEN) {
+#pragma unroll
+            for (int i = 0; i < Tr::kOAcc; i += 4) {
+                const int col = 8 * (i / 4) + 2 * t;
+                if (r_top < mask.Nq)
+                    *reinterpret_cast<unsigned*>(o + (x.row0 + r_top) * HEAD_DIM + col) =
+                        pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
+                if (r_top + 8 < mask.Nq)
+                    *reinterpret_cast<unsigned*>(o + (x.row0 + r_top + 8) * HEAD_DIM + col) =
+                        pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+            }
+        } else {
+            if (threadIdx.x % 128 == 0) sm90::bulk_wait_read();
+            sm90::bar_sync(3 + warpgroup, 128);  // the O buffer's rows are free
+#pragma unroll
+            for (int i = 0; i < Tr::kOAcc; i += 4) {
+                const int col = 8 * (i / 4) + 2 * t, box = col / 64;
+                unsigned char* rows = reinterpret_cast<unsigned char*>(sm.o[box] + warpgroup * 64 * 64);
+                // 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r % 8)
+                auto at = [&](int r) {
+                    return rows + r * 128 + (((col % 64) / 8) ^ (r % 8)) * 16 + (col % 8) * 2;
+                };
+                *reinterpret_cast<unsigned*>(at(row)) = pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
+                *reinterpret_cast<unsigned*>(at(row + 8)) =
+                    pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+            }
+            sm90::fence_proxy_async();
+            sm90::bar_sync(3 + warpgroup, 128);  // the warpgroup's writes all made
+            if (threadIdx.x % 128 == 0) {
+                for (int b = 0; b < Tr::kBoxes; ++b)
+                    sm90::tma_store_4d(map_o, 64 * b, m0 + warpgroup * 64, x.h, x.b,
+                                       sm.o[b] + warpgroup * 64 * 64);
+                sm90::bulk_commit();
+            }
         }
         if (t == 0) {
-            if (r_top < Nq) lse[(long long)x.bh * Nq + r_top] = top.lse();
-            if (r_top + 8 < Nq) lse[(long long)x.bh * Nq + r_top + 8] = bottom.lse();
+            if (r_top < mask.Nq) lse[x.row0 + r_top] = top.lse();
+            if (r_top + 8 < mask.Nq) lse[x.row0 + r_top + 8] = bottom.lse();
         }
     }
     if (warpgroup == 0) my_turn();  // warpgroup 1's last turn, passed to no one

@@ -67,7 +67,7 @@ def _first_fit(plans, max_smem):
 
 def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
                  sm_count=None, sm90a: bool = False, algorithm: str = "fa2",
-                 allow_tf32: bool = False, plain: bool = False):
+                 allow_tf32: bool = False, plain: bool = False, varlen: bool = False):
     """(plan, reason): the forward kernel a call takes, and why, in words.
 
     Tensor cores (`TcPlan`) where `algorithm` is "fa2", the dtype is float16 (sm_75+),
@@ -82,8 +82,9 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
 
     The Hopper forward (`Sm90FwdPlan`: wgmma, TMA) where the device runs sm_90a code
     (`sm90a`, from its limits), the call is `plain` (q, k, v strided as TMA reads them, a
-    positive scale; no packed sequences, KV cache or split-KV: the kernel takes none yet),
-    the dtype float16 or bfloat16, d 64 or 128, and the tile fits."""
+    positive scale, packed sequences or not; no KV cache or split-KV: the kernel takes
+    neither yet), the dtype float16 or bfloat16, d 64 or 128, and the tile fits; `varlen`
+    (packed sequences) picks its specialization for them."""
     name = dtype_name(dtype)
 
     def simt():
@@ -102,11 +103,10 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
                                operands="q, k or v")
     if why:
         return simt(), why
-    hopper = sm90_fwd_plan(name, d) if sm90a else None
+    hopper = sm90_fwd_plan(name, d, varlen) if sm90a else None
     if hopper is not None and plain and hopper.smem_bytes <= max_smem:
         return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup "
-                        "(a plain call: packed sequences, a KV cache and split-KV run "
-                        "mma.sync)")
+                        "(a plain call: a KV cache and split-KV run mma.sync)")
     D = next(b for b in head_dims if d <= b)
     plan = _first_fit(tc_fwd_candidates(name, D, split=not allow_tf32, cc=cc), max_smem)
     if plan is None:
@@ -115,7 +115,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     if sm90a and name in SM90_DTYPES:   # the Hopper forward was there and did not take it
         why += (f" (the sm_90a wgmma forward takes d = {' or '.join(map(str, SM90_HEAD_DIMS))} "
                 f"and plain calls: q, k, v with rows whole and strides multiples of 16 bytes, a "
-                f"positive scale, no packed sequences, KV cache or split-KV)")
+                f"positive scale, no KV cache or split-KV)")
     return plan, why
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Plan
+from .base import Plan, flag
 
 SM90_DTYPES = ("float16", "bfloat16")
 SM90_HEAD_DIMS = (64, 128)
@@ -13,9 +13,9 @@ BOX_BYTES = 128 * 64 * 2     # one TMA box: 128 rows of 64 16-bit elements (128 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdPlan(Plan):
-    """flash_fwd_sm90_kernel<T, HEAD_DIM>: 128 × 128 tiles, two consumer warpgroups of 64
-    query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA ring;
-    blocks walk the tiles head by head."""
+    """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN>: 128 × 128 tiles, two consumer warpgroups
+    of 64 query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA
+    ring; blocks walk the tiles head by head; VARLEN: packed sequences."""
 
     dynamic_smem = True
     arch_specific = True
@@ -26,6 +26,7 @@ class Sm90FwdPlan(Plan):
     kernel: str               # "flash_fwd_sm90"
     dtype: str                # "float16" or "bfloat16"
     head_dim: int             # HEAD_DIM: exactly d (64 or 128)
+    varlen: bool = False      # VARLEN: packed sequences (cu_q, cu_k)
 
     @property
     def head_dim_bucket(self) -> int:
@@ -38,19 +39,22 @@ class Sm90FwdPlan(Plan):
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
-                f"Bc={self.block_n} warpgroups=2+1 stages={self.stages} smem={self.smem_bytes} B")
+                f"Bc={self.block_n} warpgroups=2+1 stages={self.stages} smem={self.smem_bytes} B"
+                + (" varlen" if self.varlen else ""))
 
     @property
     def name_expression(self) -> str:
-        return self._instantiate(self.head_dim)
+        return self._instantiate(self.head_dim, flag(self.varlen))
 
 
-def sm90_fwd_plan(dtype: str, d: int) -> Sm90FwdPlan | None:
-    """The Hopper forward's plan for `dtype` (a name) and head dim `d`, None if it has none."""
+def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False) -> Sm90FwdPlan | None:
+    """The Hopper forward's plan for `dtype` (a name) and head dim `d` (`varlen`: packed
+    sequences), None if it has none."""
     if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
-        return Sm90FwdPlan("flash_fwd_sm90", dtype, d)
+        return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen)
     return None
 
 
 def all_sm90_fwd_plans() -> tuple[Sm90FwdPlan, ...]:
-    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d) for t in SM90_DTYPES for d in SM90_HEAD_DIMS)
+    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen) for t in SM90_DTYPES
+                 for d in SM90_HEAD_DIMS for varlen in (False, True))
