@@ -333,6 +333,18 @@ def test_window_on_the_gpu(window, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_on_the_gpu(causal):
+    """Packed sequences on an H100: the VARLEN specialization, O from registers."""
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    _packed_check(be, [700, 300, 1, 1000], [900, 200, 64, 1000], 8, 2, 128, causal)
+
+
+@pytest.mark.gpu
 def test_variants_on_the_gpu():
     """Every variant at once on an H100: the bias and mask read in place, dropout's bits."""
     if not HAS_GPU:
