@@ -2,9 +2,10 @@
 
 The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v (B, H, N, D) with strides
 TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
-GQA/MQA, packed sequences (varlen); no KV cache or split-KV yet. The planner (`tiling.forward_path`) gives such
-calls on an sm_90a device its plan (`Sm90FwdPlan`); `forward_sm90` also runs it directly on any backend
-whose device is sm_90a (the emulator's sm_90a, or an H100), for the tests and the GPU check.
+GQA/MQA, packed sequences (varlen); no KV cache or split-KV yet. The planner
+(`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
+`forward_sm90` also runs it directly on any backend whose device is sm_90a (the emulator's
+sm_90a, or an H100), for the tests and the GPU check.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The choosers: which kernels a call runs, and why, in words. One per pass:
 `forward_path` and `backward_path` take tensor cores where dtype, device, head dim and
-alignment allow (the forward: wgmma on sm_90a for the calls the Hopper kernel takes), and
-the SIMT plans (`simt_forward_plan`, `simt_backward_plans`) otherwise, saying what refused
-the tensor cores (the backward: wgmma on sm_90a for the calls the Hopper kernels take)."""
+alignment allow (wgmma on sm_90a for the calls the Hopper kernels take), and the SIMT plans
+(`simt_forward_plan`, `simt_backward_plans`) otherwise, saying what refused the tensor
+cores."""
 from __future__ import annotations
 
 from .base import ELEMENTS, dtype_name
