@@ -9,9 +9,10 @@
 //
 //   warpgroup 2 (producer)   gives its registers up; one elected thread, per tile: waits
 //                            until the consumers are done with Q (q_empty), loads Q_i, then
-//                            per key tile j: waits until the consumers freed the ring slot
+//                            per key tile j: waits until the consumers freed K's ring slot
 //                            (empty), announces the bytes and starts the TMA boxes of K_j
-//                            and V_j (full). The ring runs on across tiles.
+//                            (full), then the same for V_j in V's ring. The rings run on
+//                            across tiles.
 //   warpgroups 0, 1          take the registers; each owns 64 of the tile's 128 query rows.
 //   (consumers)              Per key tile j (Algorithm 1, lines 6-10):
 //                              S = Q_i K_jᵀ           wgmma m64n128k16, both from shared memory
@@ -21,7 +22,8 @@
 //                              acc = α acc + P̃ V_j   wgmma m64nDk16: P̃ from registers (the
 //                                                     accumulators packed to 16 bits), V_j
 //                                                     MN-major from shared memory
-//                            then free the slot (empty); after the last, free Q (q_empty),
+//                            freeing K_j's slot once S_j has retired and V_j's once P̃_j V_j
+//                            has (empty); after the last, free Q (q_empty),
 //                            and O_i = acc / ℓ_i goes out through the warpgroup's rows of
 //                            the O buffer and a TMA store (read while the next tile runs),
 //                            lse_i directly.
@@ -100,7 +102,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
     __shared__ __align__(8) unsigned long long q_full, q_empty;
-    __shared__ sm90::Ring<STAGES> ring;  // K_j, V_j
+    // K_j and V_j in rings of their own: K_j's slot is freed as soon as S_j has retired,
+    // before the softmax, so the producer loads K_{j+2} under it (one ring for both held
+    // K_j's slot until P̃_j V_j had retired, and the next load came just in time)
+    __shared__ sm90::Ring<STAGES> ring_k, ring_v;
     const int warpgroup = threadIdx.x / 128;
 
     Variants<T> var = CUFLASH_VARIANTS(T);
@@ -137,7 +142,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
         sm90::mbar_init(&q_empty, 256);
-        ring.init(256);
+        ring_k.init(256);
+        ring_v.init(256);
         sm90::mbar_init_fence();
     }
     __syncthreads();
@@ -145,7 +151,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     if (warpgroup == 2) {  // the producer
         sm90::regs_dec<40>();  // 128 · 40 + 256 · 232 of the 64 K registers
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
-            int it = 0;  // key tiles loaded so far: the ring's slot and phase
+            int it = 0;  // key tiles loaded so far: the rings' slot and phase
             int n = 0;   // tiles loaded so far: q_empty's phase
             for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
                 const Tile x = tile_at(tile);
@@ -156,11 +162,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.q_row0 + x.m0, x.h, x.tb, &q_full);
                 for (int j = x.j0; j < x.j1; ++j, ++it) {
                     const int s = it % STAGES, row = x.k_row0 + j * BN;
-                    auto* full = ring.acquire(it, 2 * Tr::kBoxes * Tr::kBoxBytes);
-                    for (int c = 0; c < Tr::kBoxes; ++c) {
-                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, x.tb, full);
-                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, x.tb, full);
-                    }
+                    auto* full_k = ring_k.acquire(it, Tr::kBoxes * Tr::kBoxBytes);
+                    for (int c = 0; c < Tr::kBoxes; ++c)
+                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, x.tb, full_k);
+                    auto* full_v = ring_v.acquire(it, Tr::kBoxes * Tr::kBoxBytes);
+                    for (int c = 0; c < Tr::kBoxes; ++c)
+                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, x.tb, full_v);
                 }
             }
         }
@@ -276,9 +283,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     // -- the pipeline within the warpgroup (FlashAttention-3): the softmax of tile j runs
     // while P̃_{j−1} V_{j−1} does; S_j first, then acc *= α_j once that product retired.
-    // Slot j's K_j is read by S_j, its V_j by the P̃ V of the next iteration, after which
-    // the slot is freed (empty)
-    int it = 0;  // key tiles consumed so far: the ring's slot and phase, as the producer's
+    // K_j is read by S_j and freed once it retired (before the softmax), V_j by the P̃ V
+    // of the next iteration and freed after it
+    int it = 0;  // key tiles consumed so far: the rings' slot and phase, as the producer's
     int n = 0;   // tiles run so far: q_full's phase
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         if (tile_at(tile).skip) continue;
@@ -295,29 +302,32 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
         sm90::mbar_wait(&q_full, n++ & 1);
         if (tiles > 0) {
-            ring.wait(it);
+            ring_k.wait(it);
             my_turn();
             sm90::wgmma_fence();
             issue_s(it % STAGES);
             your_turn();
             sm90::wgmma_wait<0>();
+            ring_k.release(it);
             float alpha_top, alpha_bottom;  // acc is 0: nothing to rescale
             softmax(j0, alpha_top, alpha_bottom);
             pack();
         }
         for (int j = 1; j < tiles; ++j) {
             const int s = (it + j) % STAGES, s_prev = (it + j - 1) % STAGES;
-            ring.wait(it + j);
+            ring_k.wait(it + j);
+            ring_v.wait(it + j - 1);
             my_turn();
             sm90::wgmma_fence();
             issue_s(s);           // S_j
             issue_pv(s_prev);     // acc += P̃_{j−1} V_{j−1}
             your_turn();
-            sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order)
+            sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order): K_j is free
+            ring_k.release(it + j);
             float alpha_top, alpha_bottom;
             softmax(j0 + j, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
-            ring.release(it + j - 1);
+            ring_v.release(it + j - 1);
 #pragma unroll
             for (int i = 0; i < Tr::kOAcc; i += 4) {
                 acc[i] *= alpha_top;
@@ -328,12 +338,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             pack();
         }
         if (tiles > 0) {  // the last tile's P̃ V
+            ring_v.wait(it + tiles - 1);
             my_turn();
             sm90::wgmma_fence();
             issue_pv((it + tiles - 1) % STAGES);
             your_turn();
             sm90::wgmma_wait<0>();
-            ring.release(it + tiles - 1);
+            ring_v.release(it + tiles - 1);
         }
         it += tiles;
         sm90::mbar_arrive(&q_empty);  // every S of the tile has retired: Q_i may go
