@@ -378,6 +378,17 @@ def variant_options(names, dtype, shape, seed=1):
     return opts
 
 
+# The bias shapes dbias is tested for: each broadcast the kernels write it for.
+DBIAS_LAYOUTS = {
+    "full": lambda B, H, Nq, Nk: (B, H, Nq, Nk),
+    "head+batch-broadcast": lambda B, H, Nq, Nk: (1, 1, Nq, Nk),
+    "batch-broadcast": lambda B, H, Nq, Nk: (1, H, Nq, Nk),
+    "query-broadcast": lambda B, H, Nq, Nk: (B, H, 1, Nk),
+    "query+head-broadcast": lambda B, H, Nq, Nk: (B, 1, 1, Nk),
+    "key-broadcast": lambda B, H, Nq, Nk: (B, H, Nq, 1),
+}
+
+
 def variants_of(opts, xp=np):
     """cuflash.variants.Variants from 4-D options (what cuflash.api hands a backend), its
     arrays on `xp`'s device."""

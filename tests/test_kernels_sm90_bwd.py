@@ -11,7 +11,7 @@ from cuflash import _dtypes, reference
 from cuflash.backends import kernel_backward, kernels
 from cuflash.backends import kernel_backward_sm90 as sm90_bwd
 
-from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, attention_inputs,
+from conftest import (DBIAS_LAYOUTS, HAS_GPU, HAS_GXX, assert_close_to_reference, attention_inputs,
                       backward_inputs, emulator_backend, plain_backward, to_host,
                       variant_options, variants_of)
 
@@ -81,6 +81,34 @@ def test_variants(names, causal, dt):
     B, Hq, Hkv, Nq, Nk = 2, 2, 1, 150, 200
     _check(_backend(), B, Hq, Hkv, Nq, Nk, 64, causal, dtype=dt, seed=7,
            opts=variant_options(names, dt, (B, Hq, Hkv, Nq, Nk, 64)))
+
+
+@pytest.mark.parametrize("layout", list(DBIAS_LAYOUTS))
+def test_dbias(layout):
+    """dbias for every bias layout (dS before softcap's factor): a bias with its query axis
+    by the dQ pass (one launch per head or batch row sharing a dbias row), one broadcast over
+    query rows by the dK/dV pass's column sums; causal, softcap, GQA, ragged tiles; dbias
+    (a float32 sum of float32 dS) within the float32 rule of the float64 reference."""
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 150, 200, 64
+    (do, q, k, v, _, _), scale = backward_inputs(B, Hq, Hkv, Nq, Nk, D, F16, causal=True, seed=3)
+    rng = np.random.default_rng(4)
+    opts = dict(softcap=3.0,
+                bias=rng.uniform(-1, 1, DBIAS_LAYOUTS[layout](B, Hq, Nq, Nk)).astype(np.float32))
+    o, lse = reference.naive_attention(q, k, v, causal=True, scale=scale, return_lse=True, **opts)
+    o, lse = o.astype(F16), lse.astype(np.float32)
+    be = emulator_backend("sm_90a")
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
+                                     variants=variants_of(opts), return_dbias=True)
+    assert {p.kernel for p in be.take_launches()} == {
+        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"}
+    ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale,
+                                       return_dbias=True, **opts)
+    plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16, **opts)
+    for name, out, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
+        assert_close_to_reference(out, r, p, F16, factor=3.0, what=f"{name} ({layout})")
+    assert grads[3].shape == ref[3].shape and grads[3].dtype == np.float32
+    assert_close_to_reference(grads[3], ref[3], None, np.dtype(np.float32),
+                              what=f"dbias ({layout})")
 
 
 def test_window_checked():
@@ -169,8 +197,7 @@ def test_the_whole_backward_with_it():
     kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
                              variants=Variants(softcap=3.0))   # any variant: Hopper
     assert [p.kernel for p in be.take_launches()] == hopper
-    bias = Variants(bias=np.zeros((1, 4, 150, 200), np.float32))
-    for call in (dict(variants=bias, return_dbias=True), dict(dq_workers=0), dict(scale=-scale)):
+    for call in (dict(dq_workers=0), dict(scale=-scale)):
         kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, **{"scale": scale, **call})
         assert list(dict.fromkeys(p.kernel for p in be.take_launches())) == mma_sync, call
     padded = np.zeros(do.shape[:-1] + (72,), F16)[..., :64]   # dO's rows 144 bytes apart:

@@ -20,8 +20,8 @@ import cuflash
 from cuflash import _dtypes, reference, tiling, variants
 from cuflash.backends import kernel_backward, kernel_forward
 
-from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
-                      emulator_backend, plain_attention, plain_backward, plain_lse,
+from conftest import (DBIAS_LAYOUTS, HAS_GXX, assert_close_to_reference, assert_lse_close,
+                      attention_inputs, emulator_backend, plain_attention, plain_backward, plain_lse,
                       plain_tf32_attention, round_tf32, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
@@ -222,16 +222,6 @@ def test_backward_variants_with_head_dim_chunks():
 # bias shapes from (B, Hq, Nq, Nk): the full bias, broadcast over heads and batch, over
 # batch, over query rows (the dK/dV kernel's column sums), over query rows and heads, over
 # keys (the dQ kernel's quad sums)
-DBIAS_LAYOUTS = {
-    "full": lambda B, H, Nq, Nk: (B, H, Nq, Nk),
-    "head+batch-broadcast": lambda B, H, Nq, Nk: (1, 1, Nq, Nk),
-    "batch-broadcast": lambda B, H, Nq, Nk: (1, H, Nq, Nk),
-    "query-broadcast": lambda B, H, Nq, Nk: (B, H, 1, Nk),
-    "query+head-broadcast": lambda B, H, Nq, Nk: (B, 1, 1, Nk),
-    "key-broadcast": lambda B, H, Nq, Nk: (B, H, Nq, 1),
-}
-
-
 def _run_backward_dbias(dtype, arch, layout, names, shape=SHAPE, *, checked=False,
                         schedule="round-robin", seed=0):
     """The tensor-core backward with a bias of `layout` and return_dbias: both launched

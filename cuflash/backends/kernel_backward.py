@@ -56,10 +56,10 @@ def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True, pla
                                 **backend.limits())
 
 
-def plain_call(scale, return_dbias=False) -> bool:
-    """Whether a backward call has none of what the Hopper backward does not take yet:
-    dbias, a scale that is not positive and finite (any variant, packed sequences too)."""
-    return kernel_forward.plain_call(scale) and not return_dbias
+def plain_call(scale) -> bool:
+    """Whether a backward call has none of what the Hopper backward does not take: a scale
+    that is not positive and finite (any variant, dbias, packed sequences it takes)."""
+    return kernel_forward.plain_call(scale)
 
 
 def preprocess(backend, do, o, lse):
@@ -100,7 +100,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
     # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
     # prefers two kernels (W = 0)
-    plain = dq_workers is None and plain_call(scale, return_dbias)
+    plain = dq_workers is None and plain_call(scale)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                           dq_parts=not return_dbias and dq_workers != 0,
                                           plain=plain)
@@ -110,6 +110,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
         return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
                                                   causal=causal, scale=scale,
                                                   variants=variants, segments=segments,
+                                                  return_dbias=return_dbias,
                                                   plans=(p_dkdv, p_dq))
     workers = 0
     if isinstance(p_dq, tiling.DqSumPlan):

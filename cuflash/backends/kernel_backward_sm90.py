@@ -2,8 +2,8 @@
 launches.
 
 The kernels take float16 or bfloat16, head dim 64 or 128, q, k, v, dO with strides TMA can
-read (`kernel_forward_sm90.tma_ready`), causal or not, every attention variant (without
-dbias), GQA/MQA; lse and D = rowsum(dO ∘ O)
+read (`kernel_forward_sm90.tma_ready`), causal or not, every attention variant and dbias,
+GQA/MQA, packed sequences; lse and D = rowsum(dO ∘ O)
 (flash_bwd.cu's preprocess) in float32. `backward_sm90` runs the dK/dV pass, then the dQ
 pass, on any backend whose device is sm_90a (the emulator's sm_90a, or an H100);
 `kernel_backward.backward` runs them for the plain calls `tiling.backward_path` gives them.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import tiling
-from .kernel_variants import variant_args
+from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
 from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, check_launch,
                                   tensor_map_4d, tma_strides)
 
@@ -21,11 +21,12 @@ _FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 
 
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
-                  segments=None, plans=None):
+                  return_dbias=False, segments=None, plans=None):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
     scale · dS K (flash_bwd_dq_sm90_kernel). `variants` (cuflash.variants.Variants): the
-    forward's options, None for none. `segments` (kernel_forward.Segments, cu_q and cu_k
+    forward's options, None for none; with `return_dbias` a fourth result, dbias in the
+    compact shape of variants.bias in float32 (`kernel_variants.dbias_launch`). `segments` (kernel_forward.Segments, cu_q and cu_k
     only): packed sequences, q, do (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and
     D (1, Hq, total_q). `plans`: the planner's (dK/dV, dQ) pair for these inputs (None:
     `tiling.sm90_bwd_plans`')."""
@@ -39,12 +40,21 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     (_, Hq, rows_q, _), Hkv, rows_k = q.shape, k.shape[1], k.shape[2]
     B, Nq, Nk = ((q.shape[0], rows_q, rows_k) if segments is None else
                  (segments.batch, segments.max_q, segments.max_k))
-    for n, what in ((B * Hkv, "k: B·Hkv"), (B * Hq, "q: B·Hq")):
+    for n, what in ((B * Hkv, "k: B·Hkv"), (Hq, "q: Hq"), (B, "batch")):
         if n > 65535:
-            raise ValueError(f"{what} = {n} blocks in the grid's y, at most 65535")
+            raise ValueError(f"{what} = {n} blocks in the grid's y or z, at most 65535")
     dq, dk, dv = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+    dbias, dbias_st, heads_per_launch, batch_per_launch, cols = dbias_launch(
+        xp, variants if return_dbias else None, np.float32, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
+    by_cols = return_dbias and cols.ndim == 3   # a bias broadcast over query rows
+
+    def result():
+        if not return_dbias:
+            return dq, dk, dv
+        return dq, dk, dv, (dbias_from_cols(cols, variants.bias.shape) if by_cols else dbias)
+
     if B * Hq * Nq == 0 or Nk == 0:
-        return dq, dk, dv
+        return result()
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
     Dvec = xp.ascontiguousarray(Dvec, dtype=np.float32)
     data_type = TENSOR_MAP_TYPES[p_dkdv.dtype]
@@ -68,13 +78,19 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     backend.get_function(p_dkdv)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
-         *sizes),
+         cols, np.int32(by_cols), *sizes),
         shared_mem=p_dkdv.dynamic_smem_bytes)
-    backend.get_function(p_dq)(
-        (-(-Nq // p_dq.own_rows), B * Hq), (p_dq.num_threads,),
-        (*maps((q, do), (k, v), p_dq.own_rows, p_dq.streamed_rows), lse, Dvec, dq, *sizes),
-        shared_mem=p_dq.dynamic_smem_bytes)
-    return dq, dk, dv
+    # the heads (batch rows) that share a row of dbias take one launch each, in stream order
+    want = np.int32(return_dbias and not by_cols)
+    for h0 in range(heads_per_launch):
+        for b0 in range(batch_per_launch):
+            backend.get_function(p_dq)(
+                (-(-Nq // p_dq.own_rows), Hq // heads_per_launch, B // batch_per_launch),
+                (p_dq.num_threads,),
+                (*maps((q, do), (k, v), p_dq.own_rows, p_dq.streamed_rows), lse, Dvec, dq,
+                 dbias, *dbias_st, want, np.int32(h0), np.int32(b0), *sizes),
+                shared_mem=p_dq.dynamic_smem_bytes)
+    return result()
 
 
 def _rows_by_batch(xp, x, segments, Nq, width):

@@ -50,7 +50,11 @@
 // the window (left, right; −1: unbounded) are bottom-right aligned (mask.cuh). The other
 // variants (softcap, ALiBi, bias, bool mask, dropout) take every score of a step through
 // flash_bwd.cu's chain (recompute_p_ds_variants, bwd_tile.cuh), inlined once in a rolled
-// loop.
+// loop. dbias = dS before softcap's factor, with no atomics: a bias with its query axis by
+// the dQ kernel, each element by the one thread that holds it (the heads or batch rows
+// sharing a row of dbias take one launch each, in stream order: head0, batch0); a bias
+// broadcast over query rows by the dK/dV kernel, as column sums over each query head's
+// rows (cols[b, h, j] += Σ_i dS_ij, by the block that owns key j).
 #include "bwd_tile.cuh"
 #include "common.cuh"
 #include "mask.cuh"
@@ -118,6 +122,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_lse,
                            const __grid_constant__ sm90::TensorMap map_dsum,
                            T* __restrict__ dk, T* __restrict__ dv,
+                           float* __restrict__ dbias_cols, int want_dbias_cols,
                            const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Hq,
                            int group, int Nq, int Nk, float scale, int causal,
                            CUFLASH_VARIANT_PARAMS(T)) {
@@ -236,7 +241,9 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             }
         };
         if (variants) {  // Pᵀ ∘ Z (dropout) for dV, dSᵀ ∘ (1 − t²) (softcap) for dK
-            var.bind(b, h_kv * group + it / (i_end - i_begin), Nq, Nk);
+            const int hq = h_kv * group + it / (i_end - i_begin);
+            var.bind(b, hq, Nq, Nk);
+            float cols_top = 0.f, cols_bottom = 0.f;  // Σ over the thread's queries of dS
 #pragma unroll 1
             for (int e = 0; e < 32; ++e) {
                 const int col = m0 + 8 * (e / 4) + 2 * t + e % 2, key = key_top + 8 * (e % 4 >= 2);
@@ -246,6 +253,14 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                         sm.dsum[s][col - m0], hidden, var, col, key, p, ds, ds_raw);
                 rotate(s_t, p);
                 rotate(dp_t, ds_raw);
+                (e % 4 >= 2 ? cols_bottom : cols_top) += ds;
+            }
+            if (want_dbias_cols) {  // the quad's four threads hold a key's 64 queries
+                cols_top = warp_reduce_sum<4>(cols_top);
+                cols_bottom = warp_reduce_sum<4>(cols_bottom);
+                float* cols = dbias_cols + ((long long)b * Hq + hq) * Nk;
+                if (t == 0 && key_top < Nk) cols[key_top] += cols_top;
+                if (t == 0 && key_top + 8 < Nk) cols[key_top + 8] += cols_bottom;
             }
         } else if (m0 + BM > Nq || !mask.sees_all(m0, m0 + BM, n0, n0 + BN)) {
             p_ds(Bool<true>{});
@@ -300,7 +315,9 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                          const __grid_constant__ sm90::TensorMap map_v,
                          const __grid_constant__ sm90::TensorMap map_do,
                          const float* __restrict__ lse, const float* __restrict__ Dvec,
-                         T* __restrict__ dq, const int* __restrict__ cu_q,
+                         T* __restrict__ dq, float* __restrict__ dbias, long long dbias_sb,
+                         long long dbias_sh, long long dbias_sr, long long dbias_sc,
+                         int want_dbias, int head0, int batch0, const int* __restrict__ cu_q,
                          const int* __restrict__ cu_k, int Hq, int group, int Nq, int Nk,
                          float scale, int causal, CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90BwdDqTraits<T, HEAD_DIM>;
@@ -310,8 +327,10 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __shared__ __align__(8) unsigned long long q_full;
     __shared__ sm90::Ring<STAGES> ring;  // K_j, V_j
 
-    const int m0 = blockIdx.x * BM, bh = blockIdx.y;  // bh = b·Hq + h
-    const int b = bh / Hq, h = bh % Hq, h_kv = h / group;
+    // the grid's y and z: heads and batch rows, from head0 and batch0 (the launch's share
+    // where they share dbias rows)
+    const int m0 = blockIdx.x * BM, h = blockIdx.y + head0, b = blockIdx.z + batch0;
+    const int h_kv = h / group;
     const int q_row0 = cu_q ? cu_q[b] : 0, k_row0 = cu_k ? cu_k[b] : 0, tb = cu_q ? 0 : b;
     const long long row0 = ((long long)tb * Hq + h) * Nq + q_row0;  // lse, D, dQ's row 0
     if (cu_q) {
@@ -418,6 +437,11 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                         ds, ds_raw);
                 rotate(s_, p);
                 rotate(dp, ds_raw);
+                if (want_dbias) {  // dbias_ij += dS_ij (a bias broadcast over keys: the quad's sum)
+                    if (dbias_sc == 0) ds = warp_reduce_sum<4>(ds);
+                    if ((dbias_sc != 0 || t == 0) && row < Nq && col < Nk)
+                        dbias[b * dbias_sb + h * dbias_sh + row * dbias_sr + col * dbias_sc] += ds;
+                }
             }
         } else if (!mask.sees_all(m0, m0 + BM, n0, n0 + BN)) {
             p_ds(Bool<true>{});

@@ -141,8 +141,8 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
 
     The Hopper backward (two `Sm90BwdPlan`s: the dK/dV pass, then the dQ pass; wgmma, TMA)
     where the device runs sm_90a code (`sm90a`), the call is `plain` (q, k, v, dO strided as
-    TMA reads them, a positive scale, any variant, packed sequences; no dbias: the kernels
-    do not write it yet), the dtype float16 or bfloat16, d 64 or 128, and both tiles fit."""
+    TMA reads them, a positive scale; any variant, dbias, packed sequences), the dtype
+    float16 or bfloat16, d 64 or 128, and both tiles fit."""
     name = dtype_name(dtype)
 
     def simt():
@@ -162,7 +162,7 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     hopper = sm90_bwd_plans(name, d) if sm90a else None
     if hopper is not None and plain and all(p.smem_bytes <= max_smem for p in hopper):
         return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup, "
-                        "dK/dV then dQ (a call without dbias, which runs mma.sync)")
+                        "dK/dV then dQ")
     D = next(b for b in head_dims if d <= b)
     fits = tuple(_first_fit(tc_bwd_candidates(kernel, name, D, split=not allow_tf32, cc=cc),
                             max_smem) for kernel in TC_BWD_KERNELS)
@@ -175,7 +175,7 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     if sm90a and name in SM90_DTYPES:   # the Hopper backward was there and did not take it
         why += (f" (the sm_90a wgmma backward takes d = "
                 f"{' or '.join(map(str, SM90_HEAD_DIMS))} and plain calls: q, k, v, dO with "
-                f"rows whole and strides multiples of 16 bytes, a positive scale, no dbias)")
+                f"rows whole and strides multiples of 16 bytes, a positive scale)")
     if fused is not None:
         return ((fused, DqSumPlan(name)),
                 f"{why}, 5 GEMMs (dQ from the dK/dV blocks in float32 partials)")
