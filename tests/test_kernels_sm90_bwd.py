@@ -83,24 +83,24 @@ def test_variants(names, causal, dt):
            opts=variant_options(names, dt, (B, Hq, Hkv, Nq, Nk, 64)))
 
 
-@pytest.mark.parametrize("layout", list(DBIAS_LAYOUTS))
-def test_dbias(layout):
-    """dbias for every bias layout (dS before softcap's factor): a bias with its query axis
-    by the dQ pass (one launch per head or batch row sharing a dbias row), one broadcast over
-    query rows by the dK/dV pass's column sums; causal, softcap, GQA, ragged tiles; dbias
-    (a float32 sum of float32 dS) within the float32 rule of the float64 reference."""
-    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 150, 200, 64
+def _dbias_check(be, layout, B=2, Hq=4, Hkv=2, Nq=150, Nk=200, D=64):
+    """kernel_backward.backward with a bias of `layout` and return_dbias on `be`: the
+    Hopper kernels, dq, dk, dv within the rule, dbias (a float32 sum of float32 dS) within
+    the float32 rule of the float64 reference."""
     (do, q, k, v, _, _), scale = backward_inputs(B, Hq, Hkv, Nq, Nk, D, F16, causal=True, seed=3)
     rng = np.random.default_rng(4)
     opts = dict(softcap=3.0,
                 bias=rng.uniform(-1, 1, DBIAS_LAYOUTS[layout](B, Hq, Nq, Nk)).astype(np.float32))
     o, lse = reference.naive_attention(q, k, v, causal=True, scale=scale, return_lse=True, **opts)
     o, lse = o.astype(F16), lse.astype(np.float32)
-    be = emulator_backend("sm_90a")
-    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
-                                     variants=variants_of(opts), return_dbias=True)
-    assert {p.kernel for p in be.take_launches()} == {
-        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"}
+    xp = be.xp
+    grads = kernel_backward.backward(be, *map(xp.asarray, (do, q, k, v, o, lse)), causal=True,
+                                     scale=scale, variants=variants_of(opts, xp),
+                                     return_dbias=True)
+    grads = [to_host(g) for g in grads]
+    if hasattr(be, "take_launches"):
+        assert {p.kernel for p in be.take_launches()} == {
+            "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"}
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale,
                                        return_dbias=True, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16, **opts)
@@ -109,6 +109,26 @@ def test_dbias(layout):
     assert grads[3].shape == ref[3].shape and grads[3].dtype == np.float32
     assert_close_to_reference(grads[3], ref[3], None, np.dtype(np.float32),
                               what=f"dbias ({layout})")
+
+
+@pytest.mark.parametrize("layout", list(DBIAS_LAYOUTS))
+def test_dbias(layout):
+    """dbias for every bias layout (dS before softcap's factor): a bias with its query axis
+    by the dQ pass (one launch per head or batch row sharing a dbias row), one broadcast over
+    query rows by the dK/dV pass's column sums; causal, softcap, GQA, ragged tiles."""
+    _dbias_check(emulator_backend("sm_90a"), layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["full", "head+batch-broadcast", "query-broadcast"])
+def test_dbias_on_the_gpu(layout):
+    """The same on an H100."""
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    _dbias_check(be, layout, Nq=700, Nk=900, D=128)
 
 
 def test_window_checked():
