@@ -208,7 +208,7 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False)
     assert [r.kernel for r in rows] == ["sm90_gemm"] + [
         f"flash_fwd_sm90_kernel<{t}, {d}, {varlen}>" for t in ("__half", "__nv_bfloat16")
-        for d in (64, 128) for varlen in ("false", "true")] + [
+        for d in (64, 128, 256) for varlen in ("false", "true")] + [
         f"flash_{p}_sm90_kernel<{t}, {d}>" for p in ("bwd_dkdv", "bwd_dq")
         for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
     for row in rows:
@@ -228,7 +228,7 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         assert not row.ok and row.status == missing, row.status
     # the same rule for a templated kernel (REQUIRED_SASS names the template)
     text = compiler.read_source("flash_fwd_sm90.cu")
-    for line, by in (("sm90::wgmma_m64n128k16_ss<T>(\n", "(void)(\n"),
+    for line, by in (("wgmma_s<T, BN>(sc, ", "(void)(sc, "),
                      ("wgmma_pv<T, HEAD_DIM>(acc, pa[kk],", "(void)(pa[kk],"),
                      ("sm90::wgmma_fence();", ""), ("sm90::wgmma_commit();", ""),
                      ("sm90::wgmma_wait<0>();", "")):
@@ -236,7 +236,7 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         text = text.replace(line, by)
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False,
                                  sources={"flash_fwd_sm90.cu": text}, only=("flash_fwd_sm90.cu",))
-    assert [r.status for r in rows] == ["NO HGMMA"] * 8
+    assert [r.status for r in rows] == ["NO HGMMA"] * 12
 
 
 def test_cupy_arch_option_keeps_the_specific_target():

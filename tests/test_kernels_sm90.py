@@ -59,7 +59,8 @@ def test_forward(dt, D, B, H, Hkv, Nq, Nk, causal):
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
-@pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
+@pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16),
+                                           (256, "random", F16)])
 def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks (a wgmma's A registers, the ring's slots,
     the copies' bytes), and the same bits as round-robin."""
@@ -99,19 +100,21 @@ def test_variants(names, causal, dt):
            opts=variant_options(names, dt, (B, H, Hkv, Nq, Nk, 64)))
 
 
-def test_variants_checked_at_ragged_sizes():
+@pytest.mark.parametrize("D", [128, 256])
+def test_variants_checked_at_ragged_sizes(D):
     """Every option, Nq and Nk not multiples of the tile, in checked mode: no race, and no
-    bias or mask read outside [0, Nq) x [0, Nk)."""
+    bias or mask read outside [0, Nq) x [0, Nk); D = 256's 64-key tiles too."""
     B, H, Nq, Nk = 1, 2, 37, 75
-    _check(_backend(checked=True, schedule="random"), B, H, 1, Nq, Nk, 128, True, seed=6,
+    _check(_backend(checked=True, schedule="random"), B, H, 1, Nq, Nk, D, True, seed=6,
            opts=variant_options(["window", "softcap", "alibi", "bias", "mask", "dropout"], F16,
-                                (B, H, 1, Nq, Nk, 128)))
+                                (B, H, 1, Nq, Nk, D)))
 
 
 @pytest.mark.parametrize("D,dt,Nq,Nk,causal,schedule", [
     (64, F16, 300, 260, True, "random"),      # 3 query blocks x 4 heads: 12 tiles, heaviest first
     (128, BF16, 300, 100, True, "reversed"),  # Nq > Nk: tiles with no key amid the walk
     (64, BF16, 260, 390, False, "random"),
+    (256, F16, 300, 200, True, "random"),     # 64-key tiles, O from registers
 ])
 def test_persistent_blocks_walk_many_tiles(D, dt, Nq, Nk, causal, schedule):
     """Two blocks walk every (query block, head, batch) tile: the K/V ring, Q_i and the O
@@ -141,7 +144,7 @@ def test_the_consumers_take_turns(monkeypatch):
 
 
 def test_the_planner_takes_it_for_plain_calls(monkeypatch):
-    """On an sm_90a device a plain 16-bit call with d = 64 or 128 runs the Hopper forward:
+    """On an sm_90a device a plain 16-bit call with d = 64, 128 or 256 runs the Hopper forward:
     flash_attention gives the bits of launching it directly, not those of the mma.sync
     kernel (which sm_90 without the "a" features runs)."""
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90a")
@@ -178,6 +181,9 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert type(plan(*long_keys)) is tiling.TcPlan
     assert isinstance(plan(*attention_inputs(4, 32, 8, 256, 1024, 64, F16)[:3]), tiling.Sm90FwdPlan)
     assert type(plan(*attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3])) is tiling.TcPlan
+    d256 = plan(*attention_inputs(4, 32, 8, 256, 1024, 256, F16)[:3])   # 64-key tiles
+    assert isinstance(d256, tiling.Sm90FwdPlan) and d256.block_n == 64
+    assert d256.smem_bytes == (4 * 16 + 2 * 2 * 4 * 8) * 1024   # Q; K, V rings; no O staging
     assert type(plan(*(x.astype(np.float32) for x in (q, k, v)))) is tiling.Tf32Plan
     bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     assert isinstance(plan(q=bnhd), tiling.Sm90FwdPlan)              # TMA reads it in place
@@ -187,7 +193,7 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert not isinstance(plan(q=padded), tiling.Sm90FwdPlan)
     assert type(plan(backend=kernels.emulator_backend(arch="sm_90"))) is tiling.TcPlan
     _, why = tiling.forward_path(96, "float16", (9, 0), max_smem=232448, sm90a=True, plain=True)
-    assert "mma.m16n8k16" in why and "d = 64 or 128" in why
+    assert "mma.m16n8k16" in why and "d = 64, 128 or 256" in why
     _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
 
@@ -250,10 +256,11 @@ def test_the_planner_gives_packed_sequences_to_it():
     assert type(kernel_forward.forward_plan(be, q, k, v, scale=0.125, segments=cache)) is tiling.TcPlan
 
 
-def test_packed_sequences_checked():
+@pytest.mark.parametrize("D", [128, 256])
+def test_packed_sequences_checked(D):
     """The same in checked mode under a random schedule: no hazard, no row of the next
     sequence written."""
-    _packed_check(_backend(checked=True, schedule="random"), [30, 150], [50, 70], 2, 1, 128,
+    _packed_check(_backend(checked=True, schedule="random"), [30, 150], [50, 70], 2, 1, D,
                   True, dtype=BF16)
 
 
@@ -291,6 +298,8 @@ def test_inputs_it_does_not_take_yet():
         sm90.forward_sm90(be, q, k.astype(BF16), v, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="head dims"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 96, F16)[:3], causal=False, scale=1.0)
+    with pytest.raises(ValueError, match="head dims"):
+        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 512, F16)[:3], causal=False, scale=1.0)
     padded = np.zeros(q.shape[:-1] + (68,), F16)   # rows 136 bytes apart
     with pytest.raises(ValueError, match=r"multiples of 16 bytes; got strides \(2176, 1088, 136, 2\)"):
         sm90.forward_sm90(be, padded[..., :64], k, v, causal=False, scale=1.0)

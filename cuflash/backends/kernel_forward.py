@@ -14,7 +14,7 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 * The Hopper forward (`flash_fwd_sm90_kernel`, `kernel_forward_sm90`): on an sm_90a device,
-  float16/bfloat16 calls with d = 64 or 128, packed sequences or not, no KV cache or
+  float16/bfloat16 calls with d = 64, 128 or 256, packed sequences or not, no KV cache or
   split-KV (`plain_call`, `tiling.forward_path`).
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):

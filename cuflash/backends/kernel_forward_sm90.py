@@ -1,6 +1,6 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
-The kernel takes float16 or bfloat16, head dim 64 or 128, q, k, v (B, H, N, D) with strides
+The kernel takes float16 or bfloat16, head dim 64, 128 or 256, q, k, v (B, H, N, D) with strides
 TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
 GQA/MQA, packed sequences (varlen); no KV cache or split-KV yet. The planner
 (`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
@@ -130,8 +130,9 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
         return tensor_map_4d(backend.encode_tensor_map, data_type, address(x), x.shape[::-1],
                            tuple(tma_strides(x)), rows)
 
-    # O by each consumer warpgroup's 64 rows
-    maps = (tensor_map(q), tensor_map(k), tensor_map(v), tensor_map(o, rows=plan.block_m // 2))
+    # K and V by key tiles, O by each consumer warpgroup's 64 rows
+    maps = (tensor_map(q), tensor_map(k, rows=plan.block_n), tensor_map(v, rows=plan.block_n),
+            tensor_map(o, rows=plan.block_m // 2))
     num_m_blocks = -(-Nq // plan.block_m)
     num_tiles = i32(num_m_blocks * B * H, "query blocks x heads x batch")
     grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)

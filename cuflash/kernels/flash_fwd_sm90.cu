@@ -58,31 +58,50 @@ using namespace cuflash;
 
 namespace {
 
-// The tile and its shared memory: Q_i, the K_j, V_j ring and O_i's staging, each as D / 64
-// boxes of 128 rows × 64 columns (16 KB, on 1024-byte boundaries as the 128-byte swizzle
-// needs).
+// The tile and its shared memory: Q_i (and O_i's staging) as D / 64 boxes of 128 rows × 64
+// columns (16 KB), the K_j, V_j rings as D / 64 boxes of kBlockN rows, on 1024-byte
+// boundaries as the 128-byte swizzle needs. D = 256 takes 64-key tiles (its 64 x 256
+// accumulators and Q_i leave room for no more) and stores O from registers (no staging).
 template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
-    static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+    static constexpr int kBlockM = 128, kBlockN = HEAD_DIM == 256 ? 64 : 128, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
-    static constexpr int kBoxElems = 128 * 64;
-    static constexpr unsigned kBoxBytes = kBoxElems * 2;
+    static constexpr int kBoxElems = 128 * 64, kKvBoxElems = kBlockN * 64;
+    static constexpr unsigned kBoxBytes = kBoxElems * 2, kKvBoxBytes = kKvBoxElems * 2;
+    static constexpr bool kStageO = HEAD_DIM != 256;  // O through shared memory and TMA
     static constexpr int kThreads = 384;
     static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
+    static constexpr int kS = kBlockN / 2;      // its scores of 64 x kBlockN
     struct __align__(1024) Smem {
         T q[kBoxes][kBoxElems];
-        T k[kStages][kBoxes][kBoxElems];
-        T v[kStages][kBoxes][kBoxElems];
-        T o[kBoxes][kBoxElems];
+        T k[kStages][kBoxes][kKvBoxElems];
+        T v[kStages][kBoxes][kKvBoxElems];
+        T o[kStageO ? kBoxes : 1][kStageO ? kBoxElems : 1];
     };
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: 64, 128 or 256");
 };
 
-// acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major)
+// acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major; the next
+// 64 columns `box` bytes on): D = 256 as two products of 128 columns
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
-                                         unsigned long long v_desc) {
-    if constexpr (D == 64) sm90::wgmma_m64n64k16_rs<T>(acc, a, v_desc, 1);
-    else sm90::wgmma_m64n128k16_rs<T>(acc, a, v_desc, 1);
+                                         unsigned long long v_desc, unsigned box) {
+    if constexpr (D == 64) {
+        sm90::wgmma_m64n64k16_rs<T>(acc, a, v_desc, 1);
+    } else if constexpr (D == 128) {
+        sm90::wgmma_m64n128k16_rs<T>(acc, a, v_desc, 1);
+    } else {
+        sm90::wgmma_m64n128k16_rs<T>(reinterpret_cast<float(&)[64]>(acc[0]), a, v_desc, 1);
+        sm90::wgmma_m64n128k16_rs<T>(reinterpret_cast<float(&)[64]>(acc[64]), a,
+                                     v_desc + 2 * (box >> 4), 1);
+    }
+}
+
+// acc (64 x N) = Q (64 x 16 of k step kk) · K (16 x N), both K-major: N = 128 or 64
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_s(float (&acc)[N / 2], unsigned long long q_desc,
+                                        unsigned long long k_desc, int scale_d) {
+    if constexpr (N == 128) sm90::wgmma_m64n128k16_ss<T>(acc, q_desc, k_desc, scale_d);
+    else sm90::wgmma_m64n64k16_ss<T>(acc, q_desc, k_desc, scale_d);
 }
 
 }  // namespace
@@ -162,10 +181,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.q_row0 + x.m0, x.h, x.tb, &q_full);
                 for (int j = x.j0; j < x.j1; ++j, ++it) {
                     const int s = it % STAGES, row = x.k_row0 + j * BN;
-                    auto* full_k = ring_k.acquire(it, Tr::kBoxes * Tr::kBoxBytes);
+                    auto* full_k = ring_k.acquire(it, Tr::kBoxes * Tr::kKvBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c)
                         sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, x.tb, full_k);
-                    auto* full_v = ring_v.acquire(it, Tr::kBoxes * Tr::kBoxBytes);
+                    auto* full_v = ring_v.acquire(it, Tr::kBoxes * Tr::kKvBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c)
                         sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, x.tb, full_v);
                 }
@@ -190,25 +209,26 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     float acc[Tr::kOAcc];
 
     // S = Q_i K_jᵀ of tile j in slot s, issued (k16 steps along D, 32 bytes each in a box;
-    // the next box 16 KB on)
-    float sc[64];
+    // the next box one box on)
+    constexpr int kS = Tr::kS;
+    float sc[kS];
     const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * 64);
     auto issue_s = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            sm90::wgmma_m64n128k16_ss<T>(
-                sc, q_desc + (kk / 4) * (Tr::kBoxBytes >> 4) + 2 * (kk % 4),
-                sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+            wgmma_s<T, BN>(sc, q_desc + (kk / 4) * (Tr::kBoxBytes >> 4) + 2 * (kk % 4),
+                           sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
     };
     // acc += P̃ V_j of the tile in slot s, issued: k step kk takes keys 16kk .. as the A
-    // fragment and V_j's rows 16kk .. (2048 bytes on), MN-major, the next box 16 KB on (LBO)
+    // fragment and V_j's rows 16kk .. (2048 bytes on), MN-major, the next box one box on (LBO)
     unsigned pa[BN / 16][4];
     auto issue_pv = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
-                                  sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kBoxBytes) + 128 * kk);
+                                  sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kKvBoxBytes) + 128 * kk,
+                                  Tr::kKvBoxBytes);
         sm90::wgmma_commit();
     };
     // The online softmax of tile j's S: masked keys −inf (past Nk, outside a row's causal
@@ -221,20 +241,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             var.bind(tile_b, tile_h, mask.Nq, mask.Nk);
             const float inv_c = 1.f / c;  // back from log2 units to S's
 #pragma unroll 1
-            for (int e = 0; e < 64; ++e) {
+            for (int e = 0; e < kS; ++e) {
                 const int col = n0 + 8 * (e / 4) + 2 * t + e % 2, r = r_top + (e % 4 >= 2 ? 8 : 0);
                 rotate(sc, variant_score(var, mask, sc[0], scale, r, col) * inv_c);
             }
         } else if (j < full_lo || j >= full_hi) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) {
+            for (int i = 0; i < kS; ++i) {
                 const int col = n0 + 8 * (i / 4) + 2 * t + i % 2;
                 if (mask.masked(r_top + (i % 4 >= 2 ? 8 : 0), col)) sc[i] = neg_inf<float>();
             }
         }
         float max_top = max_(sc[0], sc[1]), max_bottom = max_(sc[2], sc[3]);
 #pragma unroll
-        for (int i = 4; i < 64; i += 4) {
+        for (int i = 4; i < kS; i += 4) {
             max_top = max_(max_top, max_(sc[i], sc[i + 1]));
             max_bottom = max_(max_bottom, max_(sc[i + 2], sc[i + 3]));
         }
@@ -243,7 +263,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         const float shift_top = top.shift(), shift_bottom = bottom.shift();
         float sum_top = 0.f, sum_bottom = 0.f;
 #pragma unroll
-        for (int i = 0; i < 64; i += 4) {
+        for (int i = 0; i < kS; i += 4) {
             sc[i] = fast_exp2(fmaf(sc[i], c, -shift_top));
             sc[i + 1] = fast_exp2(fmaf(sc[i + 1], c, -shift_top));
             sc[i + 2] = fast_exp2(fmaf(sc[i + 2], c, -shift_bottom));
@@ -257,11 +277,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             var.bind(tile_b, tile_h, mask.Nq, mask.Nk);
             unsigned long long keep = 0;
 #pragma unroll 1
-            for (int e = 0; e < 32; ++e)  // a row's pair of columns (scores 2e, 2e + 1)
+            for (int e = 0; e < kS / 2; ++e)  // a row's pair of columns (scores 2e, 2e + 1)
                 keep |= (unsigned long long)var.keep_pair(r_top + (e % 2) * 8, n0 + 8 * (e / 2) + 2 * t)
                         << (2 * e);
 #pragma unroll
-            for (int i = 0; i < 64; ++i) sc[i] = (keep >> i) & 1u ? sc[i] * var.keep_scale : 0.f;
+            for (int i = 0; i < kS; ++i) sc[i] = (keep >> i) & 1u ? sc[i] * var.keep_scale : 0.f;
         }
     };
     // P̃ to 16 bits, all of the tile: a wgmma owns its A registers until the wait that
@@ -358,7 +378,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
         const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
         const Tile x = tile_at(tile);  // its head and batch again: no registers held over the loop
-        if constexpr (VARLEN) {
+        if constexpr (VARLEN || !Tr::kStageO) {
 #pragma unroll
             for (int i = 0; i < Tr::kOAcc; i += 4) {
                 const int col = 8 * (i / 4) + 2 * t;

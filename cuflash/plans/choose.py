@@ -8,7 +8,7 @@ from __future__ import annotations
 from .base import ELEMENTS, dtype_name
 from .simt_bwd import simt_backward_plans
 from .simt_fwd import simt_forward_plan
-from .sm90_bwd import sm90_bwd_plans
+from .sm90_bwd import SM90_BWD_HEAD_DIMS, sm90_bwd_plans
 from .sm90_fwd import SM90_DTYPES, SM90_HEAD_DIMS, sm90_fwd_plan
 from .tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, dq_parts_tiles,
                      tc_bwd_candidates)
@@ -61,6 +61,12 @@ def _no_tile_fits(dtype, D, max_smem, pass_=""):
             f"bytes of shared memory per block")
 
 
+def _one_of(values):
+    """(64, 128, 256) as "64, 128 or 256"."""
+    *head, last = map(str, values)
+    return f"{', '.join(head)} or {last}" if head else last
+
+
 def _first_fit(plans, max_smem):
     return next((p for p in plans if p.smem_bytes <= max_smem), None)
 
@@ -83,7 +89,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     The Hopper forward (`Sm90FwdPlan`: wgmma, TMA) where the device runs sm_90a code
     (`sm90a`, from its limits), the call is `plain` (q, k, v strided as TMA reads them, a
     positive scale, packed sequences or not; no KV cache or split-KV: the kernel takes
-    neither yet), the dtype float16 or bfloat16, d 64 or 128, and the tile fits; `varlen`
+    neither yet), the dtype float16 or bfloat16, d 64, 128 or 256, and the tile fits; `varlen`
     (packed sequences) picks its specialization for them."""
     name = dtype_name(dtype)
 
@@ -113,7 +119,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
         return simt(), _no_tile_fits(name, D, max_smem)
     why = f"tensor cores: {_instruction(name, cc, allow_tf32)}"
     if sm90a and name in SM90_DTYPES:   # the Hopper forward was there and did not take it
-        why += (f" (the sm_90a wgmma forward takes d = {' or '.join(map(str, SM90_HEAD_DIMS))} "
+        why += (f" (the sm_90a wgmma forward takes d = {_one_of(SM90_HEAD_DIMS)} "
                 f"and plain calls: q, k, v with rows whole and strides multiples of 16 bytes, a "
                 f"positive scale, no KV cache or split-KV)")
     return plan, why
@@ -174,7 +180,7 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     fused = _first_fit(dq_parts_tiles(name, D, cc), max_smem) if dq_parts else None
     if sm90a and name in SM90_DTYPES:   # the Hopper backward was there and did not take it
         why += (f" (the sm_90a wgmma backward takes d = "
-                f"{' or '.join(map(str, SM90_HEAD_DIMS))} and plain calls: q, k, v, dO with "
+                f"{_one_of(SM90_BWD_HEAD_DIMS)} and plain calls: q, k, v, dO with "
                 f"rows whole and strides multiples of 16 bytes, a positive scale)")
     if fused is not None:
         return ((fused, DqSumPlan(name)),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from .base import Plan
-from .sm90_fwd import SM90_DTYPES, SM90_HEAD_DIMS
+from .sm90_fwd import SM90_DTYPES
+
+SM90_BWD_HEAD_DIMS = (64, 128)   # d = 256 runs mma.sync's backward
 
 BOX_BYTES = {128: 128 * 64 * 2, 64: 64 * 64 * 2}   # a TMA box of 64 16-bit columns, by rows
 SM90_BWD_KERNELS = ("flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90")
@@ -51,11 +53,11 @@ class Sm90BwdPlan(Plan):
 
 def sm90_bwd_plans(dtype: str, d: int) -> tuple[Sm90BwdPlan, Sm90BwdPlan] | None:
     """The Hopper (dK/dV, dQ) plans for `dtype` (a name) and head dim `d`, None if none."""
-    if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
+    if dtype in SM90_DTYPES and d in SM90_BWD_HEAD_DIMS:
         return tuple(Sm90BwdPlan(kernel, dtype, d) for kernel in SM90_BWD_KERNELS)
     return None
 
 
 def all_sm90_bwd_plans() -> tuple[Sm90BwdPlan, ...]:
     return tuple(Sm90BwdPlan(kernel, t, d) for kernel in SM90_BWD_KERNELS
-                 for t in SM90_DTYPES for d in SM90_HEAD_DIMS)
+                 for t in SM90_DTYPES for d in SM90_BWD_HEAD_DIMS)

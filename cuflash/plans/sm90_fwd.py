@@ -7,7 +7,7 @@ import dataclasses
 from .base import Plan, flag
 
 SM90_DTYPES = ("float16", "bfloat16")
-SM90_HEAD_DIMS = (64, 128)
+SM90_HEAD_DIMS = (64, 128, 256)
 BOX_BYTES = 128 * 64 * 2     # one TMA box: 128 rows of 64 16-bit elements (128 bytes)
 
 
@@ -19,7 +19,7 @@ class Sm90FwdPlan(Plan):
 
     dynamic_smem = True
     arch_specific = True
-    block_m = block_n = 128   # kBlockM, kBlockN
+    block_m = 128             # kBlockM
     stages = 2                # kStages
     num_threads = 384         # kThreads
 
@@ -29,13 +29,27 @@ class Sm90FwdPlan(Plan):
     varlen: bool = False      # VARLEN: packed sequences (cu_q, cu_k)
 
     @property
+    def block_n(self) -> int:
+        """kBlockN: 64-key tiles at D = 256 (its accumulators and Q_i leave room for no
+        more), 128 below."""
+        return 64 if self.head_dim == 256 else 128
+
+    @property
     def head_dim_bucket(self) -> int:
         return self.head_dim
 
     @property
+    def stages_o(self) -> bool:
+        """kStageO: O through shared memory and a TMA store (D = 256: from registers)."""
+        return self.head_dim != 256
+
+    @property
     def smem_bytes(self) -> int:
-        """Smem: Q_i, the ring's K_j, V_j stages and O_i's staging, each D / 64 boxes."""
-        return (2 + 2 * self.stages) * (self.head_dim // 64) * BOX_BYTES
+        """Smem: Q_i (and O_i's staging) in D / 64 boxes of 128 rows, the rings' K_j, V_j
+        stages in D / 64 boxes of block_n rows."""
+        boxes = self.head_dim // 64
+        q_o = (2 if self.stages_o else 1) * boxes * BOX_BYTES
+        return q_o + 2 * self.stages * boxes * BOX_BYTES * self.block_n // 128
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
