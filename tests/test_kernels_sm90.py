@@ -241,7 +241,7 @@ def test_packed_sequences(causal, opts):
 
 def test_the_planner_gives_packed_sequences_to_it():
     """kernel_forward.forward with packed sequences on sm_90a: the Hopper kernel where its
-    query blocks fill the SMs (no split-KV), mma.sync with a KV cache."""
+    query blocks fill the SMs (no split-KV)."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
     from cuflash.backends.kernel_forward import Segments
@@ -251,9 +251,7 @@ def test_the_planner_gives_packed_sequences_to_it():
     packed = Segments(batch=2, max_q=3096, max_k=3096, cu_q=cu, cu_k=cu)
     assert isinstance(kernel_forward.forward_plan(be, q, k, v, scale=0.125, segments=packed),
                       tiling.Sm90FwdPlan)
-    cache = Segments(batch=2, max_q=3096, max_k=3096, cu_q=cu, cu_k=cu,
-                     used_k=np.array([5, 6], np.int32))
-    assert type(kernel_forward.forward_plan(be, q, k, v, scale=0.125, segments=cache)) is tiling.TcPlan
+
 
 
 @pytest.mark.parametrize("D", [128, 256])
@@ -262,6 +260,82 @@ def test_packed_sequences_checked(D):
     sequence written."""
     _packed_check(_backend(checked=True, schedule="random"), [30, 150], [50, 70], 2, 1, D,
                   True, dtype=BF16)
+
+
+def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opts=None):
+    """The kernel with a KV cache: q (B, H, Nq, D), batch row b's keys the first used[b]
+    of its cache (contiguous), or of its pages in a shuffled block table (`page` rows
+    each); each row's O and lse against its own float64 reference."""
+    from cuflash.backends.kernel_forward import Segments
+    opts = opts or {}
+    B, Ncache, scale = len(used), -(-max(used) // 128) * 128, D ** -0.5
+    rng = np.random.default_rng(sum(used))
+    q = rng.standard_normal((B, H, Nq, D)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, Ncache, D)).astype(dtype) for _ in range(2))
+    xp = backend.xp
+    table = None
+    kc, vc = k, v
+    if page is not None:   # the cache's pages, one batch row after the other, shuffled
+        per_row = Ncache // page
+        order = rng.permutation(B * per_row + 3)[:B * per_row]
+        kc, vc = (np.zeros((B * per_row + 3, Hkv, page, D), dtype) for _ in range(2))
+        for b in range(B):
+            for j in range(per_row):
+                kc[order[b * per_row + j]] = k[b, :, j * page:(j + 1) * page]
+                vc[order[b * per_row + j]] = v[b, :, j * page:(j + 1) * page]
+        table = xp.asarray(order.reshape(B, per_row).astype(np.int32))
+    segments = Segments(batch=B, max_q=Nq, max_k=max(used),
+                        used_k=xp.asarray(np.array(used, np.int32)), block_table=table)
+    o, lse = sm90.forward_sm90(backend, *map(xp.asarray, (q, kc, vc)), causal=causal,
+                               scale=scale, segments=segments,
+                               variants=variants_of(opts, xp) if opts else None)
+    o, lse = to_host(o), to_host(lse)
+    for b, n in enumerate(used):
+        kb, vb = (np.repeat(x[b:b + 1, :, :n], H // Hkv, axis=1) for x in (k, v))
+        ref_o, ref_lse = reference.naive_attention(q[b:b + 1], kb, vb, causal=causal, scale=scale,
+                                                   return_lse=True, **opts)
+        plain, _ = plain_attention(q[b:b + 1], kb, vb, causal=causal, scale=scale, dtype=dtype,
+                                   **opts)
+        assert_close_to_reference(o[b:b + 1], ref_o, plain, dtype, what=f"O of row {b}")
+        assert_lse_close(lse[b:b + 1], ref_lse, dtype)
+
+
+@pytest.mark.parametrize("page", [None, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kv_cache(page, causal):
+    """A KV cache, contiguous or paged: each batch row's keys up to its own length (the
+    box's rows past it masked), causal bottom-right against that length, key tiles from
+    their pages (a shuffled block table)."""
+    _cache_check(_backend(), [300, 130, 512], 150, 4, 2, 64, causal, page=page,
+                 opts=dict(softcap=2.0) if causal else None)
+
+
+def test_kv_cache_checked():
+    """The paged cache at D = 256 (64-key tiles from 128-row pages) in checked mode."""
+    _cache_check(_backend(checked=True, schedule="random"), [200, 70], 90, 2, 1, 256, True,
+                 page=128, dtype=BF16)
+
+
+def test_the_planner_gives_kv_caches_to_it():
+    """kernel_forward.forward_plan with a cache on sm_90a: the Hopper kernel for a prefill
+    whose query blocks fill the SMs, where the pages are whole key tiles; mma.sync for a
+    decode step (split-KV) and 64-row pages."""
+    from cuflash import tiling
+    from cuflash.backends import kernel_forward
+    from cuflash.backends.kernel_forward import Segments
+    be = emulator_backend("sm_90a")
+    q = np.zeros((4, 32, 1024, 128), F16)
+    used = np.array([4000, 3000, 4096, 100], np.int32)
+    for page, hopper in ((None, True), (128, True), (64, False)):
+        k = np.zeros((4, 8, 4096, 128) if page is None else (256, 8, page, 128), F16)
+        table = None if page is None else np.arange(4 * 4096 // page, dtype=np.int32).reshape(4, -1) % 256
+        seg = Segments(batch=4, max_q=1024, max_k=4096, used_k=used, block_table=table)
+        plan = kernel_forward.forward_plan(be, q, k, k, scale=0.1, segments=seg)
+        assert isinstance(plan, tiling.Sm90FwdPlan) is hopper, page
+    decode = Segments(batch=4, max_q=1, max_k=4096, used_k=used)
+    k = np.zeros((4, 8, 4096, 128), F16)
+    assert type(kernel_forward.forward_plan(be, q[:, :, :1], k, k, scale=0.1,
+                                            segments=decode)) is tiling.TcPlan
 
 
 def test_strided_inputs():

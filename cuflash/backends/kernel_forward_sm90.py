@@ -2,7 +2,7 @@
 
 The kernel takes float16 or bfloat16, head dim 64, 128 or 256, q, k, v (B, H, N, D) with strides
 TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
-GQA/MQA, packed sequences (varlen); no KV cache or split-KV yet. The planner
+GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged); no split-KV yet. The planner
 (`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
 `forward_sm90` also runs it directly on any backend whose device is sm_90a (the emulator's
 sm_90a, or an H100), for the tests and the GPU check.
@@ -62,8 +62,9 @@ def tma_ready(*arrays) -> bool:
     return True
 
 
-def check_inputs(q, k, v):
-    """ValueError/TypeError naming what the kernel does not take yet."""
+def check_inputs(q, k, v, paged=False):
+    """ValueError/TypeError naming what the kernel does not take yet (`paged`: k and v are
+    a paged cache's (pages, Hkv, page_size, D), their first axis not the batch)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if np.dtype(x.dtype).name not in TENSOR_MAP_TYPES or np.dtype(x.dtype) != np.dtype(q.dtype):
             raise TypeError(f"{name}: the Hopper forward takes float16 or bfloat16 (q, k, v "
@@ -75,7 +76,7 @@ def check_inputs(q, k, v):
                              f"16-byte aligned base and positive row, head and batch strides "
                              f"that are multiples of 16 bytes; got strides {x.strides}")
     (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
-    if D not in HEAD_DIMS or Dk != D or tuple(v.shape) != tuple(k.shape) or Bk != B:
+    if D not in HEAD_DIMS or Dk != D or tuple(v.shape) != tuple(k.shape) or (Bk != B and not paged):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the Hopper "
                          f"forward takes head dims {HEAD_DIMS}, k and v alike, one batch")
     if Hkv < 1 or H % Hkv:
@@ -99,20 +100,23 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
     `variants` (cuflash.variants.Variants): the options, None for none.
-    `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, o
-    (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse (1, H, total_q).
+    `segments` (kernel_forward.Segments): lengths per batch row, seqlens.cuh's layouts —
+    packed sequences (cu_q, cu_k: q, o (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse
+    (1, H, total_q)), a KV cache (used_k), a paged one (block_table: k, v (pages, Hkv,
+    page_size, d), page_size a multiple of the plan's block_n).
     `num_blocks`: the grid, each block walking tiles x, x + num_blocks, … (None: one block
     per tile; a persistent grid of one block per SM measured slower causal on an H100,
     `docs/kernels.md`)."""
+    table = None if segments is None else segments.block_table
     if plan is None:
-        check_inputs(q, k, v)
+        check_inputs(q, k, v, paged=table is not None)
         plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1], segments is not None)
-    if segments is not None and (segments.used_k is not None or segments.block_table is not None):
-        raise ValueError("segments: the Hopper forward takes packed sequences (cu_q, cu_k), "
-                         "not a KV cache")
+    if table is not None and k.shape[2] % plan.block_n:
+        raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
+                         f"({plan.block_n} keys of {plan}): gather the pages first")
     if plan.varlen != (segments is not None):
-        raise ValueError(f"plan: {plan} is for {'packed' if plan.varlen else 'padded'} "
-                         f"sequences; the call's are {'padded' if segments is None else 'packed'}")
+        raise ValueError(f"plan: {plan} is for {'' if plan.varlen else 'no '}lengths per batch "
+                         f"row; the call has {'none' if segments is None else 'segments'}")
     check_launch(backend, scale, "forward")
     xp = backend.xp
     (_, H, rows_q, _), Hkv, rows_k = q.shape, k.shape[1], k.shape[2]
@@ -136,9 +140,12 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     num_m_blocks = -(-Nq // plan.block_m)
     num_tiles = i32(num_m_blocks * B * H, "query blocks x heads x batch")
     grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)
-    cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
+    lengths = ((None,) * 4 if segments is None else
+               (segments.cu_q, segments.cu_k, segments.used_k, table))
+    paging = (np.int32(0), np.int32(0)) if table is None else (np.int32(table.shape[1]),
+                                                               np.int32(k.shape[2]))
     f((grid,), (plan.num_threads,),
-      (*maps, o, lse, *cu, np.int32(H), np.int32(H // Hkv), np.int32(rows_q), np.int32(rows_k),
+      (*maps, o, lse, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q), np.int32(rows_k),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
        *variant_args(xp, variants, np.float32)),
       shared_mem=plan.dynamic_smem_bytes)

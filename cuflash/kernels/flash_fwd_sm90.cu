@@ -38,12 +38,15 @@
 // maps are 4-D (D, N, H, B), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
 // K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
 // come in as zeros and are masked (keys) or dropped by the store (queries). GQA: query head h reads
-// K/V head h / group. Packed sequences (VARLEN; cu_q, cu_k: row offsets): q, k, v, o
-// (1, H, total, D), lse (1, H, total_q), Nq and Nk the totals, the grid's query blocks
-// those of the longest sequence; a tile reads its sequence's rows at its offsets (the
-// boxes' rows past its end, the next sequence's, are masked as keys or left unwritten as
-// queries: its O leaves from registers, row by row), and a tile whose rows start past its
-// sequence's end is skipped. A specialization of its own: the tile's rows and lengths read
+// K/V head h / group. Lengths per batch row (VARLEN, seqlens.cuh's layouts): packed
+// sequences (cu_q, cu_k: row offsets; q, k, v, o (1, H, total, D), lse (1, H, total_q), Nq
+// and Nk the totals), a KV cache (used_k: keys in use of the padded k, v) and a paged one
+// (block_table: key tile j of row b in page block_table[b][j·BN / page_size], k and v
+// (pages, H, page_size, D), page_size a multiple of BN); the grid's query blocks those of
+// the longest sequence. A tile reads its sequence's rows at its offsets (the boxes' rows
+// past its end, the next sequence's, are masked as keys or left unwritten as queries: its
+// O leaves from registers, row by row), and a tile whose rows start past its sequence's
+// end is skipped. A specialization of its own: the tile's rows and lengths read
 // from memory would move the padded walk's descriptor arithmetic off the uniform datapath.
 // Causal masking and the sliding window are mask.cuh's (bottom-right aligned): key tiles
 // outside every row's reach are never loaded; those some row sees only in part are masked
@@ -113,9 +116,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_v,
                       const __grid_constant__ sm90::TensorMap map_o,
                       T* __restrict__ o, float* __restrict__ lse,
-                      const int* __restrict__ cu_q, const int* __restrict__ cu_k, int H,
-                      int group, int Nq, int Nk, float scale, int causal, int num_m_blocks,
-                      int num_tiles, CUFLASH_VARIANT_PARAMS(T)) {
+                      const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                      const int* __restrict__ used_k, const int* __restrict__ block_table,
+                      int table_stride, int page_size, int H, int group, int Nq, int Nk,
+                      float scale, int causal, int num_m_blocks, int num_tiles,
+                      CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -129,11 +134,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     Variants<T> var = CUFLASH_VARIANTS(T);
     // Tile `tile` of the walk: its first query row, (b, h), its sequence's mask (lengths),
-    // first rows and batch coordinate in the tensors, its row 0 in o and lse, and the key
+    // first rows and batch coordinates in q and k, its row 0 in o and lse, and the key
     // tiles [j0, j1) any of its rows sees (causal, a window: from its first row's left edge
     // to its last row's diagonal); skip: its rows start past its sequence's end
     struct Tile {
-        int m0, b, h, q_row0, k_row0, tb, j0, j1;
+        int m0, b, h, q_row0, k_row0, tb, tbk, j0, j1;
         long long row0;
         bool skip;
         CausalMask mask;
@@ -144,13 +149,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         x.m0 = (causal || var.win_right >= 0 ? num_m_blocks - 1 - m : m) * BM;
         x.b = bh / H;
         x.h = bh % H;
-        x.q_row0 = VARLEN ? cu_q[x.b] : 0;
-        x.k_row0 = VARLEN ? cu_k[x.b] : 0;
-        x.tb = VARLEN ? 0 : x.b;
+        x.q_row0 = VARLEN && cu_q ? cu_q[x.b] : 0;
+        x.k_row0 = VARLEN && cu_k ? cu_k[x.b] : 0;
+        x.tb = VARLEN && cu_q ? 0 : x.b;
+        x.tbk = VARLEN && cu_k ? 0 : x.b;
         x.row0 = ((long long)x.tb * H + x.h) * Nq + x.q_row0;
-        x.mask = CausalMask{VARLEN ? cu_q[x.b + 1] - x.q_row0 : Nq,
-                            VARLEN ? cu_k[x.b + 1] - x.k_row0 : Nk, causal != 0, var.win_left,
-                            var.win_right};
+        x.mask = CausalMask{VARLEN && cu_q ? cu_q[x.b + 1] - x.q_row0 : Nq,
+                            VARLEN && used_k ? used_k[x.b]
+                                             : VARLEN && cu_k ? cu_k[x.b + 1] - x.k_row0 : Nk,
+                            causal != 0, var.win_left, var.win_right};
         x.skip = x.m0 >= x.mask.Nq;
         const int n_begin = x.mask.key_begin(x.m0), n_end = x.mask.key_end(x.m0 + BM);
         x.j0 = n_begin / BN;
@@ -180,13 +187,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 for (int c = 0; c < Tr::kBoxes; ++c)
                     sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.q_row0 + x.m0, x.h, x.tb, &q_full);
                 for (int j = x.j0; j < x.j1; ++j, ++it) {
-                    const int s = it % STAGES, row = x.k_row0 + j * BN;
+                    const int s = it % STAGES;
+                    int row = x.k_row0 + j * BN, kb = x.tbk;  // the tile's rows in k and v
+                    if (VARLEN && block_table) {  // its page
+                        kb = block_table[(long long)x.b * table_stride + j * BN / page_size];
+                        row = j * BN % page_size;
+                    }
                     auto* full_k = ring_k.acquire(it, Tr::kBoxes * Tr::kKvBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c)
-                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, x.tb, full_k);
+                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, kb, full_k);
                     auto* full_v = ring_v.acquire(it, Tr::kBoxes * Tr::kKvBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c)
-                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, x.tb, full_v);
+                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, kb, full_v);
                 }
             }
         }
