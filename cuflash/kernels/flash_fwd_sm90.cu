@@ -360,12 +360,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             softmax(j0 + j, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
             ring_v.release(it + j - 1);
+            // acc *= α, skipped by the whole warp when none of its rows' max moved (every α
+            // exactly 1: the same bits); late in a long row most key tiles leave it alone
+            if (__any_sync(0xffffffffu, alpha_top != 1.f || alpha_bottom != 1.f)) {
 #pragma unroll
-            for (int i = 0; i < Tr::kOAcc; i += 4) {
-                acc[i] *= alpha_top;
-                acc[i + 1] *= alpha_top;
-                acc[i + 2] *= alpha_bottom;
-                acc[i + 3] *= alpha_bottom;
+                for (int i = 0; i < Tr::kOAcc; i += 4) {
+                    acc[i] *= alpha_top;
+                    acc[i + 1] *= alpha_top;
+                    acc[i + 2] *= alpha_bottom;
+                    acc[i + 3] *= alpha_bottom;
+                }
             }
             pack();
         }
