@@ -428,6 +428,18 @@ def test_packed_sequences_on_the_gpu(causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 256])
+def test_kv_cache_on_the_gpu(page):
+    """A KV cache, contiguous or paged, on an H100."""
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    _cache_check(be, [3000, 700, 4096], 500, 8, 2, 128, True, page=page)
+
+
+@pytest.mark.gpu
 def test_variants_on_the_gpu():
     """Every variant at once on an H100: the bias and mask read in place, dropout's bits."""
     if not HAS_GPU:
