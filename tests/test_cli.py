@@ -69,8 +69,8 @@ def test_info_lists_each_archs_plans_with_occupancy(capsys, monkeypatch, no_gpu)
     assert "tensor cores" in first[1]
     sm70 = out[out.index("plans on sm_70 (Tesla V100"):out.index("plans on sm_75")]
     assert "SIMT: float16 tensor cores need sm_75" in sm70
-    # an H100 runs the Hopper forward and backward for plain calls (384 threads × 128 registers: 1 block
-    # of 160 KB), mma.sync for the rest
+    # an H100 runs the Hopper forward and backward for plain calls (384 threads × 128
+    # registers: 1 block of 160 KB), mma.sync for the rest
     sm90 = out[out.index("plans on sm_90 (H100"):out.index("plans on sm_100")].splitlines()
     i = next(i for i, x in enumerate(sm90) if "float16   d=128  forward" in x)
     assert "flash_fwd_sm90_kernel<__half, 128, false>" in sm90[i] and "1 block, 12 warps" in sm90[i]

@@ -328,7 +328,8 @@ def test_the_planner_gives_kv_caches_to_it():
     used = np.array([4000, 3000, 4096, 100], np.int32)
     for page, hopper in ((None, True), (128, True), (64, False)):
         k = np.zeros((4, 8, 4096, 128) if page is None else (256, 8, page, 128), F16)
-        table = None if page is None else np.arange(4 * 4096 // page, dtype=np.int32).reshape(4, -1) % 256
+        table = (None if page is None else
+                 np.arange(4 * 4096 // page, dtype=np.int32).reshape(4, -1) % 256)
         seg = Segments(batch=4, max_q=1024, max_k=4096, used_k=used, block_table=table)
         plan = kernel_forward.forward_plan(be, q, k, k, scale=0.1, segments=seg)
         assert isinstance(plan, tiling.Sm90FwdPlan) is hopper, page
@@ -373,7 +374,8 @@ def test_inputs_it_does_not_take_yet():
     with pytest.raises(ValueError, match="head dims"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 96, F16)[:3], causal=False, scale=1.0)
     with pytest.raises(ValueError, match="head dims"):
-        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 512, F16)[:3], causal=False, scale=1.0)
+        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 512, F16)[:3], causal=False,
+                          scale=1.0)
     padded = np.zeros(q.shape[:-1] + (68,), F16)   # rows 136 bytes apart
     with pytest.raises(ValueError, match=r"multiples of 16 bytes; got strides \(2176, 1088, 136, 2\)"):
         sm90.forward_sm90(be, padded[..., :64], k, v, causal=False, scale=1.0)

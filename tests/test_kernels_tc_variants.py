@@ -21,8 +21,9 @@ from cuflash import _dtypes, reference, tiling, variants
 from cuflash.backends import kernel_backward, kernel_forward
 
 from conftest import (DBIAS_LAYOUTS, HAS_GXX, assert_close_to_reference, assert_lse_close,
-                      attention_inputs, emulator_backend, plain_attention, plain_backward, plain_lse,
-                      plain_tf32_attention, round_tf32, variant_options, variants_of)
+                      attention_inputs, emulator_backend, plain_attention, plain_backward,
+                      plain_lse, plain_tf32_attention, round_tf32, variant_options,
+                      variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 

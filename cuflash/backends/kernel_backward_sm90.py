@@ -26,10 +26,10 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
     scale · dS K (flash_bwd_dq_sm90_kernel). `variants` (cuflash.variants.Variants): the
     forward's options, None for none; with `return_dbias` a fourth result, dbias in the
-    compact shape of variants.bias in float32 (`kernel_variants.dbias_launch`). `segments` (kernel_forward.Segments, cu_q and cu_k
-    only): packed sequences, q, do (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and
-    D (1, Hq, total_q). `plans`: the planner's (dK/dV, dQ) pair for these inputs (None:
-    `tiling.sm90_bwd_plans`')."""
+    compact shape of variants.bias in float32 (`kernel_variants.dbias_launch`).
+    `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do
+    (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and D (1, Hq, total_q). `plans`: the
+    planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`')."""
     check_inputs(q, k, v)
     check_inputs(do, k, v)
     if tuple(do.shape) != tuple(q.shape):

@@ -145,7 +145,8 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     paging = (np.int32(0), np.int32(0)) if table is None else (np.int32(table.shape[1]),
                                                                np.int32(k.shape[2]))
     f((grid,), (plan.num_threads,),
-      (*maps, o, lse, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q), np.int32(rows_k),
+      (*maps, o, lse, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q),
+       np.int32(rows_k),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
        *variant_args(xp, variants, np.float32)),
       shared_mem=plan.dynamic_smem_bytes)
