@@ -11,9 +11,9 @@ from cuflash import _dtypes, reference
 from cuflash.backends import kernel_backward, kernels
 from cuflash.backends import kernel_backward_sm90 as sm90_bwd
 
-from conftest import (DBIAS_LAYOUTS, HAS_GPU, HAS_GXX, assert_close_to_reference, attention_inputs,
-                      backward_inputs, emulator_backend, plain_backward, to_host,
-                      variant_options, variants_of)
+from conftest import (DBIAS_LAYOUTS, HAS_GPU, HAS_GXX, assert_close_to_reference,
+                      attention_inputs, backward_inputs, emulator_backend, plain_backward,
+                      to_host, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
@@ -131,7 +131,7 @@ def test_dbias_on_the_gpu(layout):
     _dbias_check(be, layout, Nq=700, Nk=900, D=128)
 
 
-def test_window_checked():
+def test_checked_mode():
     """Blocks whose query or key range the window cuts short, packed sequences, and every
     variant at ragged sizes: no hazard in checked mode, no bias or mask read outside
     [0, Nq) x [0, Nk)."""
