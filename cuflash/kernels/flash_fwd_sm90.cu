@@ -165,6 +165,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         return x;
     };
 
+    if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
+        sm90::prefetch_tensormap(map_q);
+        sm90::prefetch_tensormap(map_k);
+        sm90::prefetch_tensormap(map_v);
+        if (Tr::kStageO && !VARLEN) sm90::prefetch_tensormap(map_o);
+    }
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
         sm90::mbar_init(&q_empty, 256);

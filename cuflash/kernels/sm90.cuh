@@ -83,6 +83,12 @@ template <int STAGES> struct Ring {
     __device__ __forceinline__ void release(int it) { mbar_arrive(&empty[it % STAGES]); }
 };
 
+// ---- TMA: fetch a tensor map (a __grid_constant__ parameter) into the descriptor cache
+// ahead of its first copy, as the block starts ----
+__device__ __forceinline__ void prefetch_tensormap(const TensorMap& map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(&map) : "memory");
+}
+
 // ---- TMA: a 2-D box at (c0 innermost, c1) into shared memory, completing bytes on `bar` ----
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, int c0, int c1, unsigned long long* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
