@@ -41,6 +41,18 @@ def _cuda_device_count():
 HAS_GPU = _cuda_device_count() > 0
 HAS_GXX = shutil.which("g++") is not None
 
+
+def hopper_gpu_backend():
+    """The CUDA backend of an sm_90 GPU (wgmma, TMA: the Hopper kernels' tests); skips the
+    test without one."""
+    if not HAS_GPU:
+        pytest.skip("no CUDA device")
+    from cuflash.backends import kernels
+    be = kernels.cuda_backend()
+    if not be.limits()["sm90a"]:
+        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    return be
+
 BACKEND_PARAMS = [
     pytest.param("numpy", id="numpy"),
     pytest.param("emulator", id="emulator",

@@ -489,13 +489,8 @@ def test_sm90_gemm_end_to_end(checked, schedule):
 @pytest.mark.gpu
 def test_sm90_gemm_on_the_gpu():
     """The same launch on an H100: the driver's tensor maps, NVRTC for sm_90a."""
-    from conftest import HAS_GPU
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    from cuflash.backends import kernels
-    backend = kernels.cuda_backend()
-    if backend.limits()["cc"] != (9, 0):
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {backend.limits()['cc']}")
+    from conftest import hopper_gpu_backend
+    backend = hopper_gpu_backend()
     c, ref = run_gemm(512, 384, 320, backend=backend)
     np.testing.assert_array_equal(c, ref)
 

@@ -13,9 +13,9 @@ from cuflash.backends import kernel_forward_sm90 as sm90
 from cuflash.backends import kernels
 from cuflash.variants import Variants
 
-from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close,
-                      attention_inputs, emulator_backend, plain_attention, to_host,
-                      variant_options, variants_of)
+from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close,
+                      attention_inputs, emulator_backend, hopper_gpu_backend, plain_attention,
+                      to_host, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
@@ -398,22 +398,14 @@ def test_inputs_it_does_not_take_yet():
 @pytest.mark.parametrize("causal", [False, True])
 def test_on_the_gpu(dt, D, causal):
     """The same launch on an H100: the driver's tensor maps, NVRTC for sm_90a."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if tuple(be.limits()["cc"]) != (9, 0):
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     _check(be, 2, 8, 2, 1000, 1500, D, causal, seed=D, dtype=dt)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window,causal", [((256, 0), False), ((300, -1), True), ((7, 130), False)])
 def test_window_on_the_gpu(window, causal):
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     _check(be, 2, 4, 2, 1000, 1300, 128, causal, seed=9, opts=dict(window=window))
 
 
@@ -421,11 +413,7 @@ def test_window_on_the_gpu(window, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_sequences_on_the_gpu(causal):
     """Packed sequences on an H100: the VARLEN specialization, O from registers."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     _packed_check(be, [700, 300, 1, 1000], [900, 200, 64, 1000], 8, 2, 128, causal)
 
 
@@ -433,22 +421,14 @@ def test_packed_sequences_on_the_gpu(causal):
 @pytest.mark.parametrize("page", [None, 256])
 def test_kv_cache_on_the_gpu(page):
     """A KV cache, contiguous or paged, on an H100."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     _cache_check(be, [3000, 700, 4096], 500, 8, 2, 128, True, page=page)
 
 
 @pytest.mark.gpu
 def test_variants_on_the_gpu():
     """Every variant at once on an H100: the bias and mask read in place, dropout's bits."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     B, H, Nq, Nk = 2, 4, 700, 900
     _check(be, B, H, 2, Nq, Nk, 128, True, seed=4, opts=variant_options(
         ["window", "softcap", "alibi", "bias", "mask", "dropout"], F16, (B, H, 2, Nq, Nk, 128)))
@@ -459,12 +439,8 @@ def test_variants_on_the_gpu():
 def test_strided_and_persistent_on_the_gpu(causal):
     """On an H100: the driver's 4-D maps over (B, N, H, D) memory and padded rows, and three
     blocks walking every tile, with the bits of contiguous inputs and one block per tile."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
+    be = hopper_gpu_backend()
     import cupy
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
     q, k, v = (cupy.asarray(x) for x in attention_inputs(2, 8, 2, 700, 900, 128, F16, seed=3)[:3])
     q_s, v_s = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, v))
     wide = cupy.zeros(k.shape[:-1] + (192,), F16)

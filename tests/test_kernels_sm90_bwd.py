@@ -11,8 +11,8 @@ from cuflash import _dtypes, reference
 from cuflash.backends import kernel_backward, kernels
 from cuflash.backends import kernel_backward_sm90 as sm90_bwd
 
-from conftest import (DBIAS_LAYOUTS, HAS_GPU, HAS_GXX, assert_close_to_reference,
-                      attention_inputs, backward_inputs, emulator_backend, plain_backward,
+from conftest import (DBIAS_LAYOUTS, HAS_GXX, assert_close_to_reference, attention_inputs,
+                      backward_inputs, emulator_backend, hopper_gpu_backend, plain_backward,
                       to_host, variant_options, variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
@@ -123,11 +123,7 @@ def test_dbias(layout):
 @pytest.mark.parametrize("layout", ["full", "head+batch-broadcast", "query-broadcast"])
 def test_dbias_on_the_gpu(layout):
     """The same on an H100."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     _dbias_check(be, layout, Nq=700, Nk=900, D=128)
 
 
@@ -245,11 +241,7 @@ def test_the_whole_backward_with_it():
 @pytest.mark.parametrize("causal", [False, True])
 def test_on_the_gpu(dt, D, causal):
     """The same launches on an H100: the driver's tensor maps, NVRTC for sm_90a."""
-    if not HAS_GPU:
-        pytest.skip("no CUDA device")
-    be = kernels.cuda_backend()
-    if not be.limits()["sm90a"]:
-        pytest.skip(f"wgmma and TMA need an sm_90 GPU, this is {be.limits()['cc']}")
+    be = hopper_gpu_backend()
     _check(be, 2, 8, 2, 700, 900, D, causal, dtype=dt, seed=D)
     _check(be, 1, 4, 2, 900, 700, D, causal, dtype=dt, seed=D + 1, opts=dict(window=(200, 30)))
     _packed_check(be, [700, 300, 1], [900, 200, 64], 8, 2, D, causal, dtype=dt)
