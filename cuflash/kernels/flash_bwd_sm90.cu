@@ -152,8 +152,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
-        for (const sm90::TensorMap* map : {&map_q, &map_k, &map_v, &map_do, &map_lse, &map_dsum})
-            sm90::prefetch_tensormap(*map);
+        sm90::prefetch_tensormaps(map_q, map_k, map_v, map_do, map_lse, map_dsum);
     }
     if (threadIdx.x == 0) {
         sm90::mbar_init(&kv_full, 1);
@@ -350,8 +349,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
-        for (const sm90::TensorMap* map : {&map_q, &map_k, &map_v, &map_do})
-            sm90::prefetch_tensormap(*map);
+        sm90::prefetch_tensormaps(map_q, map_k, map_v, map_do);
     }
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);

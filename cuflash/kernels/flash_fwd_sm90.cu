@@ -166,10 +166,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     };
 
     if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
-        sm90::prefetch_tensormap(map_q);
-        sm90::prefetch_tensormap(map_k);
-        sm90::prefetch_tensormap(map_v);
-        if (Tr::kStageO && !VARLEN) sm90::prefetch_tensormap(map_o);
+        sm90::prefetch_tensormaps(map_q, map_k, map_v);
+        if (Tr::kStageO && !VARLEN) sm90::prefetch_tensormaps(map_o);
     }
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
@@ -326,12 +324,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     int it = 0;  // key tiles consumed so far: the rings' slot and phase, as the producer's
     int n = 0;   // tiles run so far: q_full's phase
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        if (tile_at(tile).skip) continue;
-        const int j0 = tile_at(tile).j0, tiles = tile_at(tile).j1 - j0;
-        m0 = tile_at(tile).m0;
-        tile_b = tile_at(tile).b;
-        tile_h = tile_at(tile).h;
-        mask = tile_at(tile).mask;
+        int j0, tiles;
+        {  // the tile's fields the loop needs, in registers of their own
+            const Tile x = tile_at(tile);
+            if (x.skip) continue;
+            j0 = x.j0;
+            tiles = x.j1 - x.j0;
+            m0 = x.m0;
+            tile_b = x.b;
+            tile_h = x.h;
+            mask = x.mask;
+        }
         mask.full_tiles(m0, m0 + BM, BN, j0, j0 + tiles, full_lo, full_hi);
         r_top = m0 + warpgroup * 64 + row;
         top.init();

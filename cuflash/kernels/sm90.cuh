@@ -83,10 +83,12 @@ template <int STAGES> struct Ring {
     __device__ __forceinline__ void release(int it) { mbar_arrive(&empty[it % STAGES]); }
 };
 
-// ---- TMA: fetch a tensor map (a __grid_constant__ parameter) into the descriptor cache
-// ahead of its first copy, as the block starts ----
-__device__ __forceinline__ void prefetch_tensormap(const TensorMap& map) {
-    asm volatile("prefetch.tensormap [%0];" :: "l"(&map) : "memory");
+// ---- TMA: fetch tensor maps (__grid_constant__ parameters) into the descriptor cache ahead
+// of their first copies, as the block starts ----
+template <class... Maps> __device__ __forceinline__ void prefetch_tensormaps(const Maps&... maps) {
+    const void* const each[] = {&maps...};
+#pragma unroll
+    for (const void* map : each) asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
 }
 
 // ---- TMA: a 2-D box at (c0 innermost, c1) into shared memory, completing bytes on `bar` ----
