@@ -43,7 +43,10 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     for n, what in ((B * Hkv, "k: B·Hkv"), (Hq, "q: Hq"), (B, "batch")):
         if n > 65535:
             raise ValueError(f"{what} = {n} blocks in the grid's y or z, at most 65535")
-    dq, dk, dv = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+    # the kernels write every row of a sequence (a row or key no score reaches gets 0)
+    empty = B * Hq * Nq == 0 or Nk == 0
+    alloc = xp.zeros if empty else xp.empty
+    dq, dk, dv = alloc(q.shape, q.dtype), alloc(k.shape, k.dtype), alloc(v.shape, v.dtype)
     dbias, dbias_st, heads_per_launch, batch_per_launch, cols = dbias_launch(
         xp, variants if return_dbias else None, np.float32, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3   # a bias broadcast over query rows
@@ -53,7 +56,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
             return dq, dk, dv
         return dq, dk, dv, (dbias_from_cols(cols, variants.bias.shape) if by_cols else dbias)
 
-    if B * Hq * Nq == 0 or Nk == 0:
+    if empty:
         return result()
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
     Dvec = xp.ascontiguousarray(Dvec, dtype=np.float32)
