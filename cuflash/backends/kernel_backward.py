@@ -48,18 +48,12 @@ from .marshal import (LAYOUT, STRIDES, check_grid_yz, dkdv_args, dq_args, dq_sum
 
 def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True, plain=False):
     """((dkdv_plan, dq_plan), reason) of `backward` for these (prepared) arrays; with
-    `dq_parts` the 5-GEMM pair where it applies, with `plain` (a call `plain_call` passes)
+    `dq_parts` the 5-GEMM pair where it applies, with `plain` (`kernel_forward.plain_call`)
     the Hopper pair where the device and q, k, v, dO allow (`tiling.backward_path`)."""
     plain = plain and kernel_forward_sm90.tma_ready(q, k, v, do)
     return tiling.backward_path(q.shape[-1], q.dtype, aligned=loads_16b_aligned(q, k, v, do),
                                 allow_tf32=allow_tf32, dq_parts=dq_parts, plain=plain,
                                 **backend.limits())
-
-
-def plain_call(scale) -> bool:
-    """Whether a backward call has none of what the Hopper backward does not take: a scale
-    that is not positive and finite (any variant, dbias, packed sequences it takes)."""
-    return kernel_forward.plain_call(scale)
 
 
 def preprocess(backend, do, o, lse):
@@ -87,7 +81,8 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse (1, Hq, total_q).
     `dq_workers`: the 5-GEMM backward's workers per (batch, K/V head) where it applies
     (None: `tiling.dq_workers`' count; 0: the two-kernel backward); a count also keeps the
-    call on mma.sync. On an sm_90a device a `plain_call` runs the Hopper kernels
+    call on mma.sync. On an sm_90a device a `kernel_forward.plain_call` (a positive finite
+    scale: every variant, dbias and packed sequences are taken) runs the Hopper kernels
     (`kernel_backward_sm90.backward_sm90`) where `tiling.backward_path` takes them."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
@@ -100,7 +95,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
     # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
     # prefers two kernels (W = 0)
-    plain = dq_workers is None and plain_call(scale)
+    plain = dq_workers is None and kernel_forward.plain_call(scale)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                           dq_parts=not return_dbias and dq_workers != 0,
                                           plain=plain)
