@@ -69,7 +69,7 @@ def _check_variants(q, nk, hq, dtype, *, window, softcap, alibi_slopes, bias, ma
 
 
 def _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed, alibi_slopes, bias,
-                   mask):
+                   mask, mods=(None, None, None)):
     alibi = None
     if alibi_slopes is not None:
         acc = _dtypes.accum_dtype(dtype)
@@ -79,7 +79,32 @@ def _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed, alibi_slop
         window=window, softcap=softcap, alibi=alibi,
         bias=None if bias is None else _compact4(xp, bias, q, batch),
         mask=None if mask is None else _compact4(xp, mask, q, batch),
-        dropout_p=p, seed=seed)
+        dropout_p=p, seed=seed, score_mod=mods[0], mask_mod=mods[1], block_mask=mods[2])
+
+
+def _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk):
+    """(score_mod, mask_mod, block_mask) translated and checked (cuflash.programmable):
+    Mods, a BlockMask; the block mask's mask_mod is the call's."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        return None, None, None
+    from . import programmable
+    if be.name != "numpy":
+        names = [n for n, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                                ("block_mask", block_mask)) if x is not None]
+        raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} "
+                         f"supported by backend='numpy' only so far; got backend={be.name!r}")
+    sm = None if score_mod is None else programmable.translate(score_mod, "score_mod")
+    mm = None if mask_mod is None else programmable.translate(mask_mod, "mask_mod")
+    if block_mask is not None:
+        if not isinstance(block_mask, programmable.BlockMask):
+            raise TypeError(f"block_mask must be a cuflash.block_mask(...) result; got "
+                            f"{type(block_mask).__name__}")
+        if mm is not None and mm.key() != block_mask.mod.key():
+            raise ValueError(f"mask_mod {mm.name} is not the mask_mod block_mask was made "
+                             f"with ({block_mask.mod.name}); pass one of them")
+        block_mask.check(math.prod(batch), hq, q.shape[-2], nk, _dtypes.accum_dtype(q.dtype))
+        mm = block_mask.mod
+    return sm, mm, block_mask
 
 
 def _option_arrays(alibi_slopes, bias, mask):
@@ -92,7 +117,7 @@ def _option_arrays(alibi_slopes, bias, mask):
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
                     algorithm="fa2", backend="auto", window=None, softcap=None,
                     alibi_slopes=None, bias=None, mask=None, dropout_p=0.0, seed=None,
-                    allow_tf32=False):
+                    allow_tf32=False, score_mod=None, mask_mod=None, block_mask=None):
     """Exact attention softmax(scale · Q Kᵀ) V without building the N×N score matrix.
 
     q: (..., Nq, d); k, v: (..., Nk, d). Leading axes are batch axes and must match,
@@ -113,6 +138,12 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     allow_tf32: float32 inputs on tensor cores (sm_80+) take one tf32 mma per product
     (10-bit mantissas) instead of the default split tf32 (3 mma, about fp32 accuracy);
     no effect elsewhere (other dtypes, the SIMT kernels, the NumPy backend).
+
+    Programmable attention (docs/programmable.md; backend="numpy" so far):
+    score_mod(score, b, h, q_idx, kv_idx) → the new score, applied to scale·q·kᵀ before
+    every other variant; mask_mod(b, h, q_idx, kv_idx) → True where the key may be
+    attended; block_mask (cuflash.block_mask) skips the tiles its mask_mod leaves empty.
+    b is the flattened batch index, h the query head.
     """
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
@@ -130,6 +161,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     window, softcap, p, seed = _check_variants(
         q, nk, hq, dtype, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, dropout_p=dropout_p, seed=seed)
+    mods = _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk)
     xp = be.xp
     lse_dtype = _dtypes.lse_dtype(dtype)
 
@@ -141,7 +173,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
         lse = xp.full(q.shape[:-1], -np.inf, dtype=lse_dtype)
     else:
         var = _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed,
-                             alibi_slopes, bias, mask)
+                             alibi_slopes, bias, mask, mods)
         extra = {} if var.is_plain() else {"variants": var}
         if allow_tf32:
             extra["allow_tf32"] = True
@@ -156,7 +188,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
                              backend="auto", window=None, softcap=None, alibi_slopes=None,
                              bias=None, mask=None, dropout_p=0.0, seed=None,
-                             return_dbias=False, allow_tf32=False):
+                             return_dbias=False, allow_tf32=False, score_mod=None,
+                             mask_mod=None, block_mask=None, return_mod_grads=False):
     """Gradients (dq, dk, dv) of attention from its output gradient do.
 
     o and lse are what flash_attention(q, k, v, return_lse=True) returned. dq, dk, dv
@@ -170,10 +203,15 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
 
     allow_tf32: as in flash_attention, for the backward's products: float32 on tensor
     cores (sm_80+) takes one tf32 mma per product instead of split tf32's three.
+
+    score_mod, mask_mod, block_mask: as in flash_attention, the forward's. With
+    return_mod_grads=True it also returns, last, a dict of the gradients of the float
+    arrays score_mod captures, keyed by the names it uses for them, in their dtypes.
     """
     causal = _checks.check_flag("causal", causal)
     allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
     return_dbias = _checks.check_return_dbias(return_dbias, bias)
+    return_mod_grads = _checks.check_flag("return_mod_grads", return_mod_grads)
     options = _option_arrays(alibi_slopes, bias, mask)
     arrays = {"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, **options}
     be = resolve_backend(backend, arrays)
@@ -189,19 +227,30 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     window, softcap, p, seed = _check_variants(
         q, nk, hq, dtype, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, dropout_p=dropout_p, seed=seed)
+    mods = _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk)
+    if return_mod_grads and mods[0] is None:
+        raise ValueError("return_mod_grads=True needs a score_mod (its captured float "
+                         "arrays are what it differentiates); got score_mod=None")
     xp = be.xp
 
     if math.prod(batch) == 0 or hq == 0 or nq == 0 or nk == 0:
         # No (query, key) pair: every gradient is zero (or empty).
         grads = (xp.zeros(q.shape, dtype=dtype), xp.zeros(k.shape, dtype=dtype),
                  xp.zeros(v.shape, dtype=dtype))
-        return grads + (xp.zeros(bias.shape, dtype=bias.dtype),) if return_dbias else grads
+        if return_dbias:
+            grads += (xp.zeros(bias.shape, dtype=bias.dtype),)
+        if return_mod_grads:
+            grads += ({n: xp.zeros(a.shape, a.dtype) for n, a in mods[0].buffers.items()
+                       if n in mods[0].float_buffers()},)
+        return grads
     lse = lse.astype(_dtypes.lse_dtype(dtype), copy=False)
     var = _make_variants(xp, q, batch, hq, dtype, window, softcap, p, seed, alibi_slopes,
-                         bias, mask)
+                         bias, mask, mods)
     extra = {} if var.is_plain() else {"variants": var}
     if return_dbias:
         extra["return_dbias"] = True
+    if return_mod_grads:
+        extra["return_mod_grads"] = True
     if allow_tf32:
         extra["allow_tf32"] = True
     out = be.backward(_as_4d(do, batch, hq), _as_4d(q, batch, hq),
@@ -211,7 +260,9 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     dq, dk, dv = out[:3]
     grads = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
     if return_dbias:
-        return grads + (_dbias_to_user(xp, out[3], bias, batch, q),)
+        grads += (_dbias_to_user(xp, out[3], bias, batch, q),)
+    if return_mod_grads:
+        grads += (out[-1],)
     return grads
 
 

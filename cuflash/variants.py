@@ -160,6 +160,10 @@ class Variants:
     # dropout's batch index b of batch row 0: a varlen sequence's index in the NumPy
     # backend's per-sequence calls (the kernels read it from their launch, and take 0)
     batch0: int = 0
+    # programmable attention (cuflash.programmable): translated Mods and a BlockMask
+    score_mod: object = None
+    mask_mod: object = None
+    block_mask: object = None
 
     def is_plain(self) -> bool:
         """True when no option is set: plain softmax(scale·q·kᵀ)·v (with causal or not)."""
@@ -180,6 +184,8 @@ class Variants:
             names.append("mask")
         if self.dropout_p > 0:
             names.append("dropout_p")
+        names += [n for n in ("score_mod", "mask_mod", "block_mask")
+                  if getattr(self, n) is not None]
         return tuple(names)
 
     @property

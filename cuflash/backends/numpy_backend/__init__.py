@@ -26,8 +26,9 @@ FA2's (K/V tiles outer, Q rows inner), with the seed equations' names.
 Modules: config (CpuConfig, every setting), expbase (exp or exp2, and its fast range),
 pool (the worker threads), schedule (which blocks a loop visits, the causal mask,
 tasks), arrays (views and scratch), forward and forward_tiles (FA2 forward), fa1,
-backward, softmax, variants (window, softcap, ALiBi, bias, mask, dropout: forward and
-backward with dbias, in FA2's loop order for either algorithm).
+backward, softmax, variants (window, softcap, ALiBi, bias, mask, dropout, score_mod,
+mask_mod and block masks: forward and backward with dbias and the score_mod's buffer
+gradients, in FA2's loop order for either algorithm).
 
 Memory: one score tile (heads, G·Br, Bc) per worker, plus O(N·d) arrays (the
 outputs; [c·Q | ·], [K | 1] and [V | 1] prepared once per call in the accumulation
@@ -70,11 +71,11 @@ class NumpyBackend:
         return _FORWARDS[algorithm](q, k, v, causal, scale, self.config)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
-                 return_dbias=False, allow_tf32=False):
+                 return_dbias=False, allow_tf32=False, return_mod_grads=False):
         # allow_tf32 is ignored, as in forward.
         if (variants is not None and not variants.is_plain()) or return_dbias:
             return variant_loops.backward(do, q, k, v, o, lse, causal, scale, self.config,
-                                          variants, return_dbias)
+                                          variants, return_dbias, return_mod_grads)
         return backward.backward(do, q, k, v, o, lse, causal, scale, self.config)
 
     def softmax(self, x):

@@ -32,6 +32,8 @@ import numpy as np
 
 from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
+from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
+from ...programmable.evaluate import Bound
 from .arrays import Scratch, as_dtype, column_shift, split_scale
 from .band import batches, diagonal_windows, runs, windows
 from .pool import lanes, run_tasks
@@ -79,6 +81,55 @@ def variant_schedule(Nq, Nk, Br, Bc, *, causal, window, outer="q"):
             lo, hi = max(0, c0 - off - R), min(Nq, c1 - 1 - off + L + 1)
             yield c0, c1, [(r0, min(r0 + Br, hi), not full(r0, min(r0 + Br, hi), c0, c1))
                            for r0 in range(lo, hi, Br)]
+
+
+def block_mask_schedule(bm, b, heads, Nq, Nk, *, causal, window, outer="q"):
+    """variant_schedule for one batch row and K/V head (its query heads `heads`) under a
+    block mask: the block mask's tiles, without those it leaves empty for every head or
+    that no row sees by causal and window; pred is True where some entry of the tile may
+    be masked (the block mask's partial tiles, the band's edges)."""
+    off = Nk - Nq
+    L, R = _bounds(Nq, Nk, causal, window)
+    bq, bk = bm.block
+
+    def kind(a0, a1, b0, b1, i, j):  # None: skip; else pred
+        if b0 > a1 - 1 + off + R or b1 - 1 < a0 + off - L:
+            return None
+        k = tile_kinds(bm, b, heads, i, j)
+        if k == EMPTY:
+            return None
+        return k == PARTIAL or not (b0 >= a1 - 1 + off - L and b1 - 1 <= a0 + off + R)
+
+    if outer == "q":
+        for i, r0 in enumerate(range(0, Nq, bq)):
+            r1 = min(r0 + bq, Nq)
+            steps = [(c0, min(c0 + bk, Nk), p) for j, c0 in enumerate(range(0, Nk, bk))
+                     if (p := kind(r0, r1, c0, min(c0 + bk, Nk), i, j)) is not None]
+            yield r0, r1, steps
+    else:
+        for j, c0 in enumerate(range(0, Nk, bk)):
+            c1 = min(c0 + bk, Nk)
+            steps = [(r0, min(r0 + bq, Nq), p) for i, r0 in enumerate(range(0, Nq, bq))
+                     if (p := kind(r0, min(r0 + bq, Nq), c0, c1, i, j)) is not None]
+            yield c0, c1, steps
+
+
+def _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, outer):
+    """The pool tasks (bh, batch of runs) of every K/V head: the shape's cached batches,
+    or under a block mask each head's own."""
+    bm = var.block_mask
+    if bm is None:
+        return [(bh, batch) for bh in range(BH)
+                for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, outer,
+                                           _RUN_SCORES)]
+    tasks = []
+    for bh in range(BH):
+        b, hkv = divmod(bh, Hkv)
+        sched = block_mask_schedule(bm, b, slice(hkv * G, (hkv + 1) * G), Nq, Nk,
+                                    causal=causal, window=var.window, outer=outer)
+        tasks += [(bh, batch) for batch in batches(
+            [(a0, a1 - a0, 1, steps) for a0, a1, steps in sched], G, _RUN_SCORES)]
+    return tasks
 
 
 # A block's index predicates depend only on its shape and its offset t from the diagonal,
@@ -131,20 +182,42 @@ class ScoreChain:
         self.mask = None if var.mask is None else np.broadcast_to(var.mask, full)
         self.alibi = None if var.alibi is None else np.broadcast_to(var.alibi, (B, Hq))
         self.threshold = var.threshold
+        self.banded = causal or var.window is not None
+        self.score_mod = None if var.score_mod is None else Bound(var.score_mod, acc_t)
+        self.mask_mod = None if var.mask_mod is None else Bound(var.mask_mod, acc_t)
+        # Without a block mask every tile may hold masked entries; with one, a step's
+        # `pred` says so (block_mask_schedule).
+        self.mask_every_tile = var.block_mask is None
 
     def heads(self, bh):
         """(batch index, slice of the G query heads) of K/V head bh."""
         b, hkv = divmod(bh, self.Hkv)
         return b, slice(hkv * self.G, (hkv + 1) * self.G)
 
+    def indices(self, bh, a0, c0, shift, shape):
+        """The mods' index arguments for `apply`'s n blocks, broadcastable to
+        shape = (n, G, rows, cols): b, the query heads h, q_idx and kv_idx."""
+        b, hs = self.heads(bh)
+        n, _, rows, cols = shape
+        i = (np.arange(n) * shift)[:, None, None, None]
+        return {"b": np.int64(b + self.var.batch0),
+                "h": np.arange(hs.start, hs.stop)[None, :, None, None],
+                "q_idx": a0 + i + np.arange(rows)[None, None, :, None],
+                "kv_idx": c0 + i + np.arange(cols)[None, None, None, :]}
+
     def apply(self, S, bh, a0, c0, pred, shift):
         """S (n, G, rows, cols) = scale·Q Kᵀ of n blocks, block i at rows a0 + i·shift and
-        keys c0 + i·shift → (the masked, biased score, and tanh(S/softcap), the
-        backward's softcap factor, or None). S is overwritten."""
+        keys c0 + i·shift → (the masked, biased score; tanh(S/softcap), the backward's
+        softcap factor, or None; the score_mod's input, or None). S is overwritten, unless
+        a score_mod keeps it as its input."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
-        T = None
+        T = R = None
+        if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
+            R = S
+            S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R})
+            S = np.array(np.broadcast_to(S, R.shape), self.acc_t)   # a tile of its own
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(np.multiply(S, 1.0 / var.softcap, out=S), out=S)
             S = np.multiply(T, var.softcap, out=np.empty_like(T))
@@ -154,12 +227,20 @@ class ScoreChain:
             S -= slopes * _distance(rows, cols, t, self.acc_t)
         if self.bias is not None:                            # + bias
             S += diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
-        if pred:                                             # causal / window
+        if pred and self.banded:                             # causal / window
             hide_outside_band(S, t, self.L, self.R)
         if self.mask is not None:                            # / mask (True = may attend)
             np.copyto(S, NEG_INF, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
                                                           shift, rows, cols))
-        return S, T
+        if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
+            M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape))
+            np.copyto(S, NEG_INF, where=np.logical_not(M))
+        return S, T, R
+
+    def mod_gradients(self, R, dS, bh, a0, c0, shift):
+        """(dS with respect to the score_mod's input R, {buffer: gradient}) of n blocks."""
+        return self.score_mod.gradients({**self.indices(bh, a0, c0, shift, R.shape),
+                                         "score": R}, dS)
 
     def keep(self, bh, a0, c0, n, shift, rows, cols):
         """keep/(1 − p) for the n blocks of `apply`, (n, G, rows, cols), or None without
@@ -222,9 +303,7 @@ def forward(q, k, v, causal, scale, config, var):
     Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window)
     o = np.empty((B, Hq, Nq, d), q.dtype)
     lse = np.empty((B, Hq, Nq), lse_dtype(q.dtype))
-    tasks = [(bh, batch) for bh in range(BH)
-             for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "q",
-                                        _RUN_SCORES)]
+    tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "q")
     # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
     s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
 
@@ -256,8 +335,8 @@ def forward(q, k, v, causal, scale, config, var):
             K_j = windows(K_j if s_k == 1 else K_j * s_k, n, br, span)
             V_j = windows(V_j if shift is None else V_j * shift, n, br, span)
             # -- compute qk, then the chain: S = softcap(scale·Q Kᵀ) + ALiBi + bias, masked
-            S, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh, r0,
-                               c0, pred, br)
+            S, _, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh,
+                                  r0, c0, pred, br)
             S = S.reshape(n, G * br, span)
             # -- update m_i and l_i (the guard: −inf − (−inf) would be NaN)
             m_new = S.max(axis=-1) if m_i is None else np.maximum(m_i, S.max(axis=-1))
@@ -302,15 +381,19 @@ class Lane(NamedTuple):
     dq: np.ndarray
     dbias: Optional[np.ndarray]
     dQ: Scratch
+    mods: dict          # the score_mod's buffer gradients, by name
 
 
-def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
-    """dq, dk, dv (and dbias in the compact shape of var.bias) with the variants `var`.
+def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
+             return_mod_grads=False):
+    """dq, dk, dv (and dbias in the compact shape of var.bias, and the score_mod's buffer
+    gradients as a dict) with the variants `var`.
 
         P = exp(S − lse),  Z = keep/(1 − p)
         dV_j += (P ∘ Z)ᵀ dO_i,  dP = (dO_i V_jᵀ) ∘ Z,  dS = P ∘ (dP − D_i)
         dbias += dS (summed over bias's broadcast axes)
         dS ← dS ∘ (1 − tanh²(s/softcap))
+        dS ← ∂score_mod/∂score ∘ dS,  dbuffer += Σ dS ∂score_mod/∂buffer
         dQ_i += dS K_j · scale,  dK_j += dSᵀ Q_i · scale
     """
     B, Hq, Nq, d = q.shape
@@ -327,9 +410,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     Ls = np.where(lse == NEG_INF, np.inf, lse).astype(acc_t, copy=False)
     dk = np.zeros((B, Hkv, Nk, d), k.dtype)
     dv = np.zeros((B, Hkv, Nk, d), v.dtype)
-    tasks = [(bh, batch) for bh in range(BH)
-             for batch in _task_batches(Nq, Nk, Br, Bc, G, causal, var.window, "k",
-                                        _RUN_SCORES)]
+    tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "k")
     # dbias sums over its broadcast axes; where such a sum crosses tasks (other batch
     # rows, other K/V heads, other key tiles) each lane keeps its own dbias, else the
     # tasks write disjoint entries of one.
@@ -359,7 +440,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
         # tasks in a fixed order (pool.lanes), so every sum has one order.
         acc = Lane(np.zeros((B, Hq, Nq, d), acc_t),
                    np.zeros(var.bias.shape, acc_t) if per_lane else dbias,
-                   Scratch(acc_t))
+                   Scratch(acc_t), {})
         for bh, batch in lane:
             for c0, bc, n, steps in batch:
                 run_blocks(acc, bh, c0, bc, n, steps)
@@ -382,7 +463,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
             h, rows = r1 - r0, slice(r0, r0 + (n - 1) * bc + r1 - r0)   # the n blocks' rows
             Q_i = windows(np.multiply(q[b, hs, rows], s_q, dtype=acc_t), n, bc, h, axis=1)
             dO_i = windows(as_dtype(do[b, hs, rows], acc_t), n, bc, h, axis=1)  # (n, G, h, d)
-            S, T = chain.apply(Q_i @ K_j.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc)
+            S, T, R = chain.apply(Q_i @ K_j.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc)
             Ls_i = windows(Ls[b, hs, rows], n, bc, h, axis=1)
             P = np.exp(np.subtract(S, Ls_i[..., None], out=S), out=S)  # P = exp(S − lse), in place
             Z = chain.keep(bh, r0, c0, n, bc, h, bc)
@@ -399,6 +480,11 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
                               c0 + (i + 1) * bc)
             if T is not None:
                 dS *= 1 - T * T                                      # through the softcap
+            if R is not None:                                        # through the score_mod
+                dS, grads = chain.mod_gradients(R, dS, bh, r0, c0, bc)
+                for name, g in grads.items():
+                    if g is not None:
+                        acc.mods[name] = g if name not in acc.mods else acc.mods[name] + g
             dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (s_q·Q_i)
             dQ = np.matmul(dS, K_j, out=acc.dQ.get(Q_i.shape))       # dQ_i += dS K_j
             for i in range(n):                                       # (the blocks' rows overlap)
@@ -414,10 +500,20 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias):
     dq = parts[0].dq
     if per_lane:
         dbias = parts[0].dbias
-    for part in parts[1:]:                                           # in lane order
-        dq += part.dq
-        if per_lane:
-            dbias += part.dbias
+    mods = {name: np.zeros(var.score_mod.buffers[name].shape) for name in
+            (var.score_mod.float_buffers() if return_mod_grads else ())}
+    for part in parts:                                               # in lane order
+        if part is not parts[0]:
+            dq += part.dq
+            if per_lane:
+                dbias += part.dbias
+        for name, g in part.mods.items():
+            if name in mods:
+                mods[name] += g
     dq *= s_q                                                        # dQ = dS (s_k·K) · s_q
     out = (dq.astype(q.dtype, copy=False), dk, dv)
-    return out + (dbias,) if return_dbias else out
+    if return_dbias:
+        out += (dbias,)
+    if return_mod_grads:
+        out += ({name: g.astype(var.score_mod.buffers[name].dtype) for name, g in mods.items()},)
+    return out
