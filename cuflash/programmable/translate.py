@@ -80,8 +80,9 @@ def translate(fn, role):
         expr = Node("cast", (expr,), FLOAT, FLOAT, expr.where)
     if expr.kind != want:
         what = "a float (the modified score)" if want == FLOAT else "a boolean (True: may attend)"
+        got = {FLOAT: "a float", INT: "an integer", BOOL: "a boolean"}[expr.kind]
         raise TypeError(f"{role} {fn.__qualname__} ({expr.where}) must return {what}; it "
-                        f"returns {'a boolean' if expr.kind == BOOL else 'a ' + expr.kind}")
+                        f"returns {got}")
     return Mod(role, fn.__qualname__, expr, reader.buffers)
 
 
@@ -119,7 +120,9 @@ class _Reader:
                             f"define it in a file or a notebook cell") from None
         self.file = inspect.getsourcefile(fn) or "<unknown>"
         self.first = first
-        tree = ast.parse(textwrap.dedent("".join(lines)))
+        tree = None
+        if fn.__code__.co_name != "<lambda>":
+            tree = ast.parse(textwrap.dedent("".join(lines)))
         self.node = self._find(tree)
         cv = inspect.getclosurevars(fn)
         self.outer = {**cv.builtins, **cv.globals, **cv.nonlocals}
@@ -127,16 +130,35 @@ class _Reader:
     def _find(self, tree):
         code = self.fn.__code__
         if code.co_name == "<lambda>":
-            found = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda)]
-            if len(found) != 1:
-                raise TypeError(f"{self.role} at {self.file}:{self.first}: "
-                                f"{len(found)} lambdas on its line; define it with def")
-            return found[0]
+            return self._lambda()
         for n in ast.walk(tree):
             if isinstance(n, ast.FunctionDef) and n.name == code.co_name:
                 return n
         raise TypeError(f"{self.role} {self.fn.__qualname__}: its definition was not "
                         f"found in its source")  # pragma: no cover - decorated oddities
+
+    def _lambda(self):
+        """The lambda's node: its lines may be part of a bigger statement (a call's
+        argument, a for header), so each `lambda` in them is parsed alone, cut at the
+        longest text that is an expression."""
+        text = textwrap.dedent("".join(inspect.getsourcelines(self.fn)[0]))
+        found, start = [], text.find("lambda")
+        while start >= 0:
+            for end in range(len(text), start, -1):
+                try:
+                    node = ast.parse(text[start:end].strip(), mode="eval").body
+                except SyntaxError:
+                    continue
+                if isinstance(node, ast.Lambda):
+                    found.append(node)
+                break
+            start = text.find("lambda", start + 1)
+        nargs = self.fn.__code__.co_argcount
+        found = [n for n in found if len(n.args.args) == nargs]
+        if len(found) != 1:
+            raise TypeError(f"{self.role} at {self.file}:{self.first}: {len(found)} lambdas "
+                            f"of {nargs} arguments on its lines; define it with def")
+        return found[0]
 
     def where(self, node):
         return f"{self.file}, line {self.first + getattr(node, 'lineno', 1) - 1}"
@@ -170,6 +192,9 @@ class _Reader:
                 return self.expr(s.value, env)
             if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
                 env[s.targets[0].id] = self.expr(s.value, env)
+            elif isinstance(s, ast.Assign) and len(s.targets) == 1 and _unpacks(s.targets[0], s.value):
+                values = [self.expr(v, env) for v in s.value.elts]   # all read, then bound
+                env.update(zip((t.id for t in s.targets[0].elts), values))
             elif isinstance(s, ast.AnnAssign) and s.value is not None and isinstance(s.target, ast.Name):
                 env[s.target.id] = self.expr(s.value, env)
             elif isinstance(s, ast.Pass):
@@ -427,6 +452,13 @@ class _Reader:
         return Node("index", idx, kind, name, self.where(n))
 
 
+def _unpacks(target, value):
+    """Whether `target = value` is `a, b = x, y` (names from a tuple of the same length)."""
+    return (isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
+            and len(target.elts) == len(value.elts)
+            and all(isinstance(t, ast.Name) for t in target.elts))
+
+
 _SYMBOL = {"and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>"}
 
 
@@ -435,7 +467,8 @@ def _statement_name(s):
             ast.Try: "try", ast.Raise: "raise", ast.Import: "import",
             ast.ImportFrom: "import", ast.AugAssign: "x op= y", ast.Global: "global",
             ast.Nonlocal: "nonlocal", ast.FunctionDef: "def", ast.Delete: "del",
-            ast.Assert: "assert", ast.Return: "return without a value"}.get(
+            ast.Assert: "assert", ast.Return: "return without a value",
+            ast.Assign: "assignment other than `x = ...` or `x, y = a, b`"}.get(
                 type(s), type(s).__name__)
 
 

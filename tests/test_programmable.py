@@ -1,0 +1,488 @@
+"""Programmable attention (cuflash.programmable): score_mod, mask_mod and block masks.
+
+The reference applies the user's Python function itself to every score, one call per
+(b, h, i, j) in plain Python and float64 — it never goes through the translator — and
+takes ∂score_mod/∂score by central differences, so nothing expected comes from the code
+under test. Buffer gradients are checked against finite differences of the loss.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.programmable import block_mask, translate
+from cuflash.programmable.block_mask import BlockMask
+
+from conftest import assert_close_to_reference, assert_lse_close, attention_inputs
+
+NEG_INF = -np.inf
+
+
+# ------------------------------------------------------------------ the reference
+def _mod_scores(q, k, scale, score_mod, mask_mod):
+    """(S after the mods, ∂score_mod/∂score), float64, one Python call per score."""
+    B, Hq, Nq, _ = q.shape
+    G = Hq // k.shape[1]
+    S = np.einsum("bhid,bhjd->bhij", q.astype(np.float64),
+                  np.repeat(k.astype(np.float64), G, axis=1)) * scale
+    out, deriv = S.copy(), np.ones_like(S)
+    for b, h, i, j in np.ndindex(S.shape):
+        s = S[b, h, i, j]  # a float64 scalar: float32 buffers do not round it (NEP 50)
+        if mask_mod is not None and not mask_mod(b, h, i, j):
+            out[b, h, i, j], deriv[b, h, i, j] = NEG_INF, 0.0
+        elif score_mod is not None:
+            out[b, h, i, j] = score_mod(s, b, h, i, j)
+            e = 1e-3 * max(1.0, abs(s))  # the five-point stencil: error O(e⁴)
+            f = [score_mod(s + t * e, b, h, i, j) for t in (-2, -1, 1, 2)]
+            deriv[b, h, i, j] = (f[0] - 8 * f[1] + 8 * f[2] - f[3]) / (12 * e)
+    return out, deriv
+
+
+def reference(q, k, v, do=None, *, scale, score_mod=None, mask_mod=None, p_dtype=None):
+    """o, lse (and dq, dk, dv with do) of attention with the mods, float64. p_dtype rounds
+    P before P·V and the gradients (a plain implementation in that precision, for
+    FlashAttention's rule)."""
+    S, deriv = _mod_scores(q, k, scale, score_mod, mask_mod)
+    m = S.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    E = np.exp(S - m)
+    l = E.sum(axis=-1, keepdims=True)
+    P = np.where(l > 0, E / np.where(l > 0, l, 1), 0)
+    G = q.shape[1] // k.shape[1]
+    K, V = (np.repeat(x.astype(np.float64), G, axis=1) for x in (k, v))
+    Pv = P if p_dtype is None else P.astype(p_dtype).astype(np.float64)
+    o = Pv @ V
+    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), NEG_INF)
+    if do is None:
+        return o, lse
+    do = do.astype(np.float64)
+    dP = do @ np.swapaxes(V, -1, -2)
+    dS = P * (dP - (do * o).sum(-1, keepdims=True)) * deriv
+    dq = dS @ K * scale
+    dk = (np.swapaxes(dS, -1, -2) @ q.astype(np.float64) * scale)
+    dv = np.swapaxes(P, -1, -2) @ do
+    B, Hkv = k.shape[:2]
+    fold = lambda x: x.reshape(B, Hkv, G, *x.shape[2:]).sum(axis=2)
+    grads = dq, fold(dk), fold(dv)
+    if p_dtype is not None:  # the plain implementation returns the dtype, as cuflash does
+        grads = tuple(g.astype(p_dtype).astype(np.float64) for g in grads)
+    return (o, lse) + grads
+
+
+# ------------------------------------------------------------------ the examples
+rng = np.random.default_rng(7)
+NQ, NK, H = 130, 270, 2          # crosses the NumPy tiles (128 rows, 256 keys)
+
+T5_BUCKETS, T5_MAX = 16, 64
+t5_table = rng.standard_normal((H, T5_BUCKETS)).astype(np.float32)
+
+
+def t5_bucket(rel):
+    """T5's relative position bucket (bidirectional): exact near, logarithmic far."""
+    n = T5_BUCKETS // 2
+    side = np.where(rel > 0, n, 0)
+    a = abs(rel)
+    exact = n // 2
+    far = exact + int(np.log(np.maximum(a, 1) / exact) / np.log(T5_MAX / exact) * (n - exact))
+    return side + np.where(a < exact, a, np.minimum(far, n - 1))
+
+
+def t5_bias(score, b, h, q_idx, kv_idx):
+    return score + t5_table[h, t5_bucket(kv_idx - q_idx)]
+
+
+doc_id = np.sort(rng.integers(0, 4, size=NK))
+
+
+def document_mask(b, h, q_idx, kv_idx):
+    return doc_id[q_idx + NK - NQ] == doc_id[kv_idx]
+
+
+PREFIX = 40
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < PREFIX) | (kv_idx <= q_idx + NK - NQ)
+
+
+SWIN = 6  # a 6 × 6 window of tokens: q_idx → (row, column)
+swin_table = rng.standard_normal((H, (2 * SWIN - 1) ** 2)).astype(np.float32)
+
+
+def swin_bias(score, b, h, q_idx, kv_idx):
+    qy, qx = (q_idx % (SWIN * SWIN)) // SWIN, q_idx % SWIN
+    ky, kx = (kv_idx % (SWIN * SWIN)) // SWIN, kv_idx % SWIN
+    return score + swin_table[h, (qy - ky + SWIN - 1) * (2 * SWIN - 1) + qx - kx + SWIN - 1]
+
+
+# float64: the reference computes with the arrays as captured, cuflash in the
+# accumulation dtype (float64 for float64 inputs)
+points = rng.standard_normal((NK, 3))
+reach = np.array([0.5, 2.0])
+
+
+def distance_bias(score, b, h, q_idx, kv_idx):
+    i = q_idx + NK - NQ
+    dx = points[i, 0] - points[kv_idx, 0]
+    dy = points[i, 1] - points[kv_idx, 1]
+    dz = points[i, 2] - points[kv_idx, 2]
+    return score - np.sqrt(dx * dx + dy * dy + dz * dz + 1e-6) / reach[h]
+
+
+EXAMPLES = {
+    "t5": dict(score_mod=t5_bias),
+    "document": dict(mask_mod=document_mask),
+    "prefix_lm": dict(mask_mod=prefix_lm),
+    "swin": dict(score_mod=swin_bias),
+    "distance": dict(score_mod=distance_bias, mask_mod=document_mask),
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_examples_forward_backward(name, dtype):
+    mods = EXAMPLES[name]
+    q, k, v, do = attention_inputs(1, H, 1, NQ, NK, 32, dtype, seed=3)
+    scale = 1 / math.sqrt(32)
+    ref = reference(q, k, v, do, scale=scale, **mods)
+    plain = None
+    if dtype == np.float16:  # FlashAttention's rule: P rounded to float16 before P·V
+        plain = reference(q, k, v, do, scale=scale, p_dtype=np.float16, **mods)
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **mods)
+    assert o.dtype == dtype
+    assert_close_to_reference(o, ref[0], None if plain is None else plain[0], dtype)
+    assert_lse_close(lse, ref[1], dtype)
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, **mods)
+    for g, r, p, what in zip(grads, ref[2:], (None,) * 3 if plain is None else plain[2:],
+                             ("dq", "dk", "dv")):
+        assert g.dtype == dtype
+        assert_close_to_reference(g, r, p, dtype, factor=4.0, what=what)
+
+
+@pytest.mark.parametrize("name,table", [("t5", "t5_table"), ("swin", "swin_table"),
+                                        ("distance", "points"), ("distance", "reach")])
+def test_buffer_gradients_match_finite_differences(name, table):
+    mods = EXAMPLES[name]
+    q, k, v, do = attention_inputs(1, H, 1, NQ, NK, 16, np.float64, seed=5)
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **mods)
+    *_, grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, return_mod_grads=True,
+                                                 **mods)
+    arr = globals()[table]
+    # every captured float array, and only those (doc_id is an integer array)
+    assert set(grads) == {"t5": {"t5_table"}, "swin": {"swin_table"},
+                          "distance": {"points", "reach"}}[name]
+    g = grads[table]
+    assert g.shape == arr.shape and g.dtype == arr.dtype
+    saved = arr.copy()
+    try:
+        for idx in list(zip(*np.nonzero(np.abs(g) > 1e-3)))[:4] + [np.unravel_index(0, arr.shape)]:
+            arr[idx] = saved[idx] + 1e-2
+            up, e_up = float((cuflash.flash_attention(q, k, v, **mods) * do).sum()), arr[idx]
+            arr[idx] = saved[idx] - 1e-2
+            down, e_down = float((cuflash.flash_attention(q, k, v, **mods) * do).sum()), arr[idx]
+            arr[idx] = saved[idx]
+            fd = (up - down) / (float(e_up) - float(e_down))  # the steps float32 could store
+            assert abs(g[idx] - fd) <= 2e-3 * max(1.0, abs(fd)), (idx, g[idx], fd)
+    finally:
+        arr[...] = saved
+
+
+# ------------------------------------------------------------------ the built-ins, as mods
+def _builtin_cases(Nq, Nk, Hq):
+    off = Nk - Nq
+    slopes = np.array([0.25, 0.5, 0.125, 1.0][:Hq], np.float64)
+    bias = rng.standard_normal((2, Hq, Nq, Nk))
+    cap = 5.0
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + off
+
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx >= q_idx + off - 20) & (kv_idx <= q_idx + off + 7)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * np.tanh(score / cap)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * abs(q_idx + off - kv_idx)
+
+    def dense_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[b, h, q_idx, kv_idx]
+
+    return [(dict(causal=True), dict(mask_mod=causal)),
+            (dict(window=(20, 7)), dict(mask_mod=window)),
+            (dict(softcap=cap), dict(score_mod=softcap)),
+            (dict(alibi_slopes=slopes), dict(score_mod=alibi)),
+            (dict(bias=bias), dict(score_mod=dense_bias))]
+
+
+@pytest.mark.parametrize("case", range(5), ids=["causal", "window", "softcap", "alibi", "bias"])
+def test_builtins_written_as_mods(case):
+    q, k, v, do = attention_inputs(2, 4, 2, 150, 290, 16, np.float64, seed=case)
+    builtin, mods = _builtin_cases(150, 290, 4)[case]
+    o1, lse1 = cuflash.flash_attention(q, k, v, return_lse=True, **builtin)
+    o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **mods)
+    np.testing.assert_allclose(o2, o1, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse2, lse1, rtol=1e-12, atol=1e-12)
+    extra = dict(return_dbias=True) if "bias" in builtin else {}
+    g1 = cuflash.flash_attention_backward(do, q, k, v, o1, lse1, **builtin, **extra)
+    extra = dict(return_mod_grads=True) if "bias" in builtin else {}
+    g2 = cuflash.flash_attention_backward(do, q, k, v, o1, lse1, **mods, **extra)
+    for a, b in zip(g1[:3], g2[:3]):
+        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
+    if "bias" in builtin:  # dbias of the built-in = the score_mod's gradient of its bias
+        np.testing.assert_allclose(g2[3]["bias"], g1[3], rtol=1e-10, atol=1e-12)
+
+
+def test_mods_combine_with_builtins_and_gqa():
+    """score_mod first, then the built-ins (softcap, causal), as docs/api.md orders them."""
+    q, k, v, do = attention_inputs(1, 4, 2, 70, 90, 8, np.float64, seed=11)
+    slopes = np.array([0.5, 0.25, 1.0, 0.125])
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * abs(q_idx + 20 - kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + 20
+
+    o, lse = cuflash.flash_attention(q, k, v, score_mod=alibi, softcap=3.0, causal=True,
+                                     return_lse=True)
+    ref_o, ref_lse = cuflash.flash_attention(q, k, v, alibi_slopes=slopes, softcap=3.0,
+                                             causal=True, return_lse=True, backend="numpy")
+    # softcap after ALiBi as a score_mod differs from the built-in order (softcap first):
+    # check against the reference written out instead.
+    ref = reference(q, k, v, scale=1 / math.sqrt(8),
+                    score_mod=lambda s, b, h, i, j: 3.0 * math.tanh(alibi(s, b, h, i, j) / 3.0),
+                    mask_mod=causal)
+    np.testing.assert_allclose(o, ref[0], rtol=1e-10, atol=1e-12)
+    assert not np.allclose(o, ref_o)  # the order matters, and is the documented one
+
+
+def test_mods_under_a_window_band():
+    """A built-in window runs the band's tiles in runs of several blocks at once: the mods'
+    indices must follow every block of a run."""
+    q, k, v, do = attention_inputs(1, 2, 2, 600, 640, 8, np.float64, seed=12)
+    o, lse = cuflash.flash_attention(q, k, v, score_mod=swin_bias, mask_mod=prefix_lm,
+                                     window=(30, 0), return_lse=True)
+
+    def window(b, h, i, j):
+        return prefix_lm(b, h, i, j) and i + 40 - 30 <= j <= i + 40
+
+    ref = reference(q, k, v, do, scale=1 / math.sqrt(8), score_mod=swin_bias, mask_mod=window)
+    np.testing.assert_allclose(o, ref[0], rtol=1e-10, atol=1e-12)
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=swin_bias,
+                                             mask_mod=prefix_lm, window=(30, 0))
+    for g, r in zip(grads, ref[2:]):
+        np.testing.assert_allclose(g, r, rtol=1e-8, atol=1e-10)
+
+
+# ------------------------------------------------------------------ block masks
+def _count_blocks(monkeypatch):
+    """Counts the score blocks the NumPy variant loops compute (every block goes
+    through ScoreChain.apply)."""
+    from cuflash.backends.numpy_backend import variants as nv
+    seen = []
+    orig = nv.ScoreChain.apply
+
+    def apply(self, S, bh, a0, c0, pred, shift):
+        seen.append((bh, a0, c0, S.shape))
+        return orig(self, S, bh, a0, c0, pred, shift)
+
+    monkeypatch.setattr(nv.ScoreChain, "apply", apply)
+    return seen
+
+
+def test_block_mask_visits_only_nonempty_tiles(monkeypatch):
+    N = 1024
+    docs = np.repeat(np.arange(8), 128)  # eight documents of 128 tokens
+
+    def doc(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - 256)
+
+    q, k, v, do = attention_inputs(1, 2, 2, N, N, 16, np.float32, seed=1)
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    for fn in (doc, sliding):
+        # the tiles with any visible key, counted from the mask written out densely
+        dense = np.broadcast_to(fn(0, 0, i, j), (N, N))
+        expected = int(dense.reshape(8, 128, 8, 128).any(axis=(1, 3)).sum())
+        assert expected < 8 * 8 // 2
+        bm = block_mask(fn, None, None, N, N, block_size=128)
+        assert int(np.sum(bm.kinds != 0)) == expected
+        seen = _count_blocks(monkeypatch)
+        o, lse = cuflash.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+        assert len(seen) == 2 * expected  # two K/V heads
+        assert all(s[2:] == (128, 128) for *_, s in seen)
+        seen.clear()
+        cuflash.flash_attention_backward(do, q, k, v, o, lse, block_mask=bm)
+        assert len(seen) == 2 * expected
+        o_dense = cuflash.flash_attention(q, k, v, mask_mod=fn)
+        np.testing.assert_allclose(o, o_dense, rtol=1e-6, atol=1e-6)
+        monkeypatch.undo()
+
+
+def test_block_mask_kinds_and_memory():
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    bm = block_mask(causal, 3, None, 300, 260, block_size=(128, 64))
+    # rows 0-127, 128-255, 256-299 × keys in blocks of 64 (the last 4 wide), worked out:
+    # row r sees keys 0..r; a block is full if its first row sees its last key.
+    want = np.array([[1, 1, 0, 0, 0],      # rows 0-127: row 0 sees key 0 only
+                     [2, 2, 1, 1, 0],      # rows 128-255: 128-191 and 192-255 partial
+                     [2, 2, 2, 2, 1]], np.uint8)  # row 256 does not see keys 257-259
+    assert bm.kinds.shape == (3, 1, 3, 5)
+    for b in range(3):
+        np.testing.assert_array_equal(bm.kinds[b, 0], want)
+    assert bm.shape == (3, 1, 300, 260)
+    assert "12 empty, 15 partial, 18 full tiles" in repr(bm)  # 3 × the counts of `want`
+
+
+def test_block_mask_save_load(tmp_path):
+    def doc(b, h, q_idx, kv_idx):
+        return doc_id[q_idx] == doc_id[kv_idx]
+
+    def other(b, h, q_idx, kv_idx):
+        return doc_id[q_idx] != doc_id[kv_idx]
+
+    bm = block_mask(doc, None, None, NK, NK, block_size=64)
+    bm.save(tmp_path / "bm.npz")
+    back = BlockMask.load(tmp_path / "bm.npz", doc)
+    np.testing.assert_array_equal(back.kinds, bm.kinds)
+    assert back.block == (64, 64) and (back.Nq, back.Nk) == (NK, NK)
+    with pytest.raises(ValueError, match="made for another mask_mod than test_block_mask_save_load.<locals>.other"):
+        BlockMask.load(tmp_path / "bm.npz", other)
+
+
+def test_backward_is_bitwise_reproducible():
+    q, k, v, do = attention_inputs(2, 4, 2, 200, 300, 16, np.float32, seed=2)
+    o, lse = cuflash.flash_attention(q, k, v, score_mod=t5_like, return_lse=True)
+    runs = [cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=t5_like,
+                                             return_mod_grads=True) for _ in range(4)]
+    for r in runs[1:]:
+        for a, b in zip(r[:3], runs[0][:3]):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(r[3]["table4"], runs[0][3]["table4"])
+
+
+table4 = rng.standard_normal((4, 32)).astype(np.float32)
+
+
+def t5_like(score, b, h, q_idx, kv_idx):
+    return score + table4[h, min(abs(q_idx - kv_idx), 31)]
+
+
+# ------------------------------------------------------------------ errors
+def _loop(score, b, h, q_idx, kv_idx):
+    for _ in range(2):
+        score = score + 1
+    return score
+
+
+def _unknown_call(score, b, h, q_idx, kv_idx):
+    return np.fft.fft(score)
+
+
+def _keyword(score, b, h, q_idx, kv_idx):
+    return np.clip(score, a_min=0, a_max=1)
+
+
+def _three_args(b, h, q_idx):
+    return True
+
+
+def _mask_returns_int(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx
+
+
+def _bare_array(score, b, h, q_idx, kv_idx):
+    return score + t5_table
+
+
+def _two_indices(score, b, h, q_idx, kv_idx):
+    return score + points[q_idx]
+
+
+def _float_index(score, b, h, q_idx, kv_idx):
+    return score + reach[score]
+
+
+def _out_of_range(score, b, h, q_idx, kv_idx):
+    return score + reach[q_idx]
+
+
+def _line(fn, offset):
+    return f"test_programmable.py, line {fn.__code__.co_firstlineno + offset}"
+
+
+@pytest.mark.parametrize("fn,role,cls,message", [
+    (_loop, "score_mod", TypeError, "`for` is not supported"),
+    (_unknown_call, "score_mod", TypeError,
+     "only functions by name and NumPy's / math's functions (np.exp) can be called"),
+    (_keyword, "score_mod", TypeError, "keyword arguments are not supported"),
+    (_three_args, "mask_mod", TypeError,
+     "must take 4 arguments (b, h, q_idx, kv_idx); it takes 3"),
+    (_mask_returns_int, "mask_mod", TypeError,
+     "must return a boolean (True: may attend); it returns an integer"),
+    (_bare_array, "score_mod", TypeError, "the captured array `t5_table` must be indexed"),
+    (_two_indices, "score_mod", ValueError, "`points` has 2 dimensions and takes 2 indices; got 1"),
+    (_float_index, "score_mod", TypeError, "`reach` must be indexed by integers"),
+])
+def test_bad_functions(fn, role, cls, message):
+    with pytest.raises(cls) as e:
+        translate(fn, role)
+    assert message in str(e.value)
+    assert fn.__qualname__ in str(e.value)
+    if fn not in (_three_args,):
+        assert "test_programmable.py, line" in str(e.value)
+    if cls is TypeError and fn not in (_three_args, _mask_returns_int):
+        assert "Allowed: arithmetic" in str(e.value)
+
+
+def test_error_names_the_line():
+    with pytest.raises(TypeError, match=_line(_loop, 1)):
+        translate(_loop, "score_mod")
+    with pytest.raises(TypeError, match=_line(_keyword, 1)):
+        translate(_keyword, "score_mod")
+
+
+def test_bad_buffers_and_calls():
+    q, k, v, do = attention_inputs(1, 2, 2, 10, 12, 8, np.float32)
+    with pytest.raises(ValueError, match=r"_out_of_range \(.*\): index 9 is out of range for "
+                                         r"axis 0 of `reach` \(size 2\)"):
+        cuflash.flash_attention(q, k, v, score_mod=_out_of_range)
+    with pytest.raises(ValueError, match="score_mod is supported by backend='numpy' only so "
+                                         "far; got backend='emulator'"):
+        cuflash.flash_attention(q, k, v, score_mod=t5_like, backend="emulator")
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="return_mod_grads=True needs a score_mod"):
+        cuflash.flash_attention_backward(do, q, k, v, o, lse, return_mod_grads=True)
+    bm = block_mask(prefix_lm, None, None, 10, 12)
+    with pytest.raises(ValueError, match=r"block_mask was made for \(B, H, Nq, Nk\) = "
+                                         r"\(1, 1, 10, 12\) \(1: any\); this call has "
+                                         r"\(1, 2, 10, 13\)"):
+        cuflash.flash_attention(q, np.concatenate([k, k[:, :, :1]], 2),
+                                np.concatenate([v, v[:, :, :1]], 2), block_mask=bm)
+    with pytest.raises(ValueError, match="mask_mod document_mask is not the mask_mod "
+                                         "block_mask was made with"):
+        cuflash.flash_attention(q, k, v, block_mask=bm, mask_mod=document_mask)
+    with pytest.raises(TypeError, match="block_mask must be a cuflash.block_mask"):
+        cuflash.flash_attention(q, k, v, block_mask=np.ones(3))
+    with pytest.raises(TypeError, match="score_mod must be a Python function"):
+        cuflash.flash_attention(q, k, v, score_mod=np.exp)
+
+
+def test_translation_is_shared_by_equal_functions():
+    """The specialization key depends on the expression and buffer dtypes only."""
+    def a(score, b, h, q_idx, kv_idx):
+        x = table4[h, 0]
+        return score + x
+
+    def b_(score, b, h, q_idx, kv_idx):
+        return score + table4[h, 0]
+
+    assert translate(a, "score_mod").key() == translate(b_, "score_mod").key()
+    assert translate(a, "score_mod").key() != translate(t5_like, "score_mod").key()
