@@ -10,13 +10,14 @@ emulator that runs the very same kernels on the CPU.
 """
 from .api import flash_attention, flash_attention_backward, online_softmax
 from .variants import dropout_mask
+from .programmable import BlockMask, block_mask
 from .serving import (flash_attention_varlen, flash_attention_varlen_backward,
                       flash_attention_with_kvcache, merge_states)
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_backward", "online_softmax",
            "dropout_mask", "flash_attention_varlen", "flash_attention_varlen_backward",
-           "flash_attention_with_kvcache", "merge_states",
+           "flash_attention_with_kvcache", "merge_states", "block_mask", "BlockMask",
            "reference", "tiling", "emulator", "dask"]
 
 
