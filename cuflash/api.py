@@ -88,11 +88,9 @@ def _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk):
     if score_mod is None and mask_mod is None and block_mask is None:
         return None, None, None
     from . import programmable
-    if be.name != "numpy":
-        names = [n for n, x in (("score_mod", score_mod), ("mask_mod", mask_mod),
-                                ("block_mask", block_mask)) if x is not None]
-        raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} "
-                         f"supported by backend='numpy' only so far; got backend={be.name!r}")
+    if be.name != "numpy" and block_mask is not None:
+        raise ValueError(f"block_mask is supported by backend='numpy' only so far; got "
+                         f"backend={be.name!r} (mask_mod alone runs on every backend)")
     sm = None if score_mod is None else programmable.translate(score_mod, "score_mod")
     mm = None if mask_mod is None else programmable.translate(mask_mod, "mask_mod")
     if block_mask is not None:
@@ -228,6 +226,9 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
         q, nk, hq, dtype, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, dropout_p=dropout_p, seed=seed)
     mods = _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk)
+    if return_mod_grads and be.name != "numpy":
+        raise ValueError(f"return_mod_grads is supported by backend='numpy' only so far; got "
+                         f"backend={be.name!r}")
     if return_mod_grads and mods[0] is None:
         raise ValueError("return_mod_grads=True needs a score_mod (its captured float "
                          "arrays are what it differentiates); got score_mod=None")

@@ -143,7 +143,8 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # Variants: the score chain's run-time arguments (every kernel), and dbias's launch
     # (the dQ blocks loop over the heads and batches sharing a bias row; a bias without its
     # query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu, flash_bwd_tc.cu).
-    vflags = variant_args(xp, variants, acc)
+    mods = backend.kernel_mods(variants, acc)   # a score_mod / mask_mod, compiled in
+    vflags = variant_args(xp, variants, acc, mods)
     dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
         xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
@@ -161,7 +162,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
                 (parts, record(STRIDES, 0, 0, 0), 0))
     # 2. dK, dV (and dQ's partials)
-    backend.get_function(p_dkdv)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
+    backend.get_function(p_dkdv, mods)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
                                  dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
                                            strides=(*strides_in, s3(dk), s3(dv)),
                                            dbias_cols=cols, want_dbias_cols=by_cols,
@@ -177,7 +178,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
         chunks_q = p_dq.num_d_chunks(d) if tc else num_d_chunks
         grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
     for heads, batches in dq_launches:
-        backend.get_function(p_dq)((grid_q, Hq // heads_per_block, B // batch_per_block),
+        backend.get_function(p_dq, mods)((grid_q, Hq // heads_per_block, B // batch_per_block),
                                    (p_dq.num_threads,),
                                    dq_args(p_dq, q, k, v, do, lse, Dvec, dq,
                                            strides=(*strides_in, s3(dq)), dbias=dbias,

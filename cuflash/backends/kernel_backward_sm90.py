@@ -76,9 +76,11 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                                                    [p_dkdv.streamed_rows, 1], [1, 1])
                          for x in padded)
     cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
+    mods = backend.kernel_mods(variants, np.float32)   # a score_mod / mask_mod, compiled in
     sizes = (*cu, np.int32(Hq), np.int32(Hq // Hkv), np.int32(rows_q), np.int32(rows_k),
-             np.float32(scale), np.int32(bool(causal)), *variant_args(xp, variants, np.float32))
-    backend.get_function(p_dkdv)(
+             np.float32(scale), np.int32(bool(causal)),
+             *variant_args(xp, variants, np.float32, mods))
+    backend.get_function(p_dkdv, mods)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
          cols, np.int32(by_cols), *sizes),
@@ -87,7 +89,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     want = np.int32(return_dbias and not by_cols)
     for h0 in range(heads_per_launch):
         for b0 in range(batch_per_launch):
-            backend.get_function(p_dq)(
+            backend.get_function(p_dq, mods)(
                 (-(-Nq // p_dq.own_rows), Hq // heads_per_launch, B // batch_per_launch),
                 (p_dq.num_threads,),
                 (*maps((q, do), (k, v), p_dq.own_rows, p_dq.streamed_rows), lse, Dvec, dq,

@@ -120,6 +120,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")
     num_d_chunks = -(-d // plan.head_dim_bucket)
+    mods = backend.kernel_mods(variants, acc)   # a score_mod / mask_mod, compiled in
     o = xp.empty(q.shape, dtype=q.dtype)
     lse = xp.empty(q.shape[:3], dtype=acc)
 
@@ -137,9 +138,9 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
         args = fa1_forward_args(q, k, v, o, lse, o_acc, l_buf, m_buf, batch=B, sizes=sizes,
                                 strides=strides, scale=acc.type(scale), causal=causal,
                                 num_d_chunks=num_d_chunks,
-                                variants=variant_args(xp, variants, acc))
+                                variants=variant_args(xp, variants, acc, mods))
         i32(grid, "grid size (blocks = head-dim chunks x heads x batch)")
-        backend.get_function(plan)((grid,), (plan.num_threads,), args,
+        backend.get_function(plan, mods)((grid,), (plan.num_threads,), args,
                                    shared_mem=plan.dynamic_smem_bytes)
         return o, lse
 
@@ -159,8 +160,8 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
                         num_d_chunks=num_d_chunks,
                         layout=layout_args(xp, segments, lse, num_splits, o_part,
                                            page_size=k.shape[2]),
-                        variants=variant_args(xp, variants, acc))
-    backend.get_function(plan)((grid,), (plan.num_threads,), args,
+                        variants=variant_args(xp, variants, acc, mods))
+    backend.get_function(plan, mods)((grid,), (plan.num_threads,), args,
                                shared_mem=plan.dynamic_smem_bytes)
     if num_splits > 1:
         o[...], lse[...] = merge_states(o_part, lse_out)

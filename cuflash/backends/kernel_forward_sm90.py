@@ -127,7 +127,8 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
         return xp.zeros(q.shape, q.dtype), xp.full(lse_shape, -np.inf, np.float32)
     o = xp.empty(q.shape, q.dtype)
     lse = xp.empty(lse_shape, np.float32)
-    f = backend.get_function(plan)
+    mods = backend.kernel_mods(variants, np.float32)   # a score_mod / mask_mod, compiled in
+    f = backend.get_function(plan, mods)
     data_type = TENSOR_MAP_TYPES[plan.dtype]
 
     def tensor_map(x, rows=plan.block_m):
@@ -148,6 +149,6 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
       (*maps, o, lse, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q),
        np.int32(rows_k),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
-       *variant_args(xp, variants, np.float32)),
+       *variant_args(xp, variants, np.float32, mods)),
       shared_mem=plan.dynamic_smem_bytes)
     return o, lse

@@ -57,17 +57,20 @@ class KernelBackend:
         """{'max_smem', 'sm_count', 'cc', 'sm90a'} of the device the kernels run on."""
         return self._limits()
 
-    def get_function(self, plan):
+    def get_function(self, plan, mods=None):
         """The kernel of `plan` (its source and name expression), memoised per device, with
-        its dynamic shared-memory limit raised to the plan's when above the default."""
-        key = (self._device_key(), plan.source, plan.name_expression)
+        its dynamic shared-memory limit raised to the plan's when above the default.
+        `mods` (programmable.cuda_c.KernelMods): a call's score_mod / mask_mod, compiled
+        in before the source (a specialization of its own, memoised by their key)."""
+        key = (self._device_key(), plan.source, plan.name_expression, mods and mods.key)
         with self._lock:
             fn = self._functions.get(key)
             if fn is None:
                 options = compiler.nvrtc_options()
                 if plan.arch_specific:   # wgmma, setmaxnreg: the device's "a" target
                     options += compiler.arch_specific_options(self.limits()["cc"])
-                module = self._module_class(code=compiler.read_source(plan.source),
+                code = compiler.read_source(plan.source)
+                module = self._module_class(code=code if mods is None else mods.code + code,
                                             options=options,
                                             name_expressions=[plan.name_expression],
                                             **self.module_options)
@@ -78,6 +81,16 @@ class KernelBackend:
                     fn.max_dynamic_shared_size_bytes = plan.dynamic_smem_bytes
                 self._functions[key] = fn
         return fn
+
+    def kernel_mods(self, variants, acc):
+        """The KernelMods of a call's score_mod / mask_mod (None without): indices outside
+        a captured array are clamped, except in the emulator's checked mode, which reports
+        the read."""
+        if variants is None or (variants.score_mod is None and variants.mask_mod is None):
+            return None
+        from ..programmable.cuda_c import kernel_mods
+        clamp = not (self.name == "emulator" and self.module_options.get("checked"))
+        return kernel_mods(self.xp, variants.score_mod, variants.mask_mod, acc, clamp=clamp)
 
     def module(self, source, name_expressions=()):
         """A module of `source` (a file of cuflash/kernels) compiled with the options of the

@@ -193,24 +193,25 @@ __device__ __forceinline__ void recompute_p_ds(A s, A dp, A scale_log2, A lse2, 
 // s = scale·S → softcap → + ALiBi + bias → masks → P = exp(s' − lse) → dropout (Z):
 //     p_drop = P ∘ Z                       (dV += p_dropᵀ dO; Z = keep/(1 − p), 1 without)
 //     ds     = P ∘ (dP ∘ Z − D)            (the gradient wrt s', so dbias = ds)
-//     ds_raw = ds ∘ (1 − t²), t = tanh(scale·S/softcap)   (softcap; else ds_raw = ds)
+//     ds_raw = ds ∘ g, g = ∂s'/∂s                (softcap: 1 − tanh²; score_mod: its
+//                                                 derivative; else ds_raw = ds)
 // `hidden`: causal, window, a padding key or a padding row (no score, nothing read).
 template <typename T, typename A>
 __device__ __forceinline__ void recompute_p_ds_variants(A s, A dp, A scale, A lse2, A Di,
                                                         bool hidden, const Variants<T>& var,
                                                         int i, int j, A& p_drop, A& ds,
                                                         A& ds_raw) {
-    A p = A(0), t = A(0), z = A(1);
+    A p = A(0), g = A(1), z = A(1);
     if (!hidden) {
         // The biased score in natural units (−inf where the bool mask hides the key),
         // then log2 units as lse2 is: P = exp2(s'·log2 e − lse·log2 e).
-        const A x = var.score(s * scale, i, j, t);
+        const A x = var.score(s * scale, i, j, g);
         p = fast_exp2(x * MathConst<A>::log2e - lse2);
         if (var.dropout()) z = var.keep(i, j);  // the forward's Philox draw for (b, h, i, j)
     }
     p_drop = p * z;
     ds = p * (dp * z - Di);
-    ds_raw = (var.flags & kSoftcap) ? ds * (A(1) - t * t) : ds;
+    ds_raw = var.reshapes() ? ds * g : ds;
 }
 
 // acc += a · x over this lane's columns (dV_j += P_ijᵀ dO_i, dK_j += dS_ijᵀ Q_i,

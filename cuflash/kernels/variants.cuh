@@ -8,6 +8,11 @@
 // bind(), and calls score() on each score in natural units (variant_score: from the raw
 // product, with the causal/window mask, in log2 units) and keep() on each P̃.
 // bias and mask are read in place with four element strides (0 along a broadcast axis).
+// A call's score_mod and mask_mod (cuflash.programmable) come as code compiled before the
+// kernel (programmable/cuda_c.py: CUFLASH_MODS, CUFLASH_SCORE_MOD with cuflash_score_mod and
+// cuflash_score_mod_grad, CUFLASH_MASK_MOD with cuflash_mask_mod, their buffers as
+// CUFLASH_MOD_PARAMS): the
+// score_mod runs first, on scale·q·k; the mask_mod with the masks.
 #pragma once
 
 #include "common.cuh"
@@ -24,6 +29,8 @@ enum VariantFlag : int {
     kBiasF32 = 8,   // bias is float (else the input type T)
     kMask = 16,     // a bool mask: False hides the key
     kDropout = 32,  // P̃ ∘ keep / (1 − p)
+    kScoreMod = 64, // cuflash_score_mod(s, b, h, i, j) (compiled in: CUFLASH_MODS)
+    kMaskMod = 128, // cuflash_mask_mod(b, h, i, j): False hides the key
 };
 
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
@@ -42,6 +49,9 @@ template <typename T> struct Variants {
     unsigned int drop_threshold, seed_lo, seed_hi;
     A keep_scale;         // 1 / (1 − p)
     int win_left, win_right;  // the sliding window (mask.cuh's; −1: unbounded)
+#ifdef CUFLASH_MODS
+    cuflash_mods mods;    // the mods' captured arrays
+#endif
     // bound by bind():
     int off;              // Nk − Nq: the bottom-right alignment of ALiBi's distance
     int b, h;
@@ -59,18 +69,29 @@ template <typename T> struct Variants {
 
     // Any option that changes the scores (the plain path skips score() altogether).
     __device__ __forceinline__ bool scores() const {
-        return (flags & (kSoftcap | kAlibi | kBias | kMask)) != 0;
+        return (flags & (kSoftcap | kAlibi | kBias | kMask | kScoreMod | kMaskMod)) != 0;
+    }
+    // Whether the biased score's derivative with respect to x differs from 1.
+    __device__ __forceinline__ bool reshapes() const {
+        return (flags & (kSoftcap | kScoreMod)) != 0;
     }
     __device__ __forceinline__ bool dropout() const { return (flags & kDropout) != 0; }
 
     // The biased score of query i, key j (both in range) from x = scale·q_i·k_j, in
-    // natural units; −inf where the mask hides the key. t gets tanh(x/softcap) (the
-    // backward's 1 − t² factor), 0 without softcap.
-    __device__ __forceinline__ A score(A x, int i, int j, A& t) const {
-        t = A(0);
+    // natural units; −inf where a mask hides the key. g gets its derivative with respect
+    // to x (the backward's dS factor): score_mod'(x)·(1 − tanh²) (1 without either).
+    __device__ __forceinline__ A score(A x, int i, int j, A& g) const {
+        g = A(1);
+#ifdef CUFLASH_SCORE_MOD
+        if (flags & kScoreMod) {
+            g = cuflash_score_mod_grad(x, b, h, i, j, mods);
+            x = cuflash_score_mod(x, b, h, i, j, mods);
+        }
+#endif
         if (flags & kSoftcap) {
-            t = tanh_(x / softcap);
+            const A t = tanh_(x / softcap);
             x = softcap * t;
+            g *= A(1) - t * t;
         }
         if (flags & kAlibi) {
             const int dist = i + off - j;
@@ -82,6 +103,9 @@ template <typename T> struct Variants {
                                     : A(to_float(static_cast<const T*>(bias)[at]));
         }
         if ((flags & kMask) && !mask[mask_bh + i * mask_sr + j * mask_sc]) x = neg_inf<A>();
+#ifdef CUFLASH_MASK_MOD
+        if ((flags & kMaskMod) && !cuflash_mask_mod(b, h, i, j, mods)) x = neg_inf<A>();
+#endif
         return x;
     }
 
@@ -111,9 +135,9 @@ template <typename T> struct Variants {
 template <typename T>
 __device__ __forceinline__ float variant_score(const Variants<T>& var, const CausalMask& mask,
                                                float qk, float scale, int i, int j) {
-    float t;
+    float g;
     return (i < mask.Nq && !mask.masked(i, j))
-               ? var.score(qk * scale, i, j, t) * MathConst<float>::log2e
+               ? var.score(qk * scale, i, j, g) * MathConst<float>::log2e
                : neg_inf<float>();
 }
 
@@ -129,6 +153,12 @@ template <int N> __device__ __forceinline__ void rotate(float (&x)[N], float in)
 
 }  // namespace cuflash
 
+// Without a score_mod or mask_mod compiled in, they add no parameter.
+#ifndef CUFLASH_MODS
+#define CUFLASH_MOD_PARAMS
+#define CUFLASH_MOD_RECORD
+#endif
+
 // The variants' kernel parameters, appended to every attention kernel's list (the order
 // of cuflash/backends/kernel_variants.py:variant_args), and the record built from them.
 #define CUFLASH_VARIANT_PARAMS(T)                                                          \
@@ -137,10 +167,10 @@ template <int N> __device__ __forceinline__ void rotate(float (&x)[N], float in)
         long long bias_sr, long long bias_sc, const unsigned char* var_mask,               \
         long long mask_sb, long long mask_sh, long long mask_sr, long long mask_sc,        \
         unsigned int drop_threshold, unsigned int seed_lo, unsigned int seed_hi,           \
-        cuflash::accum_t<T> keep_scale, int win_left, int win_right
+        cuflash::accum_t<T> keep_scale, int win_left, int win_right CUFLASH_MOD_PARAMS
 #define CUFLASH_VARIANTS(T)                                                                \
     cuflash::Variants<T> {                                                                 \
         var_flags, var_softcap, var_alibi, alibi_sb, var_bias, bias_sb, bias_sh, bias_sr,  \
             bias_sc, var_mask, mask_sb, mask_sh, mask_sr, mask_sc, drop_threshold,         \
-            seed_lo, seed_hi, keep_scale, win_left, win_right                              \
+            seed_lo, seed_hi, keep_scale, win_left, win_right CUFLASH_MOD_RECORD           \
     }

@@ -1,0 +1,317 @@
+"""A call's score_mod and mask_mod as CUDA C, compiled into every attention kernel.
+
+`kernel_mods` turns the translated mods (`translate.Mod`) into the text a kernel source
+is compiled after (`KernelMods.code`): the captured arrays as extra kernel parameters
+(`CUFLASH_MOD_PARAMS`, each a pointer of its own, so the emulator checks every read
+against it, then its sizes and element strides), a record `cuflash_mods` built from them
+(`CUFLASH_MOD_RECORD`, which kernels/variants.cuh stores in its Variants), and the
+functions the score chain calls:
+
+    A    cuflash_score_mod(A score, int b, int h, int q_idx, int kv_idx, const cuflash_mods&)
+    A    cuflash_score_mod_grad(...)      ∂score_mod/∂score (forward mode), for the backward
+    bool cuflash_mask_mod(int b, int h, int q_idx, int kv_idx, const cuflash_mods&)
+
+Each tree node becomes one `const` line (a shared subtree, once), in the accumulation
+type A for floats, `long long` for integers (as the NumPy backend's int64), `bool`.
+Integer `//` and `%` floor as in Python; float `//` and `%` follow NumPy's divmod. An
+index outside a captured array is clamped to its edge, except in the emulator's checked
+mode (`clamp=False`), where the read itself is reported.
+"""
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .ir import BOOL, FLOAT, INT
+
+# Functions of A: (float spelling, double spelling)
+_MATH = {"exp": ("expf", "exp"), "exp2": ("exp2f", "exp2"), "expm1": ("expm1f", "expm1"),
+         "log": ("logf", "log"), "log2": ("log2f", "log2"), "log10": ("log10f", "log10"),
+         "log1p": ("log1pf", "log1p"), "sqrt": ("sqrtf", "sqrt"), "tanh": ("tanhf", "tanh"),
+         "sinh": ("sinhf", "sinh"), "cosh": ("coshf", "cosh"), "sin": ("sinf", "sin"),
+         "cos": ("cosf", "cos"), "tan": ("tanf", "tan"), "arctan": ("atanf", "atan"),
+         "floor": ("floorf", "floor"), "ceil": ("ceilf", "ceil"), "trunc": ("truncf", "trunc"),
+         "abs": ("fabsf", "fabs"), "pow": ("powf", "pow"), "fmod": ("fmodf", "fmod")}
+
+# Helpers every generated specialization carries: the math functions for A = float and
+# double, and Python's / NumPy's floor division and modulo, sign, min and max with NaN.
+_PRELUDE = "\n".join(
+    [f"__device__ __forceinline__ float cuflash_{n}(float x) {{ return {f}(x); }}\n"
+     f"__device__ __forceinline__ double cuflash_{n}(double x) {{ return {d}(x); }}"
+     for n, (f, d) in _MATH.items() if n not in ("pow", "fmod")]
+    + ["__device__ __forceinline__ float cuflash_pow(float x, float y) { return powf(x, y); }",
+       "__device__ __forceinline__ double cuflash_pow(double x, double y) { return pow(x, y); }",
+       "__device__ __forceinline__ float cuflash_fmod(float x, float y) { return fmodf(x, y); }",
+       "__device__ __forceinline__ double cuflash_fmod(double x, double y) { return fmod(x, y); }",
+       """__device__ __forceinline__ long long cuflash_floordiv(long long a, long long b) {
+    const long long q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long cuflash_mod(long long a, long long b) {
+    const long long r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+template <typename A> __device__ __forceinline__ A cuflash_fmodulo(A a, A b) {  // NumPy's a % b
+    A r = cuflash_fmod(a, b);
+    if (r != A(0)) { if ((b < A(0)) != (r < A(0))) r += b; } else r = (b < A(0)) ? -A(0) : A(0);
+    return r;
+}
+template <typename A> __device__ __forceinline__ A cuflash_ffloordiv(A a, A b) {  // NumPy's a // b
+    A r = cuflash_fmod(a, b);
+    A d = (a - r) / b;
+    if (r != A(0) && ((b < A(0)) != (r < A(0)))) d -= A(1);
+    if (d != A(0)) { A f = cuflash_floor(d); if (d - f > A(0.5)) f += A(1); return f; }
+    return (a / b < A(0)) ? -A(0) : A(0);
+}
+template <typename A> __device__ __forceinline__ A cuflash_minimum(A a, A b) {
+    return (a != a) ? a : (b != b) ? b : (a <= b ? a : b);
+}
+template <typename A> __device__ __forceinline__ A cuflash_maximum(A a, A b) {
+    return (a != a) ? a : (b != b) ? b : (a >= b ? a : b);
+}
+__device__ __forceinline__ long long cuflash_minimum(long long a, long long b) { return a <= b ? a : b; }
+__device__ __forceinline__ long long cuflash_maximum(long long a, long long b) { return a >= b ? a : b; }
+template <typename A> __device__ __forceinline__ A cuflash_sign(A x) {
+    return (x > A(0)) ? A(1) : (x < A(0)) ? A(-1) : x;
+}
+__device__ __forceinline__ long long cuflash_sign(long long x) { return (x > 0) - (x < 0); }
+__device__ __forceinline__ long long cuflash_ipow(long long x, long long n) {
+    long long r = 1;
+    for (; n > 0; --n) r *= x;
+    return r;
+}
+__device__ __forceinline__ long long cuflash_index(long long i, long long n, bool clamp) {
+    return clamp ? (i < 0 ? 0 : (i >= n ? n - 1 : i)) : i;
+}"""])
+
+# Buffers as the kernels read them: floats in the accumulation type, integers as
+# long long, booleans as bytes (converted on the host where the dtype differs).
+_C_TYPES = {"f4": "float", "f8": "double", "i8": "long long", "u1": "unsigned char"}
+
+
+class KernelMods(NamedTuple):
+    """What a kernel compiles and launches with for one call's mods: `code` (compiled
+    before the kernel's source), `key` (its cache key), `buffers` ((name, array) in
+    parameter order, already in the kernels' dtypes) and `flags` (the Variants bits)."""
+
+    code: str
+    key: str
+    buffers: tuple
+    flags: int
+
+
+def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True):
+    """The KernelMods of a call (score_mod, mask_mod: translate.Mod or None) for the
+    accumulation dtype acc_t, on the array module xp (buffers converted there)."""
+    acc_t = np.dtype(acc_t)
+    A = "float" if acc_t == np.float32 else "double"
+    buffers = {}
+    for mod in (score_mod, mask_mod):
+        for name, arr in (mod.buffers.items() if mod is not None else ()):
+            if name in buffers and buffers[name] is not arr:
+                raise ValueError(f"score_mod and mask_mod capture two different arrays under "
+                                 f"the name `{name}`; rename one")
+            buffers[name] = arr
+    converted = []
+    for name, arr in buffers.items():
+        kind = np.dtype(arr.dtype).kind
+        want = acc_t if kind not in "iub" else (np.dtype(np.uint8) if kind == "b"
+                                                 else np.dtype(np.int64))
+        a = xp.asarray(arr)
+        a = a.view(np.uint8) if kind == "b" else a.astype(want, copy=False)
+        converted.append((name, a))
+    lines = ["// programmable attention: generated from the call's score_mod / mask_mod",
+             '#include "common.cuh"', _PRELUDE, "struct cuflash_mods {"]
+    params, record = [], []
+    for name, a in converted:
+        ct = _C_TYPES[a.dtype.str[1:]]
+        lines.append(f"    const {ct}* {name};")
+        lines += [f"    long long {name}_n{i}, {name}_s{i};" for i in range(a.ndim)]
+        params.append(f"const {ct}* mod_{name}")
+        params += [f"long long mod_{name}_n{i}, long long mod_{name}_s{i}" for i in range(a.ndim)]
+        record.append(f"mod_{name}")
+        record += [f"mod_{name}_n{i}, mod_{name}_s{i}" for i in range(a.ndim)]
+    if not converted:
+        lines.append("    int unused;")
+        record.append("0")
+    lines.append("};")
+    emit = _Emitter(A, clamp, dict(converted))
+    flags = 0
+    if score_mod is not None:
+        flags |= SCORE_MOD
+        lines.append(emit.function(score_mod.expr, "cuflash_score_mod", A,
+                                   f"{A} score, int b, int h, int q_idx, int kv_idx"))
+        lines.append(emit.function(score_mod.expr, "cuflash_score_mod_grad", A,
+                                   f"{A} score, int b, int h, int q_idx, int kv_idx",
+                                   grad=True))
+        lines.append("#define CUFLASH_SCORE_MOD 1")
+    if mask_mod is not None:
+        flags |= MASK_MOD
+        lines.append(emit.function(mask_mod.expr, "cuflash_mask_mod", "bool",
+                                   "int b, int h, int q_idx, int kv_idx"))
+        lines.append("#define CUFLASH_MASK_MOD 1")
+    lines.append("#define CUFLASH_MODS 1")
+    lines.append("#define CUFLASH_MOD_PARAMS , " + ", ".join(params) if params else
+                 "#define CUFLASH_MOD_PARAMS")
+    lines.append("#define CUFLASH_MOD_RECORD , cuflash_mods{" + ", ".join(record) + "}")
+    code = "\n".join(lines) + "\n"
+    key = "|".join([A, str(clamp)] + [m.key() for m in (score_mod, mask_mod) if m is not None])
+    return KernelMods(code, key, tuple(converted), flags)
+
+
+def mod_args(mods):
+    """The CUFLASH_MOD_PARAMS arguments of a launch, in order."""
+    out = []
+    for _, a in mods.buffers:
+        out.append(a)
+        for n, s in zip(a.shape, a.strides):
+            out += [np.int64(n), np.int64(s // a.itemsize)]
+    return tuple(out)
+
+
+# Bits of VariantFlag (kernels/variants.cuh).
+SCORE_MOD, MASK_MOD = 64, 128
+
+
+class _Emitter:
+    def __init__(self, A, clamp, buffers):
+        self.A, self.clamp, self.buffers = A, clamp, buffers
+
+    def ctype(self, kind):
+        return {FLOAT: self.A, INT: "long long", BOOL: "bool"}[kind]
+
+    def function(self, expr, name, ret, params, grad=False):
+        """One __device__ function computing expr (with grad: its derivative with
+        respect to `score`, by forward mode: each float node carries its derivative)."""
+        body, names, dnames = [], {}, {}
+        for i, n in enumerate(expr.walk()):
+            v = f"v{i}"
+            body.append(f"    const {self.ctype(n.kind)} {v} = {self.value(n, names)};")
+            names[id(n)] = v
+            if grad and n.kind == FLOAT:
+                body.append(f"    const {self.A} d{v} = {self.derivative(n, names, dnames)};")
+                dnames[id(n)] = f"d{v}"
+        result = dnames[id(expr)] if grad else names[id(expr)]
+        return (f"__device__ __forceinline__ {ret} {name}({params}, const cuflash_mods& mods) {{\n"
+                + "\n".join(body) + f"\n    return {result};\n}}")
+
+    def literal(self, n):
+        if n.kind == BOOL:
+            return "true" if n.value else "false"
+        if n.kind == INT:
+            return f"{n.value}LL"
+        v = n.value
+        if math.isnan(v):
+            return f"(cuflash::neg_inf<{self.A}>() * {self.A}(0))"
+        if math.isinf(v):
+            return f"({'' if v < 0 else '-'}cuflash::neg_inf<{self.A}>())"
+        return f"{self.A}({float(v).hex()})"
+
+    def value(self, n, names):
+        a = [names[id(x)] for x in n.args]
+        op, A = n.op, self.A
+        if op == "const":
+            return self.literal(n)
+        if op == "arg":
+            return "score" if n.value == "score" else f"(long long){n.value}"
+        if op == "cast":
+            src = n.args[0].kind
+            if n.kind == BOOL:
+                return f"({a[0]} != 0)"
+            return f"({self.ctype(n.kind)})({a[0]})" if src != n.kind else a[0]
+        simple = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=",
+                  "gt": ">", "ge": ">=", "eq": "==", "ne": "!=", "lshift": "<<",
+                  "rshift": ">>"}
+        if op in simple:
+            return f"({a[0]} {simple[op]} {a[1]})"
+        if op in ("and", "or", "xor"):
+            sym = ({"and": "&&", "or": "||", "xor": "!="} if n.kind == BOOL
+                   else {"and": "&", "or": "|", "xor": "^"})[op]
+            return f"({a[0]} {sym} {a[1]})"
+        if op == "neg":
+            return f"(-{a[0]})"
+        if op == "invert":
+            return f"(!{a[0]})" if n.kind == BOOL else f"(~{a[0]})"
+        if op == "floordiv":
+            return (f"cuflash_floordiv({a[0]}, {a[1]})" if n.kind == INT
+                    else f"cuflash_ffloordiv<{A}>({a[0]}, {a[1]})")
+        if op == "mod":
+            return (f"cuflash_mod({a[0]}, {a[1]})" if n.kind == INT
+                    else f"cuflash_fmodulo<{A}>({a[0]}, {a[1]})")
+        if op == "pow":
+            return (f"cuflash_ipow({a[0]}, {a[1]})" if n.kind == INT
+                    else f"cuflash_pow({a[0]}, {a[1]})")
+        if op == "where":
+            return f"({a[0]} ? {a[1]} : {a[2]})"
+        if op == "index":
+            buf = self.buffers[n.value]
+            terms = [f"cuflash_index({i}, mods.{n.value}_n{k}, {str(self.clamp).lower()}) * "
+                     f"mods.{n.value}_s{k}" for k, i in enumerate(a)]
+            read = f"mods.{n.value}[{' + '.join(terms)}]"
+            return f"({self.ctype(n.kind)})({read})" if buf.dtype.kind == "u" else read
+        if op == "call":
+            f = n.value
+            if f == "abs" and n.kind == INT:
+                return f"({a[0]} < 0 ? -{a[0]} : {a[0]})"
+            if f == "square":
+                return f"({a[0]} * {a[0]})"
+            if f in ("minimum", "maximum", "sign"):
+                t = f"<{A}>" if n.kind == FLOAT else ""
+                return f"cuflash_{f}{t}({', '.join(a)})"
+            if f == "clip":
+                t = f"<{A}>" if n.kind == FLOAT else ""
+                return f"cuflash_minimum{t}(cuflash_maximum{t}({a[0]}, {a[1]}), {a[2]})"
+            return f"cuflash_{f}({a[0]})"
+        raise AssertionError(f"unknown operation {op}")  # pragma: no cover
+
+    def derivative(self, n, names, d):
+        """∂n/∂score as C, from the arguments' values (names) and derivatives (d)."""
+        A = self.A
+        zero = f"{A}(0)"
+        da = [d.get(id(x), zero) for x in n.args]
+        a = [names[id(x)] for x in n.args]
+        y = names[id(n)]
+        op = n.op
+        if op == "arg":
+            return f"{A}(1)"
+        if op in ("const", "index", "floordiv"):
+            return zero
+        if op == "cast":
+            return da[0]
+        if op == "neg":
+            return f"(-{da[0]})"
+        if op in ("add", "sub"):
+            return f"({da[0]} {'+' if op == 'add' else '-'} {da[1]})"
+        if op == "mul":
+            return f"({da[0]} * {a[1]} + {a[0]} * {da[1]})"
+        if op == "div":
+            return f"(({da[0]} - {y} * {da[1]}) / {a[1]})"
+        if op == "mod":
+            return f"({da[0]} - {da[1]} * cuflash_ffloordiv<{A}>({a[0]}, {a[1]}))"
+        if op == "pow":
+            out = f"{da[0]} * {a[1]} * cuflash_pow({a[0]}, {a[1]} - {A}(1))"
+            if n.args[1].op != "const":
+                out += f" + ({da[1]} == {A}(0) ? {A}(0) : {da[1]} * {y} * cuflash_log({a[0]}))"
+            return f"({out})"
+        if op == "where":
+            return f"({a[0]} ? {da[1]} : {da[2]})"
+        if op != "call":
+            return zero  # pragma: no cover - no other float operation
+        f, x = n.value, a[0]
+        if f in ("minimum", "maximum"):
+            cmp = "<=" if f == "minimum" else ">="
+            return f"({a[0]} {cmp} {a[1]} ? {da[0]} : {da[1]})"
+        if f == "clip":
+            return (f"({a[0]} < {a[1]} ? {da[1]} : ({a[0]} > {a[2]} ? {da[2]} : {da[0]}))")
+        rule = {"exp": f"{y}", "exp2": f"{y} * {A}({math.log(2).hex()})", "expm1": f"({y} + {A}(1))",
+                "log": f"({A}(1) / {x})", "log2": f"({A}(1) / ({x} * {A}({math.log(2).hex()})))",
+                "log10": f"({A}(1) / ({x} * {A}({math.log(10).hex()})))",
+                "log1p": f"({A}(1) / ({A}(1) + {x}))", "sqrt": f"({A}(0.5) / {y})",
+                "tanh": f"({A}(1) - {y} * {y})", "sinh": f"cuflash_cosh({x})",
+                "cosh": f"cuflash_sinh({x})", "sin": f"cuflash_cos({x})",
+                "cos": f"(-cuflash_sin({x}))", "tan": f"({A}(1) + {y} * {y})",
+                "arctan": f"({A}(1) / ({A}(1) + {x} * {x}))", "abs": f"cuflash_sign<{A}>({x})",
+                "square": f"({A}(2) * {x})"}.get(f)
+        if rule is None:  # floor, ceil, trunc, sign: flat
+            return zero
+        return f"({da[0]} * {rule})"
