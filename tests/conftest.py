@@ -94,10 +94,12 @@ class RecordingBackend(kernels.KernelBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.launched = []
+        self.mods_launched = []  # the KernelMods of each launch (None: no mods compiled in)
 
-    def get_function(self, plan):
+    def get_function(self, plan, mods=None):
         self.launched.append(plan)
-        return super().get_function(plan)
+        self.mods_launched.append(mods)
+        return super().get_function(plan, mods)
 
     def take_launches(self) -> list:
         """The plans launched since the last call, in launch order."""

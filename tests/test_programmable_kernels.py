@@ -1,0 +1,126 @@
+"""score_mod and mask_mod compiled into the CUDA kernels, run in the emulator: the SIMT
+kernels, mma.sync tensor cores (16-bit), tf32 (float32) and the Hopper kernels, forward
+and backward, against test_programmable's per-element Python reference."""
+import numpy as np
+import pytest
+
+from cuflash import variants as _variants
+from cuflash.backends import kernel_backward, kernel_backward_sm90, kernel_forward
+from cuflash.backends import kernel_forward_sm90
+from cuflash.emulator import EmulatorError
+from cuflash.programmable import translate
+from cuflash.programmable.cuda_c import kernel_mods
+
+from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+                      emulator_backend, to_host)
+from test_programmable import document_mask, reference, swin_bias, t5_bias
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+NQ, NK, H = 130, 270, 2  # test_programmable's sizes (its examples index with them)
+F16, F32, F64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
+
+
+def soft_distance(score, b, h, q_idx, kv_idx):
+    """Nonlinear in the score (the derivative's product and tanh rules), integer distance."""
+    d = abs(q_idx + NK - NQ - kv_idx)
+    return 4.0 * np.tanh(score * score / 4.0 + score) - 0.01 * d / (1 + h)
+
+
+def _variants_of(score_mod=None, mask_mod=None, **builtin):
+    return _variants.Variants(
+        score_mod=None if score_mod is None else translate(score_mod, "score_mod"),
+        mask_mod=None if mask_mod is None else translate(mask_mod, "mask_mod"), **builtin)
+
+
+def _forward_backward(be, q, k, v, do, o, lse, var, *, hopper):
+    if hopper:
+        o_k, lse_k = kernel_forward_sm90.forward_sm90(be, q, k, v, causal=False, scale=32 ** -0.5,
+                                                      variants=var)
+        Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
+        grads = kernel_backward_sm90.backward_sm90(be, do, q, k, v, lse.astype(np.float32), Dvec,
+                                                   causal=False, scale=32 ** -0.5, variants=var)
+        return o_k, lse_k, grads
+    o_k, lse_k = kernel_forward.forward(be, q, k, v, causal=False, scale=32 ** -0.5,
+                                        algorithm="fa2", variants=var)
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=False, scale=32 ** -0.5,
+                                     variants=var)
+    return o_k, lse_k, grads
+
+
+@pytest.mark.parametrize("kernel,arch,cc,dtype", [
+    ("simt", "sm_80", (7, 0), F32), ("simt", "sm_80", None, F64),
+    ("mma.sync", "sm_80", None, F16), ("tf32", "sm_80", None, F32),
+    ("hopper", "sm_90a", None, F16)])
+@pytest.mark.parametrize("mods", [dict(score_mod=t5_bias, mask_mod=document_mask),
+                                  dict(score_mod=swin_bias), dict(score_mod=soft_distance)],
+                         ids=["t5+document", "swin", "soft_distance"])
+def test_kernels_run_the_mods(kernel, arch, cc, dtype, mods):
+    be = emulator_backend(arch, cc=cc, checked=kernel in ("simt", "hopper"))
+    q, k, v, do = attention_inputs(1, H, 1, NQ, NK, 32 if kernel != "hopper" else 64, dtype, seed=4)
+    if kernel == "hopper":  # its tensor maps read (B, N, H, d) in place
+        q, k, v, do = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                       for x in (q, k, v, do))
+    scale = 32 ** -0.5
+    ref = reference(q, k, v, do, scale=scale, **mods)
+    o, lse = ref[0].astype(dtype), ref[1]
+    var = _variants_of(**mods)
+    o_k, lse_k, grads = _forward_backward(be, q, k, v, do, o, lse, var, hopper=kernel == "hopper")
+    plain = None
+    if dtype == F16:
+        plain = reference(q, k, v, do, scale=scale, p_dtype=np.float16, **mods)
+    assert_close_to_reference(o_k, ref[0], plain and plain[0], dtype, what="o")
+    assert_lse_close(lse_k, ref[1], dtype)
+    for g, r, p, what in zip(grads, ref[2:], (None,) * 3 if plain is None else plain[2:],
+                             ("dq", "dk", "dv")):
+        assert_close_to_reference(g, r, p, dtype, factor=4.0, what=what)
+    # the kernels named ran, every attention pass with the mods compiled in (D = rowsum(dO∘O)
+    # has no score)
+    launched = {p.name_expression.split("<")[0]: m for p, m in zip(be.launched, be.mods_launched)}
+    fwd, dkdv, dq = {"simt": ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"),
+                     "mma.sync": ("flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"),
+                     "tf32": ("flash_fwd_tc", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"),
+                     "hopper": ("flash_fwd_sm90", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90")}[kernel]
+    for name in (fwd, dkdv, dq):
+        assert launched.get(f"{name}_kernel") is not None, (name, list(launched))
+    assert all(m is None for n, m in launched.items() if "preprocess" in n)
+    if kernel in ("tf32", "simt") and dtype == F32:   # float32: which of the two ran
+        assert any(("float" in p.name_expression) for p in be.launched)
+
+
+def _edge(score, b, h, q_idx, kv_idx):
+    return score + ramp[q_idx + 1]
+
+
+ramp = np.arange(NQ, dtype=np.float32) * 0.01
+
+
+def test_out_of_range_reads():
+    """ramp[q_idx + 1] reads one past the end at the last row: the emulator's checked mode
+    reports the read; elsewhere the index is clamped to the array's edge."""
+    q, k, v, do = attention_inputs(1, 1, 1, NQ, 40, 32, F64, seed=1)
+    var = _variants_of(score_mod=_edge)
+    with pytest.raises(EmulatorError, match=r"out-of-bounds global read .* \(in cuflash_score_mod\("):
+        kernel_forward.forward(emulator_backend("sm_80", checked=True), q, k, v, causal=False,
+                               scale=0.2, algorithm="fa2", variants=var)
+    o, _ = kernel_forward.forward(emulator_backend("sm_80"), q, k, v, causal=False, scale=0.2,
+                                  algorithm="fa2", variants=var)
+
+    def clamped(score, b, h, q_idx, kv_idx):
+        return score + ramp[min(q_idx + 1, NQ - 1)]
+
+    ref, _ = reference(q, k, v, scale=0.2, score_mod=clamped)
+    np.testing.assert_allclose(to_host(o), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_generated_code_and_key():
+    """One specialization per expression and buffer dtypes: the key ignores the values."""
+    sm, mm = translate(t5_bias, "score_mod"), translate(document_mask, "mask_mod")
+    a = kernel_mods(np, sm, mm, np.float32)
+    b = kernel_mods(np, sm, None, np.float32)
+    assert a.key != b.key and a.flags == 64 | 128 and b.flags == 64
+    assert "#define CUFLASH_SCORE_MOD 1" in a.code and "#define CUFLASH_MASK_MOD 1" in a.code
+    assert "CUFLASH_MASK_MOD" not in b.code
+    assert [n for n, _ in a.buffers] == ["t5_table", "doc_id"]
+    assert a.buffers[1][1].dtype == np.int64 and a.buffers[0][1].dtype == np.float32
+    assert kernel_mods(np, sm, mm, np.float64).buffers[0][1].dtype == np.float64
