@@ -89,14 +89,14 @@ def test_kernels_run_the_mods(kernel, arch, cc, dtype, mods):
 
 
 def _edge(score, b, h, q_idx, kv_idx):
-    return score + ramp[q_idx + 1]
+    return score + ramp[kv_idx + 1]
 
 
-ramp = np.arange(NQ, dtype=np.float32) * 0.01
+ramp = np.arange(40, dtype=np.float32) * 0.5   # one entry per key
 
 
 def test_out_of_range_reads():
-    """ramp[q_idx + 1] reads one past the end at the last row: the emulator's checked mode
+    """ramp[kv_idx + 1] reads one past the end at the last key: the emulator's checked mode
     reports the read; elsewhere the index is clamped to the array's edge."""
     q, k, v, do = attention_inputs(1, 1, 1, NQ, 40, 32, F64, seed=1)
     var = _variants_of(score_mod=_edge)
@@ -107,7 +107,7 @@ def test_out_of_range_reads():
                                   algorithm="fa2", variants=var)
 
     def clamped(score, b, h, q_idx, kv_idx):
-        return score + ramp[min(q_idx + 1, NQ - 1)]
+        return score + ramp[min(kv_idx + 1, 39)]
 
     ref, _ = reference(q, k, v, scale=0.2, score_mod=clamped)
     np.testing.assert_allclose(to_host(o), ref, rtol=1e-12, atol=1e-12)
@@ -124,3 +124,26 @@ def test_generated_code_and_key():
     assert [n for n, _ in a.buffers] == ["t5_table", "doc_id"]
     assert a.buffers[1][1].dtype == np.int64 and a.buffers[0][1].dtype == np.float32
     assert kernel_mods(np, sm, mm, np.float64).buffers[0][1].dtype == np.float64
+
+
+def every_operation(score, b, h, q_idx, kv_idx):
+    """The subset's operations, on negative operands too (Python's floor division and
+    modulo, NumPy's for floats), in one score_mod."""
+    d = q_idx - kv_idx
+    i = d // 7 + d % 5 - (-d) // 3 + ((d << 2) >> 1) + (d & 12) - (d | 3) + (d ^ 5) + 2 ** 3
+    f = score * 0.5
+    g = f // 0.3 + f % 0.7 - (-f) % 0.4 + f ** 2 + abs(f) ** 0.5 + np.exp(-f * f) + np.log1p(f * f)
+    x = np.where(((d > 0) & ~(d == 3)) | (h == 1), g, -g) + np.clip(f, -0.2, 0.3)
+    x = x + min(i, 4) * 0.01 + max(f, 0.1) + np.minimum(f, -0.1) + np.sign(d) * 0.1
+    x = x + (np.floor(f) if not d < -5 else np.ceil(f)) + np.trunc(f * 3) + np.exp2(-abs(f))
+    return (x + np.sqrt(f * f + 1) - np.tanh(f) + np.arctan(f) + float(i % 3)
+            + int(f * 10) * 0.01 + abs(d) % 4 + np.log(2 + np.cos(f) + np.sin(f)))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "emulator"])
+def test_every_operation(backend):
+    import cuflash
+    q, k, v, _ = attention_inputs(1, 2, 2, 40, 50, 8, F64, seed=9)
+    o = cuflash.flash_attention(q, k, v, score_mod=every_operation, backend=backend)
+    ref, _ = reference(q, k, v, scale=8 ** -0.5, score_mod=every_operation)
+    np.testing.assert_allclose(to_host(o), ref, rtol=1e-11, atol=1e-12)
