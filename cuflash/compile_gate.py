@@ -8,6 +8,11 @@ a softmax left in a rolled loop, which the count cannot see. Needs no GPU, and n
 ml_dtypes: NVRTC knows bfloat16 as `__nv_bfloat16`, so the gate builds the bfloat16
 kernels regardless.
 
+Programmable attention compiles a call's score_mod / mask_mod into the kernels
+(programmable/cuda_c.py): the gate builds one such specialization per attention kernel
+family (`MOD_ARCHS`), with an example of each (a table lookup and a document mask), as the
+pseudo-source "<file>+mods_f32" (or _f64): the generated code, then the file.
+
 `python -m cuflash check-kernels` calls `check_kernels()`, which prints the table.
 
 What CuPy really compiles (cupy/cuda/compiler.py, CuPy 14, read for this gate):
@@ -42,6 +47,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from . import compiler, sass_cost
 from .families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC, FLASH_FWD_TC
 from .plans.sm90_bwd import all_sm90_bwd_plans
@@ -69,6 +76,59 @@ REQUIRED_SASS = {"sm90_gemm": ("HGMMA", "UTMALDG", "SYNCS"),
                  "flash_fwd_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS"),
                  "flash_bwd_dkdv_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS"),
                  "flash_bwd_dq_sm90_kernel": ("HGMMA", "UTMALDG", "SYNCS")}
+
+# The archs on which the gate builds a generated score_mod / mask_mod specialization of every
+# attention kernel family: one mma.sync generation with every SIMT and tensor-core family,
+# and Hopper's own.
+MOD_ARCHS = ("sm_80", "sm_90a")
+_MOD_TABLE = np.zeros((16, 64), np.float32)
+_MOD_DOC = np.zeros(4096, np.int32)
+
+
+def _example_score_mod(score, b, h, q_idx, kv_idx):
+    return score + _MOD_TABLE[h % 16, min(abs(q_idx - kv_idx) // 16, 63)]
+
+
+def _example_mask_mod(b, h, q_idx, kv_idx):
+    return _MOD_DOC[q_idx % 4096] == _MOD_DOC[kv_idx % 4096]
+
+
+@functools.cache
+def example_mods_code(acc):
+    """The generated code of the gate's example score_mod and mask_mod for the
+    accumulation type `acc` ("f32" or "f64")."""
+    from .programmable import translate
+    from .programmable.cuda_c import kernel_mods
+    return kernel_mods(np, translate(_example_score_mod, "score_mod"),
+                       translate(_example_mask_mod, "mask_mod"),
+                       np.float32 if acc == "f32" else np.float64).code
+
+
+def mod_specializations(specs):
+    """{"<file>+mods_<acc>": [name expressions]}: of every attention kernel family in
+    `specs` and element type, its last specialization (the widest head dim)."""
+    out = {}
+    for filename, names in specs.items():
+        last = {}
+        for n in names:
+            family, _, args = n.partition("<")
+            element = args.split(",")[0]
+            if family.startswith(("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq")) and \
+                    not family.startswith("flash_bwd_dq_sum"):
+                last[family, element] = n
+        for (_, element), n in last.items():
+            acc = "f64" if element == "double" else "f32"
+            out.setdefault(f"{filename}+mods_{acc}", []).append(n)
+    return out
+
+
+def source_text(filename):
+    """The text the gate compiles for `filename`: a file of cuflash/kernels, or a
+    "+mods_<acc>" pseudo-source (the example mods' code, then the file)."""
+    base, _, tag = filename.partition("+")
+    text = compiler.read_source(base)
+    return text if not tag else example_mods_code(tag.removeprefix("mods_")) + text
+
 
 # Why an NVRTC may lack an arch of ARCHS: each CUDA release adds and drops some.
 _ARCH_RANGE = {"sm_70": "CUDA 12.9 is the last toolkit that targets sm_70",
@@ -420,11 +480,14 @@ def collect_specializations(arch=None):
     architecture-specific target ("sm_90a") builds its own kernels (SPECIFIC) alone."""
     from . import tiling
     if arch in SPECIFIC:
-        return dict(SPECIFIC[arch])
-    specs = tiling.specializations(None if arch is None else arch_cc(arch))
-    if arch is None:
-        for extra in SPECIFIC.values():
-            specs.update(extra)
+        specs = dict(SPECIFIC[arch])
+    else:
+        specs = tiling.specializations(None if arch is None else arch_cc(arch))
+        if arch is None:
+            for extra in SPECIFIC.values():
+                specs.update(extra)
+    if arch in MOD_ARCHS:
+        specs.update(mod_specializations(specs))
     return specs
 
 
@@ -451,7 +514,7 @@ def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None,
         for filename, names in per_arch[arch].items():
             text = (sources or {}).get(filename)
             if text is None:
-                text = compiler.read_source(filename)
+                text = source_text(filename)
             key = _key(text, names, arch, options, sass)
             cached = _load(key) if use_cache else None
             if cached is not None:
@@ -486,7 +549,7 @@ def cached_registers(arch):
     try:
         options = gate_options(arch)
         for filename, names in collect_specializations(arch).items():
-            text = compiler.read_source(filename)
+            text = source_text(filename)
             for sass in (True, False):
                 rows = _load(_key(text, names, arch, options, sass))
                 if rows:

@@ -454,13 +454,17 @@ def test_bad_buffers_and_calls():
     with pytest.raises(ValueError, match=r"_out_of_range \(.*\): index 9 is out of range for "
                                          r"axis 0 of `reach` \(size 2\)"):
         cuflash.flash_attention(q, k, v, score_mod=_out_of_range)
-    with pytest.raises(ValueError, match="score_mod is supported by backend='numpy' only so "
+    bm = block_mask(prefix_lm, None, None, 10, 12)
+    with pytest.raises(ValueError, match="block_mask is supported by backend='numpy' only so "
                                          "far; got backend='emulator'"):
-        cuflash.flash_attention(q, k, v, score_mod=t5_like, backend="emulator")
+        cuflash.flash_attention(q, k, v, block_mask=bm, backend="emulator")
     o, lse = cuflash.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="return_mod_grads is supported by backend='numpy' "
+                                         "only so far; got backend='emulator'"):
+        cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=t5_like,
+                                         return_mod_grads=True, backend="emulator")
     with pytest.raises(ValueError, match="return_mod_grads=True needs a score_mod"):
         cuflash.flash_attention_backward(do, q, k, v, o, lse, return_mod_grads=True)
-    bm = block_mask(prefix_lm, None, None, 10, 12)
     with pytest.raises(ValueError, match=r"block_mask was made for \(B, H, Nq, Nk\) = "
                                          r"\(1, 1, 10, 12\) \(1: any\); this call has "
                                          r"\(1, 2, 10, 13\)"):
