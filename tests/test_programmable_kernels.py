@@ -147,3 +147,41 @@ def test_every_operation(backend):
     o = cuflash.flash_attention(q, k, v, score_mod=every_operation, backend=backend)
     ref, _ = reference(q, k, v, scale=8 ** -0.5, score_mod=every_operation)
     np.testing.assert_allclose(to_host(o), ref, rtol=1e-11, atol=1e-12)
+
+
+seq_table = np.array([[0.5, -0.5], [1.0, 0.0], [-1.0, 2.0], [0.25, 0.75]])
+
+
+def per_sequence(score, b, h, q_idx, kv_idx):
+    return score + seq_table[b, h] * 0.1 * (q_idx - kv_idx)
+
+
+def local(b, h, q_idx, kv_idx):
+    return abs(q_idx - kv_idx) <= 8 * (b + 1)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "emulator"])
+def test_packed_sequences_see_their_own_index(backend):
+    """flash_attention_varlen: b is the sequence's index, q_idx and kv_idx its positions."""
+    import cuflash
+    from conftest import packed
+    rng = np.random.default_rng(5)
+    lq, lk = [50, 0, 70, 33], [60, 10, 65, 33]
+    q, k, v, cq, ck = packed(rng, lq, lk, 2, 1, 16, np.float64)
+    o, lse = cuflash.flash_attention_varlen(q, k, v, cq, ck, score_mod=per_sequence,
+                                            mask_mod=local, return_lse=True, backend=backend)
+    do = rng.standard_normal(o.shape)
+    grads = cuflash.flash_attention_varlen_backward(do, q, k, v, o, lse, cq, ck,
+                                                    score_mod=per_sequence, mask_mod=local,
+                                                    backend=backend)
+    for b in range(4):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if lq[b] == 0:
+            continue
+        ref = reference(q[None, :, rq], k[None, :, rk], v[None, :, rk], do[None, :, rq],
+                        scale=16 ** -0.5,
+                        score_mod=lambda s, _, h, i, j: per_sequence(s, b, h, i, j),
+                        mask_mod=lambda _, h, i, j: local(b, h, i, j))
+        np.testing.assert_allclose(to_host(o)[:, rq], ref[0][0], rtol=1e-10, atol=1e-12)
+        for g, r, rows in zip(grads, ref[2:], (rq, rk, rk)):
+            np.testing.assert_allclose(to_host(g)[:, rows], r[0], rtol=1e-9, atol=1e-11)

@@ -44,16 +44,18 @@ def _prepare(arrays, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return be, arrays, dtype, cq, ck, slopes
 
 
-def _variants(xp, dtype, slopes, *, window, softcap, dropout_p, seed, b=None):
+def _variants(xp, dtype, slopes, *, window, softcap, dropout_p, seed, score_mod, mask_mod,
+              b=None):
     """The checked options as backends take them: of sequence b alone (its ALiBi slopes,
-    and b as dropout's batch index), or of the whole batch (b None). None when plain."""
+    and b as dropout's and the mods' batch index), or of the whole batch (b None). None
+    when plain."""
     acc = _dtypes.accum_dtype(dtype)
     rows = slopes if b is None else slopes[b:b + 1]
     alibi = None
     if rows[0] is not None:
         alibi = xp.ascontiguousarray(xp.stack([xp.asarray(r) for r in rows]), dtype=acc)
     var = Variants(window=window, softcap=softcap, alibi=alibi, dropout_p=dropout_p,
-                   seed=seed, batch0=b or 0)
+                   seed=seed, batch0=b or 0, score_mod=score_mod, mask_mod=mask_mod)
     return None if var.is_plain() else var
 
 
@@ -64,16 +66,22 @@ def _segments(xp, cq, ck):
                     cu_q=xp.asarray(cq, dtype=np.int32), cu_k=xp.asarray(ck, dtype=np.int32))
 
 
-def _check_options(scale, d, window, softcap, dropout_p, seed):
+def _check_options(scale, d, window, softcap, dropout_p, seed, score_mod, mask_mod):
     p, seed = _checks.check_dropout(dropout_p, seed)
+    mods = {}
+    for role, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None:
+            from ..programmable import translate
+            fn = translate(fn, role)
+        mods[role] = fn
     return dict(scale=_checks.check_scale(scale, d), window=_checks.check_window(window),
-                softcap=_checks.check_softcap(softcap), dropout_p=p, seed=seed)
+                softcap=_checks.check_softcap(softcap), dropout_p=p, seed=seed, **mods)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                            max_seqlen_k=None, causal=False, scale=None, window=None,
                            softcap=None, alibi_slopes=None, dropout_p=0.0, seed=None,
-                           return_lse=False, backend="auto"):
+                           return_lse=False, backend="auto", score_mod=None, mask_mod=None):
     """Attention over a batch of B sequences of different lengths, packed without padding.
 
     q: (Hq, total_q, d); k, v: (Hkv, total_k, d); Hq a multiple of Hkv (GQA/MQA).
@@ -83,7 +91,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     sequences are allowed (Nk_b = 0: output 0, lse −inf).
     max_seqlen_q/k, when given, must be at least the longest sequence.
     causal and window are bottom-right aligned per sequence; alibi_slopes is (Hq,) or
-    (B, Hq). Returns o (Hq, total_q, d) in q's dtype, and with return_lse=True also lse
+    (B, Hq). score_mod and mask_mod (docs/programmable.md) see b as the sequence's index
+    and q_idx, kv_idx as positions within it. Returns o (Hq, total_q, d) in q's dtype, and with return_lse=True also lse
     (Hq, total_q) in the accumulation dtype.
     """
     return_lse = _checks.check_flag("return_lse", return_lse)
@@ -91,7 +100,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
         {"q": q, "k": k, "v": v}, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, alibi_slopes)
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    opts = _check_options(scale, q.shape[-1], window, softcap, dropout_p, seed)
+    opts = _check_options(scale, q.shape[-1], window, softcap, dropout_p, seed, score_mod,
+                          mask_mod)
     scale = opts.pop("scale")
     xp = be.xp
     if be.name != "numpy" and q.shape[1] and k.shape[1]:
@@ -117,7 +127,7 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
                                     max_seqlen_q=None, max_seqlen_k=None, causal=False,
                                     scale=None, window=None, softcap=None,
                                     alibi_slopes=None, dropout_p=0.0, seed=None,
-                                    backend="auto"):
+                                    backend="auto", score_mod=None, mask_mod=None):
     """Gradients (dq, dk, dv) of flash_attention_varlen from its output gradient do.
 
     o and lse are what flash_attention_varlen(..., return_lse=True) returned; the options
@@ -131,7 +141,8 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
     _checks.check_like("do", do, "q", q, dtype)
     _checks.check_like("o", o, "q", q, dtype)
     _checks.check_lse(lse, q)
-    opts = _check_options(scale, q.shape[-1], window, softcap, dropout_p, seed)
+    opts = _check_options(scale, q.shape[-1], window, softcap, dropout_p, seed, score_mod,
+                          mask_mod)
     scale = opts.pop("scale")
     lse = lse.astype(_dtypes.lse_dtype(dtype), copy=False)
     xp = be.xp

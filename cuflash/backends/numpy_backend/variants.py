@@ -217,7 +217,9 @@ class ScoreChain:
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             R = S
             S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R})
-            S = np.array(np.broadcast_to(S, R.shape), self.acc_t)   # a tile of its own
+            if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
+                    and S.flags.owndata):       # the later steps write the tile in place
+                S = np.array(np.broadcast_to(S, R.shape), self.acc_t)
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(np.multiply(S, 1.0 / var.softcap, out=S), out=S)
             S = np.multiply(T, var.softcap, out=np.empty_like(T))
