@@ -260,7 +260,8 @@ def test_public_api_end_to_end(d, monkeypatch):
     launched = []
     get_function = kernels.KernelBackend.get_function
     monkeypatch.setattr(kernels.KernelBackend, "get_function",
-                        lambda be, plan: launched.append(plan.kernel) or get_function(be, plan))
+                        lambda be, plan, mods=None: launched.append(plan.kernel)
+                        or get_function(be, plan, mods))
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_70")
     (do, q, k, v, _, _), _ = make_problem(1, 4, 2, 30, 41, d, np.float32, True, seed=9)
     o, lse = cuflash.flash_attention(q, k, v, causal=True, return_lse=True, backend="emulator")

@@ -103,9 +103,9 @@ def test_the_launch_splits_the_keys_when_the_blocks_leave_sms_idle(monkeypatch):
     grids, plans = [], []
     fn = be.get_function
 
-    def spy(plan):
+    def spy(plan, mods=None):
         plans.append(plan)
-        kernel = fn(plan)
+        kernel = fn(plan, mods)
 
         def launch(grid, block, args, **kw):
             grids.append(grid[0])

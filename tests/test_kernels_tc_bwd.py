@@ -247,8 +247,8 @@ def test_each_worker_owns_its_key_blocks(arch, dt, D, workers):
         be = _backend(arch, schedule=schedule)
         get_function = be.get_function
 
-        def keeping_the_partials(plan, get_function=get_function):
-            fn = get_function(plan)   # flash_bwd_dq_sum: a copy of the partials it is given
+        def keeping_the_partials(plan, mods=None, get_function=get_function):
+            fn = get_function(plan, mods)   # flash_bwd_dq_sum: a copy of the partials it is given
             if not isinstance(plan, tiling.DqSumPlan):
                 return fn
             return lambda grid, block, a, **kw: (parts.update(w=a[0].copy()),

@@ -130,7 +130,8 @@ def test_api_split_by_default_one_pass_with_allow_tf32(monkeypatch):
     launched = []
     get_function = kernels.KernelBackend.get_function
     monkeypatch.setattr(kernels.KernelBackend, "get_function",
-                        lambda be, plan: launched.append(plan) or get_function(be, plan))
+                        lambda be, plan, mods=None: launched.append(plan)
+                        or get_function(be, plan, mods))
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_80")
     q, k, v = (x[0] for x in _inputs(1, 2, 2, 40, 70, 64, seed=5))    # (H, N, d)
     ref = reference.naive_attention(q, k, v, causal=True, scale=0.125)

@@ -144,7 +144,8 @@ def test_api_backward_split_by_default_one_pass_with_allow_tf32(monkeypatch):
     launched = []
     get_function = kernels.KernelBackend.get_function
     monkeypatch.setattr(kernels.KernelBackend, "get_function",
-                        lambda be, plan: launched.append(plan) or get_function(be, plan))
+                        lambda be, plan, mods=None: launched.append(plan)
+                        or get_function(be, plan, mods))
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_80")
     (do, q, k, v, o, lse), scale = _problem(1, 2, 2, 40, 70, 64, True, seed=5)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale)
