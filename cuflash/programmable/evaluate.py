@@ -2,7 +2,9 @@
 
 `Bound` is a Mod with its buffers read for one call (floats in the accumulation dtype,
 integers as int64). `Bound.value(env)` evaluates the expression for broadcastable index
-arrays and a score tile: one NumPy call per node. `Bound.gradients(env, seed)` runs the
+arrays and a score tile: one NumPy call per node, integers in int32 where the node's range
+(`ranges.int_ranges`, from the call's sizes) fits it, and an index checked against its
+array only where its range does not prove it inside. `Bound.gradients(env, seed)` runs the
 expression forward, then back (reverse mode, one rule per operation below): the gradient
 with respect to the score, and the scatter-add of the seed times ∂mod/∂buffer into each
 captured float array (`np.bincount`, a sum in a fixed order: deterministic).
@@ -12,8 +14,10 @@ import math
 import numpy as np
 
 from .ir import BOOL, FLOAT, INT
+from .ranges import fits_int32, int_ranges
 
 _INT = np.dtype(np.int64)
+_INT32 = np.dtype(np.int32)
 
 # elementwise functions: name → NumPy function
 _FUNCS = {"exp": np.exp, "exp2": np.exp2, "expm1": np.expm1, "log": np.log,
@@ -32,9 +36,11 @@ _COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.great
 
 
 class Bound:
-    """A Mod ready to evaluate in the accumulation dtype `acc_t` (float32 or float64)."""
+    """A Mod ready to evaluate in the accumulation dtype `acc_t` (float32 or float64);
+    `arg_ranges` ({"b": (lo, hi), "h": ..., "q_idx": ..., "kv_idx": ...}, inclusive), when
+    given, bound the index arguments of every call (see `ranges`)."""
 
-    def __init__(self, mod, acc_t):
+    def __init__(self, mod, acc_t, arg_ranges=None):
         self.mod, self.acc_t = mod, np.dtype(acc_t)
         self.order = mod.expr.walk()
         self.arrays = {}
@@ -44,14 +50,49 @@ class Bound:
                                  f"{type(a).__module__}.{type(a).__name__}; the NumPy backend "
                                  f"reads NumPy arrays (numpy.asarray it, or use the cuda backend)")
             kind = np.dtype(a.dtype).kind
-            self.arrays[name] = a.astype(self.acc_t if kind not in "iub" else
-                                         (bool if kind == "b" else _INT), copy=False)
+            self.arrays[name] = np.ascontiguousarray(a, self.acc_t if kind not in "iub" else
+                                                     (bool if kind == "b" else _INT))
+        buffer_ranges = {name: (int(a.min()), int(a.max())) for name, a in self.arrays.items()
+                         if a.dtype == _INT and a.size}
+        ranges = int_ranges(self.order, arg_ranges or {}, buffer_ranges)
+        # the integer dtype of each node, and the index reads that need a bounds check
+        self.int_dtype = {k: _INT32 if fits_int32(r) else _INT for k, r in ranges.items()}
+        self.check = {id(n): not all(ranges.get(id(i)) is not None and ranges[id(i)][0] >= 0
+                                     and ranges[id(i)][1] < self.arrays[n.value].shape[axis]
+                                     for axis, i in enumerate(n.args))
+                      for n in self.order if n.op == "index"}
+        for name, r in buffer_ranges.items():
+            if fits_int32(r):
+                self.arrays[name] = self.arrays[name].astype(_INT32)
+        self.relative = _relative_roots(self.order)
+        self.cache, self.cached_bytes = {}, 0
 
     # -- forward --------------------------------------------------------------------
-    def value(self, env):
+    def value(self, env, tile=None):
         """The mod's value for `env`: {"score": float tile, "b", "h", "q_idx", "kv_idx":
-        int64 arrays}, all broadcastable to the tile."""
-        return self._values(env)[id(self.mod.expr)]
+        int64 arrays}, all broadcastable to the tile. `tile` = (q_idx − kv_idx at the
+        tile's first row and key, rows, keys), when given, lets the parts of the mod that
+        depend on the positions only through q_idx − kv_idx (a relative position bias's
+        bucket, ALiBi's distance) be computed once per such tile and reused."""
+        if tile is None or not self.relative:
+            return self._values(env)[id(self.mod.expr)]
+        vals = {}
+
+        def get(n):
+            k = id(n)
+            if k not in vals:
+                key = (k, tile) if k in self.relative else None
+                v = self.cache.get(key) if key else None
+                if v is None:
+                    v = self._node(n, [get(a) for a in n.args], env)
+                    if key and self.cached_bytes < _CACHE_BYTES:
+                        v = v[:1] if np.ndim(v) == 4 else v   # the blocks of a run agree
+                        self.cache[key] = v
+                        self.cached_bytes += np.asarray(v).nbytes
+                vals[k] = v
+            return vals[k]
+
+        return get(self.mod.expr)
 
     def _values(self, env):
         vals = {}
@@ -61,48 +102,61 @@ class Bound:
 
     def _node(self, n, a, env):
         op, acc = n.op, self.acc_t
+        it = self.int_dtype.get(id(n), _INT)
         if op == "arg":
-            return env[n.value]
+            return env[n.value] if n.kind == FLOAT else np.asarray(env[n.value], it)
         if op == "const":
-            return {FLOAT: acc.type, INT: np.int64, BOOL: np.bool_}[n.kind](n.value)
+            return {FLOAT: acc.type, INT: it.type, BOOL: np.bool_}[n.kind](n.value)
         if op == "cast":
             if n.kind == BOOL:
                 return np.not_equal(a[0], 0)
             if n.kind == INT and a[0].dtype.kind == "f":
-                return np.trunc(a[0]).astype(_INT)   # as int(): toward zero
-            return np.asarray(a[0]).astype(acc if n.kind == FLOAT else _INT)
+                return np.trunc(a[0]).astype(it)   # as int(): toward zero
+            return np.asarray(a[0]).astype(acc if n.kind == FLOAT else it)
         if op in _ARITH:
             if n.kind == INT and op in ("floordiv", "mod") and np.any(np.equal(a[1], 0)):
                 raise ValueError(f"{self.mod.role} {self.mod.name} ({n.where}): integer "
                                  f"division by zero")
-            return _ARITH[op](*a, dtype=acc if n.kind == FLOAT else _INT)
+            return _ARITH[op](*a, dtype=acc if n.kind == FLOAT else it)
         if op == "neg":
-            return np.negative(a[0])
+            return np.negative(a[0], dtype=it) if n.kind == INT else np.negative(a[0])
         if op == "invert":
-            return np.logical_not(a[0]) if n.kind == BOOL else np.invert(a[0])
+            return np.logical_not(a[0]) if n.kind == BOOL else np.invert(a[0], dtype=it)
         if op in _BITS_BOOL and n.kind == BOOL:
             return _BITS_BOOL[op](*a)
         if op in _BITS_INT:
-            return _BITS_INT[op](*a)
+            return _BITS_INT[op](*a, dtype=it)
         if op in _COMPARE:
             return _COMPARE[op](*a)
         if op == "where":
             return np.where(*a)
         if op == "call":
+            if n.kind == INT and n.value != "clip":
+                return _FUNCS[n.value](*a, dtype=it)
             return _FUNCS[n.value](*a)
         if op == "index":
             return self._read(n, a)
         raise AssertionError(f"unknown operation {op}")  # pragma: no cover
 
     def _read(self, n, idx):
+        """arr[idx] as np.take of the flat index (3× faster than a tuple of index arrays;
+        the small, broadcast index arrays are scaled before they meet the big ones)."""
         arr = self.arrays[n.value]
+        wide = arr.size > 2 ** 31 - 1          # a flat index past int32
+        flat = None
         for axis, i in enumerate(idx):
-            lo, hi = int(np.min(i)), int(np.max(i))
-            if lo < 0 or hi >= arr.shape[axis]:
-                raise ValueError(
-                    f"{self.mod.role} {self.mod.name} ({n.where}): index {lo if lo < 0 else hi} "
-                    f"is out of range for axis {axis} of `{n.value}` (size {arr.shape[axis]})")
-        return arr[tuple(idx)]
+            if self.check[id(n)]:
+                lo, hi = int(np.min(i)), int(np.max(i))
+                if lo < 0 or hi >= arr.shape[axis]:
+                    raise ValueError(
+                        f"{self.mod.role} {self.mod.name} ({n.where}): index "
+                        f"{lo if lo < 0 else hi} is out of range for axis {axis} of "
+                        f"`{n.value}` (size {arr.shape[axis]})")
+            i = i.astype(_INT) if wide else i
+            step = arr.strides[axis] // arr.itemsize
+            term = i if step == 1 else i * step
+            flat = term if flat is None else flat + term
+        return np.take(arr.reshape(-1), flat)
 
     # -- backward -------------------------------------------------------------------
     def gradients(self, env, seed):
@@ -129,6 +183,53 @@ class Bound:
         if dscore is None:
             dscore = np.zeros_like(seed)
         return np.broadcast_to(dscore, seed.shape), grads
+
+
+# Bytes of relative parts one Bound keeps (one call's tiles): 16 offsets of a 512 × 256 tile
+# of float32 take 8 MiB.
+_CACHE_BYTES = 64 << 20
+
+
+def _relative_roots(order):
+    """The ids of the largest subtrees that depend on the positions only through
+    q_idx − kv_idx (besides constants and captured arrays), with more than a constant
+    in them: their value on a tile depends on the tile's offset from the diagonal and
+    its shape alone. A linear form a·q_idx + c·kv_idx (+, −, negation, multiples by
+    constants) with a = −c counts as q_idx − kv_idx."""
+    linear, dep = {}, {}
+    for n in order:
+        a = [linear.get(id(x)) for x in n.args]
+        lin = None
+        if n.op == "arg" and n.value in ("q_idx", "kv_idx"):
+            lin = (1, 0) if n.value == "q_idx" else (0, 1)
+        elif n.op == "const" and n.kind == INT:
+            lin = (0, 0)
+        elif n.op in ("add", "sub") and None not in a:
+            sign = 1 if n.op == "add" else -1
+            lin = (a[0][0] + sign * a[1][0], a[0][1] + sign * a[1][1])
+        elif n.op == "neg" and None not in a:
+            lin = (-a[0][0], -a[0][1])
+        elif n.op == "mul" and None not in a and (a[0] == (0, 0) or a[1] == (0, 0)):
+            c, other = (n.args[0], a[1]) if a[0] == (0, 0) else (n.args[1], a[0])
+            if c.op == "const":
+                lin = (c.value * other[0], c.value * other[1])
+        linear[id(n)] = lin
+        if lin is not None and lin[0] == -lin[1] != 0:
+            dep[id(n)] = _REL                              # a function of q_idx − kv_idx
+        elif n.op == "arg":
+            dep[id(n)] = _OTHER
+        else:
+            dep[id(n)] = max((dep[id(x)] for x in n.args), default=_CONST)
+    parents = {}
+    for n in order:
+        for x in n.args:
+            parents.setdefault(id(x), []).append(n)
+    root = id(order[-1])
+    return {k for k, d in dep.items() if d == _REL and (
+        k == root or any(dep[id(p)] != _REL for p in parents.get(k, [])))}
+
+
+_CONST, _REL, _OTHER = 0, 1, 2   # a node's dependence on the arguments, in rising order
 
 
 def _scatter(acc, shape, idx, g):

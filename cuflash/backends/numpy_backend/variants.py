@@ -183,8 +183,10 @@ class ScoreChain:
         self.alibi = None if var.alibi is None else np.broadcast_to(var.alibi, (B, Hq))
         self.threshold = var.threshold
         self.banded = causal or var.window is not None
-        self.score_mod = None if var.score_mod is None else Bound(var.score_mod, acc_t)
-        self.mask_mod = None if var.mask_mod is None else Bound(var.mask_mod, acc_t)
+        ranges = {"b": (var.batch0, var.batch0 + B - 1), "h": (0, Hq - 1),
+                  "q_idx": (0, Nq - 1), "kv_idx": (0, Nk - 1)}
+        self.score_mod = None if var.score_mod is None else Bound(var.score_mod, acc_t, ranges)
+        self.mask_mod = None if var.mask_mod is None else Bound(var.mask_mod, acc_t, ranges)
         # Without a block mask every tile may hold masked entries; with one, a step's
         # `pred` says so (block_mask_schedule).
         self.mask_every_tile = var.block_mask is None
@@ -216,7 +218,8 @@ class ScoreChain:
         T = R = None
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             R = S
-            S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R})
+            S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R},
+                                     tile=(a0 - c0, rows, cols))
             if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
                     and S.flags.owndata):       # the later steps write the tile in place
                 S = np.array(np.broadcast_to(S, R.shape), self.acc_t)
@@ -235,7 +238,8 @@ class ScoreChain:
             np.copyto(S, NEG_INF, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
                                                           shift, rows, cols))
         if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
-            M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape))
+            M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape),
+                                    tile=(a0 - c0, rows, cols))
             np.copyto(S, NEG_INF, where=np.logical_not(M))
         return S, T, R
 
