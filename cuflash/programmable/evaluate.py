@@ -4,10 +4,11 @@
 integers as int64). `Bound.value(env)` evaluates the expression for broadcastable index
 arrays and a score tile: one NumPy call per node, integers in int32 where the node's range
 (`ranges.int_ranges`, from the call's sizes) fits it, and an index checked against its
-array only where its range does not prove it inside. `Bound.gradients(env, seed)` runs the
-expression forward, then back (reverse mode, one rule per operation below): the gradient
-with respect to the score, and the scatter-add of the seed times ∂mod/∂buffer into each
-captured float array (`np.bincount`, a sum in a fixed order: deterministic).
+array only where its range does not prove it inside. `Bound.gradients(env, seed, into)` runs the
+expression forward, then back (reverse mode, one rule per operation below, along the
+paths to what is wanted): the gradient with respect to the score, and the scatter-add of
+the seed times ∂mod/∂buffer into each captured float array's accumulator (`np.bincount`,
+a sum in a fixed order: deterministic).
 """
 import math
 
@@ -66,6 +67,9 @@ class Bound:
                 self.arrays[name] = self.arrays[name].astype(_INT32)
         self.relative = _relative_roots(self.order)
         self.cache, self.cached_bytes = {}, 0
+        # the nodes through which the score's and the float buffers' gradients flow
+        self.score_path = _reaching(self.order, lambda n: n.op == "arg" and n.kind == FLOAT)
+        self.buffer_path = _reaching(self.order, lambda n: n.op == "index" and n.kind == FLOAT)
 
     # -- forward --------------------------------------------------------------------
     def value(self, env, tile=None):
@@ -76,6 +80,11 @@ class Bound:
         bucket, ALiBi's distance) be computed once per such tile and reused."""
         if tile is None or not self.relative:
             return self._values(env)[id(self.mod.expr)]
+        return self._lazy(env, tile)[id(self.mod.expr)]
+
+    def _lazy(self, env, tile):
+        """The values `value` needs, the relative parts from (or into) the cache: the
+        nodes inside a cached part are not computed."""
         vals = {}
 
         def get(n):
@@ -92,7 +101,8 @@ class Bound:
                 vals[k] = v
             return vals[k]
 
-        return get(self.mod.expr)
+        get(self.mod.expr)
+        return vals
 
     def _values(self, env):
         vals = {}
@@ -159,13 +169,16 @@ class Bound:
         return np.take(arr.reshape(-1), flat)
 
     # -- backward -------------------------------------------------------------------
-    def gradients(self, env, seed):
-        """(∂/∂score of Σ seed·mod, {buffer name: ∂/∂buffer of the same}) for env's tile:
-        seed is the gradient with respect to the mod's output (the tile's dS)."""
-        vals = self._values(env)
+    def gradients(self, env, seed, into=None, tile=None):
+        """∂/∂score of Σ seed·mod for env's tile (seed: the gradient with respect to the
+        mod's output, the tile's dS); with `into` ({buffer name: float64 array of its
+        shape}), the buffers' gradients Σ seed·∂mod/∂buffer are added there too. Only
+        the nodes on a path to the score (and to a wanted buffer) are differentiated;
+        `tile` as in `value`."""
+        want = self.score_path | (self.buffer_path if into is not None else set())
+        vals = self._values(env) if into is not None or tile is None else self._lazy(env, tile)
         adj = {id(self.mod.expr): seed}
         dscore = None
-        grads = {name: None for name in self.mod.float_buffers()}
         for n in reversed(self.order):
             g = adj.pop(id(n), None)
             if g is None or n.kind != FLOAT:
@@ -173,16 +186,15 @@ class Bound:
             if n.op == "arg":                        # the score
                 dscore = g if dscore is None else dscore + g
             elif n.op == "index":                    # scatter-add into the buffer
-                grads[n.value] = _scatter(grads[n.value], self.arrays[n.value].shape,
-                                          [vals[id(i)] for i in n.args], g)
+                _scatter(into[n.value], [vals[id(i)] for i in n.args], g)
             else:
-                for arg, ga in _rule(n, [vals[id(a)] for a in n.args], vals[id(n)], g):
-                    if arg.kind == FLOAT and ga is not None:
+                for arg, ga in _rule(n, [vals.get(id(a)) for a in n.args], vals.get(id(n)), g):
+                    if id(arg) in want and ga is not None:
                         key = id(arg)
                         adj[key] = ga if key not in adj else adj[key] + ga
         if dscore is None:
             dscore = np.zeros_like(seed)
-        return np.broadcast_to(dscore, seed.shape), grads
+        return np.broadcast_to(dscore, seed.shape)
 
 
 # Bytes of relative parts one Bound keeps (one call's tiles): 16 offsets of a 512 × 256 tile
@@ -232,12 +244,23 @@ def _relative_roots(order):
 _CONST, _REL, _OTHER = 0, 1, 2   # a node's dependence on the arguments, in rising order
 
 
-def _scatter(acc, shape, idx, g):
-    """acc + the sum of g into a zero array of `shape` at the broadcast indices idx."""
+def _reaching(order, leaf):
+    """The ids of the nodes with a `leaf` node among them or their arguments (at any depth)."""
+    out = set()
+    for n in order:
+        if leaf(n) or any(id(a) in out for a in n.args):
+            out.add(id(n))
+    return out
+
+
+def _scatter(acc, idx, g):
+    """acc[idx] += g for broadcast indices idx, summed in index order (np.bincount over the
+    span of flat positions the tile touches: deterministic, and O(tile) for a table)."""
     *idx, g = np.broadcast_arrays(*idx, g)
-    flat = np.ravel_multi_index(tuple(i.ravel() for i in idx), shape)
-    part = np.bincount(flat, weights=g.ravel(), minlength=math.prod(shape)).reshape(shape)
-    return part if acc is None else acc + part
+    flat = np.ravel_multi_index(tuple(i.ravel() for i in idx), acc.shape)
+    lo, hi = int(flat.min()), int(flat.max())
+    acc.reshape(-1)[lo:hi + 1] += np.bincount(flat - lo, weights=g.ravel(),
+                                              minlength=hi - lo + 1)
 
 
 def _rule(n, a, y, g):

@@ -246,10 +246,12 @@ class ScoreChain:
             np.copyto(S, NEG_INF, where=np.logical_not(M))
         return S, T, R
 
-    def mod_gradients(self, R, dS, bh, a0, c0, shift):
-        """(dS with respect to the score_mod's input R, {buffer: gradient}) of n blocks."""
+    def mod_gradients(self, R, dS, bh, a0, c0, shift, into):
+        """dS with respect to the score_mod's input R, of n blocks; with `into`
+        ({buffer name: accumulator}) the buffers' gradients added there too."""
+        n, _, rows, cols = R.shape
         return self.score_mod.gradients({**self.indices(bh, a0, c0, shift, R.shape),
-                                         "score": R}, dS)
+                                         "score": R}, dS, into, tile=(a0 - c0, rows, cols))
 
     def keep(self, bh, a0, c0, n, shift, rows, cols):
         """keep/(1 − p) for the n blocks of `apply`, (n, G, rows, cols), or None without
@@ -390,7 +392,7 @@ class Lane(NamedTuple):
     dq: np.ndarray
     dbias: Optional[np.ndarray]
     dQ: Scratch
-    mods: dict          # the score_mod's buffer gradients, by name
+    mods: Optional[dict]  # the score_mod's buffer gradients by name (float64), if wanted
 
 
 def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
@@ -449,7 +451,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
         # tasks in a fixed order (pool.lanes), so every sum has one order.
         acc = Lane(np.zeros((B, Hq, Nq, d), acc_t),
                    np.zeros(var.bias.shape, acc_t) if per_lane else dbias,
-                   Scratch(acc_t), {})
+                   Scratch(acc_t),
+                   {name: np.zeros(var.score_mod.buffers[name].shape) for name in
+                    var.score_mod.float_buffers()} if return_mod_grads else None)
         for bh, batch in lane:
             for c0, bc, n, steps in batch:
                 run_blocks(acc, bh, c0, bc, n, steps)
@@ -490,10 +494,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
             if T is not None:
                 dS *= 1 - T * T                                      # through the softcap
             if R is not None:                                        # through the score_mod
-                dS, grads = chain.mod_gradients(R, dS, bh, r0, c0, bc)
-                for name, g in grads.items():
-                    if g is not None:
-                        acc.mods[name] = g if name not in acc.mods else acc.mods[name] + g
+                dS = chain.mod_gradients(R, dS, bh, r0, c0, bc, acc.mods)
             dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (s_q·Q_i)
             dQ = np.matmul(dS, K_j, out=acc.dQ.get(Q_i.shape))       # dQ_i += dS K_j
             for i in range(n):                                       # (the blocks' rows overlap)
@@ -509,16 +510,13 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
     dq = parts[0].dq
     if per_lane:
         dbias = parts[0].dbias
-    mods = {name: np.zeros(var.score_mod.buffers[name].shape) for name in
-            (var.score_mod.float_buffers() if return_mod_grads else ())}
-    for part in parts:                                               # in lane order
-        if part is not parts[0]:
-            dq += part.dq
-            if per_lane:
-                dbias += part.dbias
-        for name, g in part.mods.items():
-            if name in mods:
-                mods[name] += g
+    mods = parts[0].mods
+    for part in parts[1:]:                                           # in lane order
+        dq += part.dq
+        if per_lane:
+            dbias += part.dbias
+        for name, g in (part.mods or {}).items():
+            mods[name] += g
     dq *= s_q                                                        # dQ = dS (s_k·K) · s_q
     out = (dq.astype(q.dtype, copy=False), dk, dv)
     if return_dbias:
