@@ -490,3 +490,72 @@ def test_translation_is_shared_by_equal_functions():
 
     assert translate(a, "score_mod").key() == translate(b_, "score_mod").key()
     assert translate(a, "score_mod").key() != translate(t5_like, "score_mod").key()
+
+
+# ------------------------------------------------------------------ the evaluator's shortcuts
+rel_table = rng.standard_normal((4, 64))
+
+
+def relative(score, b, h, q_idx, kv_idx):
+    return score + rel_table[h, min(abs(q_idx - kv_idx) // 16, 63)]
+
+
+def test_relative_parts_are_reused_only_at_their_offset():
+    """The bucket of q_idx − kv_idx is computed once per tile offset and reused: against
+    the built-in dense bias it stands for (tiles of one shape at many offsets)."""
+    q, k, v, do = attention_inputs(1, 4, 2, 1100, 1300, 16, np.float64, seed=8)
+    i, j = np.arange(1100)[:, None], np.arange(1300)[None, :]
+    dense = rel_table[:, np.minimum(np.abs(i - j) // 16, 63)][None]
+    for causal in (False, True):
+        o, lse = cuflash.flash_attention(q, k, v, score_mod=relative, causal=causal,
+                                         return_lse=True)
+        o_ref, lse_ref = cuflash.flash_attention(q, k, v, bias=dense, causal=causal,
+                                                 return_lse=True)
+        np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+        g = cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=relative,
+                                             causal=causal, return_mod_grads=True)
+        g_ref = cuflash.flash_attention_backward(do, q, k, v, o_ref, lse_ref, bias=dense,
+                                                 causal=causal, return_dbias=True)
+        for a, b in zip(g[:3], g_ref[:3]):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+        per_bucket = np.zeros_like(rel_table)
+        np.add.at(per_bucket, (np.arange(4)[:, None, None],
+                               np.minimum(np.abs(i - j) // 16, 63)[None]), g_ref[3][0])
+        np.testing.assert_allclose(g[3]["rel_table"], per_bucket, rtol=1e-9, atol=1e-12)
+
+
+def test_integer_ranges_worked_out():
+    from cuflash.programmable.ranges import int_ranges
+
+    small = np.array([3, -2, 7])
+
+    def f(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) * 3 // 4 + abs(kv_idx - 5) % 4 + small[h] * q_idx
+
+    m = translate(f, "score_mod")
+    ranges = int_ranges(m.expr.walk(), {"b": (0, 0), "h": (0, 2), "q_idx": (0, 9),
+                                        "kv_idx": (0, 19)}, {"small": (-2, 7)})
+    got = [(n.op + ("" if n.value is None else f":{n.value}"), ranges[id(n)])
+           for n in m.expr.walk() if n.kind == "int"]
+    for want in [("sub", (-19, 9)),            # q − kv
+                 ("mul", (-57, 27)),           # (q − kv)·3
+                 ("floordiv", (-15, 6)),       # floor(−57/4) = −15, floor(27/4) = 6
+                 ("sub", (-5, 14)),            # kv − 5
+                 ("call:abs", (0, 14)),
+                 ("mod", (0, 3)),              # a % 4 of a ≥ 0
+                 ("index:small", (-2, 7)),
+                 ("mul", (-18, 63))]:          # small[h]·q: −2·9 … 7·9
+        assert want in got, (want, got)
+
+
+def _shifted(score, b, h, q_idx, kv_idx):
+    return score + ten[q_idx + 5]
+
+
+ten = np.arange(10.0)
+
+
+def test_an_index_out_of_range_through_arithmetic():
+    q, k, v, _ = attention_inputs(1, 1, 1, 10, 12, 8, np.float64)
+    with pytest.raises(ValueError, match=r"index 14 is out of range for axis 0 of `ten`"):
+        cuflash.flash_attention(q, k, v, score_mod=_shifted)
