@@ -11,7 +11,7 @@ from cuflash.emulator import EmulatorError
 from cuflash.programmable import translate
 from cuflash.programmable.cuda_c import kernel_mods
 
-from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
                       emulator_backend, to_host)
 from test_programmable import document_mask, reference, swin_bias, t5_bias
 
@@ -185,3 +185,26 @@ def test_packed_sequences_see_their_own_index(backend):
         np.testing.assert_allclose(to_host(o)[:, rq], ref[0][0], rtol=1e-10, atol=1e-12)
         for g, r, rows in zip(grads, ref[2:], (rq, rk, rk)):
             np.testing.assert_allclose(to_host(g)[:, rows], r[0], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [F16, F32, F64])
+@pytest.mark.parametrize("mods", [dict(score_mod=t5_bias, mask_mod=document_mask),
+                                  dict(score_mod=soft_distance)],
+                         ids=["t5+document", "soft_distance"])
+def test_on_the_gpu(dtype, mods):
+    """The generated code through NVRTC on the device's kernels (the Hopper ones on an
+    H100), forward and backward, against the per-element reference."""
+    import cupy
+    import cuflash
+    q, k, v, do = attention_inputs(1, H, 1, NQ, NK, 64, dtype, seed=6)
+    ref = reference(q, k, v, do, scale=0.125, **mods)
+    plain = reference(q, k, v, do, scale=0.125, p_dtype=np.float16, **mods) if dtype == F16 else None
+    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    o, lse = cuflash.flash_attention(qg, kg, vg, return_lse=True, **mods)
+    grads = cuflash.flash_attention_backward(dog, qg, kg, vg, o, lse, **mods)
+    assert_close_to_reference(o, ref[0], plain and plain[0], dtype, what="o")
+    for g, r, p, what in zip(grads, ref[2:], (None,) * 3 if plain is None else plain[2:],
+                             ("dq", "dk", "dv")):
+        assert_close_to_reference(g, r, p, dtype, factor=4.0, what=what)
