@@ -9,10 +9,10 @@
 // product, with the causal/window mask, in log2 units) and keep() on each P̃.
 // bias and mask are read in place with four element strides (0 along a broadcast axis).
 // A call's score_mod and mask_mod (cuflash.programmable) come as code compiled before the
-// kernel (programmable/cuda_c.py: CUFLASH_MODS, CUFLASH_SCORE_MOD with cuflash_score_mod and
-// cuflash_score_mod_grad, CUFLASH_MASK_MOD with cuflash_mask_mod, their buffers as
-// CUFLASH_MOD_PARAMS): the
-// score_mod runs first, on scale·q·k; the mask_mod with the masks.
+// kernel (programmable/cuda_c.py): CUFLASH_SCORE_MOD with cuflash_score_mod and its
+// derivative cuflash_score_mod_grad, CUFLASH_MASK_MOD with cuflash_mask_mod, and
+// CUFLASH_MODS with their captured arrays (CUFLASH_MOD_PARAMS, the record cuflash_mods).
+// The score_mod runs first, on scale·q·k; the mask_mod with the masks.
 #pragma once
 
 #include "common.cuh"
@@ -29,8 +29,8 @@ enum VariantFlag : int {
     kBiasF32 = 8,   // bias is float (else the input type T)
     kMask = 16,     // a bool mask: False hides the key
     kDropout = 32,  // P̃ ∘ keep / (1 − p)
-    kScoreMod = 64, // cuflash_score_mod(s, b, h, i, j) (compiled in: CUFLASH_MODS)
-    kMaskMod = 128, // cuflash_mask_mod(b, h, i, j): False hides the key
+    kScoreMod = 64, // cuflash_score_mod(s, b, h, i, j) (compiled in: CUFLASH_SCORE_MOD)
+    kMaskMod = 128, // cuflash_mask_mod(b, h, i, j): False hides the key (CUFLASH_MASK_MOD)
 };
 
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
