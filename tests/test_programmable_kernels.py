@@ -48,13 +48,21 @@ def _forward_backward(be, q, k, v, do, o, lse, var, *, hopper):
     return o_k, lse_k, grads
 
 
-@pytest.mark.parametrize("kernel,arch,cc,dtype", [
-    ("simt", "sm_80", (7, 0), F32), ("simt", "sm_80", None, F64),
-    ("mma.sync", "sm_80", None, F16), ("tf32", "sm_80", None, F32),
-    ("hopper", "sm_90a", None, F16)])
-@pytest.mark.parametrize("mods", [dict(score_mod=t5_bias, mask_mod=document_mask),
-                                  dict(score_mod=swin_bias), dict(score_mod=soft_distance)],
-                         ids=["t5+document", "swin", "soft_distance"])
+KERNELS = [("simt", "sm_80", (7, 0), F32), ("simt", "sm_80", None, F64),
+           ("mma.sync", "sm_80", None, F16), ("tf32", "sm_80", None, F32),
+           ("hopper", "sm_90a", None, F16)]
+MODS = {"t5+document": dict(score_mod=t5_bias, mask_mod=document_mask),
+        "soft_distance": dict(score_mod=soft_distance), "swin": dict(score_mod=swin_bias)}
+# Every family with the table and the document mask; the nonlinear score_mod on two of them
+# (its derivative is the same generated code everywhere); the rest with `-m slow`.
+FAST = {("t5+document", k) for k in range(len(KERNELS))} | {("soft_distance", 1),
+                                                             ("soft_distance", 2)}
+
+
+@pytest.mark.parametrize("kernel,arch,cc,dtype,mods", [
+    pytest.param(*KERNELS[k], MODS[m], id=f"{m}-{KERNELS[k][0]}-{KERNELS[k][3]}",
+                 marks=() if (m, k) in FAST else pytest.mark.slow)
+    for m in MODS for k in range(len(KERNELS))])
 def test_kernels_run_the_mods(kernel, arch, cc, dtype, mods):
     be = emulator_backend(arch, cc=cc, checked=kernel in ("simt", "hopper"))
     q, k, v, do = attention_inputs(1, H, 1, NQ, NK, 32 if kernel != "hopper" else 64, dtype, seed=4)
