@@ -34,7 +34,7 @@ from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
 from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
 from ...programmable.evaluate import Bound
-from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
+from .arrays import Scratch, as_dtype, column_shift, split_scale
 from .band import batches, diagonal_windows, runs, windows
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF
@@ -317,13 +317,6 @@ def forward(q, k, v, causal, scale, config, var):
     tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "q")
     # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
     s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
-    # [V | 1] in the accumulation dtype, made once per call (O(N·d), like o): P̃ [V_j | 1]
-    # gives P̃ V_j and ℓ's step rowsum(P̃) in one matmul, a pass over every tile saved.
-    # Dropout needs ℓ of the undropped P̃ and keeps the sum.
-    ones = not var.dropout_p
-    if ones:
-        Vx = np.empty((B, Hkv, Nk, d + 1), acc_t)
-        with_ones(v, Vx)
 
     def run(task):
         bh, batch = task
@@ -344,7 +337,7 @@ def forward(q, k, v, causal, scale, config, var):
         Q = np.empty((n, G, br, d), acc_t)
         np.multiply(q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3), s_q, out=Q)
         Q = Q.reshape(n, G * br, d)
-        kh, vh = k[b, hkv], (Vx if ones else v)[b, hkv]
+        kh, vh = k[b, hkv], v[b, hkv]
         m_i = l_i = acc = None
         for c0, c1, pred in steps:
             span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
@@ -360,7 +353,7 @@ def forward(q, k, v, causal, scale, config, var):
             m_new = S.max(axis=-1) if m_i is None else np.maximum(m_i, S.max(axis=-1))
             m_safe = np.where(m_new == NEG_INF, 0, m_new).astype(acc_t, copy=False)
             P = np.exp(np.subtract(S, m_safe[..., None], out=S), out=S)  # P̃ = exp(S − m_i), in place
-            l_step = None if ones else P.sum(axis=-1)               # ℓ on the undropped P̃
+            l_step = P.sum(axis=-1)                                  # ℓ on the undropped P̃
             Z = chain.keep(bh, r0, c0, n, br, br, span)
             if Z is not None:
                 P *= Z.reshape(P.shape)                              # dropout: P̃ ∘ keep/(1 − p)
@@ -368,25 +361,21 @@ def forward(q, k, v, causal, scale, config, var):
                 l_i, acc = l_step, P @ V_j
             else:
                 alpha = np.exp(m_i - m_safe)
-                l_i = None if ones else alpha * l_i + l_step
+                l_i = alpha * l_i + l_step
                 acc = alpha[..., None] * acc + P @ V_j               # acc = α acc + P̃ V_j
             m_i = m_new
         if shift is None and not math.isfinite(acc.sum()):
             # P̃ V overflowed where |V| nears the dtype's maximum: again with V's big
             # columns scaled down by powers of two, scaled back after the division by ℓ.
-            shift = column_shift(as_dtype(vh[:, :d], acc_t), Nk, acc_t)
+            shift = column_shift(as_dtype(vh, acc_t), Nk, acc_t)
             if shift is not None:
-                if ones:
-                    shift = np.append(shift, acc_t.type(1))         # ℓ's column unscaled
                 return run_blocks(bh, r0, br, n, steps, shift)
-        if ones:                                                     # acc = [P̃ V | ℓ]
-            acc, l_i = acc[..., :d], acc[..., d]
         # -- finalize: O = acc / ℓ, lse = m + log ℓ (a row that saw no key: 0 and −inf)
         seen = l_i > 0
         l_div = np.where(seen, l_i, 1).astype(acc_t, copy=False)
         acc /= l_div[..., None]
         if shift is not None:
-            acc /= shift[:d]
+            acc /= shift
         o[b, hs, r0:r1] = acc.reshape(n, G, br, d).transpose(1, 0, 2, 3).reshape(G, n * br, d)
         L = np.where(seen, m_i + np.log(l_div), NEG_INF)
         L[np.isnan(l_i)] = np.nan
