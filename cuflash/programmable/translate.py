@@ -29,9 +29,8 @@ _BINOPS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div",
            ast.BitOr: "or", ast.BitXor: "xor", ast.LShift: "lshift", ast.RShift: "rshift"}
 _COMPARE = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq",
             ast.NotEq: "ne"}
-# NumPy's names for what Python's builtins and aliases do elementwise.
-_ALIASES = {"absolute": "abs", "fabs": "abs", "arctan": "arctan", "atan": "arctan",
-            "amin": "minimum", "amax": "maximum", "fmin": "minimum", "fmax": "maximum"}
+# Other spellings of the same elementwise functions (NumPy's absolute, math's atan).
+_ALIASES = {"absolute": "abs", "atan": "arctan"}
 _CASTS = {"int": INT, "int32": INT, "int64": INT, "float": FLOAT, "float32": FLOAT,
           "float64": FLOAT, "bool": BOOL, "bool_": BOOL}
 _CONSTANTS = {"pi": math.pi, "e": math.e, "inf": math.inf}
