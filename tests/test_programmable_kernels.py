@@ -216,3 +216,17 @@ def test_on_the_gpu(dtype, mods):
     for g, r, p, what in zip(grads, ref[2:], (None,) * 3 if plain is None else plain[2:],
                              ("dq", "dk", "dv")):
         assert_close_to_reference(g, r, p, dtype, factor=4.0, what=what)
+
+
+def test_fa1_kernel_runs_the_mods():
+    """algorithm="fa1": flash_fwd_fa1.cu takes the same generated chain."""
+    be = emulator_backend("sm_80", cc=(7, 0))
+    q, k, v, _ = attention_inputs(1, H, 1, NQ, NK, 32, F64, seed=10)
+    var = _variants_of(score_mod=t5_bias, mask_mod=document_mask)
+    o, lse = kernel_forward.forward(be, q, k, v, causal=False, scale=0.2, algorithm="fa1",
+                                    variants=var)
+    ref = reference(q, k, v, scale=0.2, score_mod=t5_bias, mask_mod=document_mask)
+    np.testing.assert_allclose(to_host(o), ref[0], rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(to_host(lse), ref[1], rtol=1e-11, atol=1e-12)
+    assert [p.name_expression.split("<")[0] for p in be.launched] == ["flash_fwd_fa1_kernel"]
+    assert be.mods_launched[0] is not None
