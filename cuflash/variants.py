@@ -160,6 +160,9 @@ class Variants:
     # dropout's batch index b of batch row 0: a varlen sequence's index in the NumPy
     # backend's per-sequence calls (the kernels read it from their launch, and take 0)
     batch0: int = 0
+    # the mods' kv_idx of key 0: a KV cache chunk's first key in the NumPy backend's
+    # per-chunk calls (the kernels read the whole cache, and take 0)
+    kv0: int = 0
     # programmable attention (cuflash.programmable): translated Mods and a BlockMask
     score_mod: object = None
     mask_mod: object = None

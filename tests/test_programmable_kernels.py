@@ -230,3 +230,49 @@ def test_fa1_kernel_runs_the_mods():
     np.testing.assert_allclose(to_host(lse), ref[1], rtol=1e-11, atol=1e-12)
     assert [p.name_expression.split("<")[0] for p in be.launched] == ["flash_fwd_fa1_kernel"]
     assert be.mods_launched[0] is not None
+
+
+def decode_bias(score, b, h, q_idx, kv_idx):
+    return score - 0.05 * (h + 1) * abs(kv_idx - cache_len[b] + 3 - q_idx) + seq_table[b, h]
+
+
+def not_sink(b, h, q_idx, kv_idx):
+    return (kv_idx >= 2) | (kv_idx == 0)
+
+
+cache_len = np.array([37, 90, 5])
+
+
+@pytest.mark.parametrize("backend,page,num_splits", [("numpy", None, 3), ("numpy", 16, 2),
+                                                     ("emulator", None, 0),
+                                                     ("emulator", 64, 0)])
+def test_kv_cache_sees_cache_positions(backend, page, num_splits):
+    """flash_attention_with_kvcache: kv_idx is the key's position in the cache (also in
+    the NumPy backend's chunks, and through a paged cache's block table)."""
+    import cuflash
+    rng = np.random.default_rng(11)
+    B, H, nq, d, cap = 3, 2, 3, 16, 128
+    q = rng.standard_normal((B, H, nq, d))
+    k = rng.standard_normal((B, H, cap, d))
+    v = rng.standard_normal((B, H, cap, d))
+    kc, vc, table = k, v, None
+    if page is not None:   # the same keys in pages, in a shuffled order
+        pages = cap // page
+        perm = rng.permutation(B * pages)
+        kc = np.empty((B * pages, H, page, d))
+        vc = np.empty_like(kc)
+        table = perm.reshape(B, pages)
+        for b in range(B):
+            for p in range(pages):
+                kc[table[b, p]] = k[b, :, p * page:(p + 1) * page]
+                vc[table[b, p]] = v[b, :, p * page:(p + 1) * page]
+    o = cuflash.flash_attention_with_kvcache(q, kc, vc, cache_len, block_table=table,
+                                             causal=True, score_mod=decode_bias,
+                                             mask_mod=not_sink, num_splits=num_splits,
+                                             backend=backend)
+    for b in range(B):
+        L = cache_len[b]
+        ref, _ = reference(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], scale=d ** -0.5,
+                           score_mod=lambda s, _, h, i, j: decode_bias(s, b, h, i, j),
+                           mask_mod=lambda _, h, i, j: not_sink(b, h, i, j) and j <= i + L - nq)
+        np.testing.assert_allclose(to_host(o)[b], ref[0], rtol=1e-10, atol=1e-12)

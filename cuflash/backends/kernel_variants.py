@@ -29,6 +29,9 @@ def variant_args(xp, variants, acc, mods=None) -> tuple:
         # (kernels/seqlens.cuh); batch0 serves the NumPy backend's per-sequence calls.
         raise ValueError(f"Variants.batch0 = {var.batch0}: the kernels take dropout's batch "
                          f"index from the launch (batch0 must be 0)")
+    if var.kv0:
+        raise ValueError(f"Variants.kv0 = {var.kv0}: the kernels read a KV cache whole "
+                         f"(kv0 must be 0)")
     acc = np.dtype(acc)
     flags = 0
     dummy = xp.zeros(1, dtype=acc)

@@ -26,6 +26,7 @@ from .. import _checks, _dtypes
 from ..api import flash_attention
 from ..backends import kernel_forward
 from ..backends.kernel_forward import Segments
+from ..programmable import translate as _translate
 from ..variants import Variants
 from . import _args
 from ..merge import merge_states
@@ -70,7 +71,7 @@ def split_points(L, nq, num_splits, *, causal, window, alibi, page_size=1):
 # -- the kernels' launch: every row in one grid ------------------------------------------
 
 def _attend_kernels(be, q, cache, lengths, slopes, *, causal, scale, window, softcap,
-                    num_splits):
+                    num_splits, mods):
     """Attention against the cache in one launch, or None where the kernels cannot read
     it in place (a page size that is not a multiple of the kernel's key tile). The kernels
     read row b's first lengths[b] keys, through block_table when paged
@@ -82,7 +83,8 @@ def _attend_kernels(be, q, cache, lengths, slopes, *, causal, scale, window, sof
     if slopes[0] is not None:
         alibi = xp.ascontiguousarray(xp.stack([xp.asarray(s) for s in slopes]),
                                      dtype=_dtypes.accum_dtype(q.dtype))
-    var = Variants(window=window, softcap=softcap, alibi=alibi)
+    var = Variants(window=window, softcap=softcap, alibi=alibi, score_mod=mods[0],
+                   mask_mod=mods[1])
     var = None if var.is_plain() else var
     table = None
     if cache.paged:
@@ -252,7 +254,8 @@ def _check_cache_args(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None,
                                  v=None, block_table=None, causal=False, scale=None,
                                  window=None, softcap=None, alibi_slopes=None,
-                                 num_splits=0, return_lse=False, backend="auto"):
+                                 num_splits=0, return_lse=False, backend="auto",
+                                 score_mod=None, mask_mod=None):
     """Attention of new query rows against a KV cache, appending new keys first.
 
     q: (B, Hq, Nq, d) — Nq = 1 when decoding, a few for speculative decoding.
@@ -264,6 +267,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
     advances cache_seqlens). Row b then attends to its first cache_seqlens[b] + Nnew
     keys, causal bottom-right. num_splits: 0 picks the split-KV count from the device
     (SMs, or the NumPy backend's workers), 1 does not split, n > 1 forces n chunks.
+    score_mod and mask_mod (docs/programmable.md) see b as the row, q_idx as the query's
+    row in q and kv_idx as the key's position in the cache.
     Returns o (B, Hq, Nq, d) in q's dtype, and lse (B, Hq, Nq) with return_lse=True.
     """
     return_lse = _checks.check_flag("return_lse", return_lse)
@@ -282,6 +287,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
     window = _checks.check_window(window)
     softcap = _checks.check_softcap(softcap)
     scale = _checks.check_scale(scale, d)
+    mods = tuple(None if fn is None else _translate(fn, role)
+                 for fn, role in ((score_mod, "score_mod"), (mask_mod, "mask_mod")))
     xp = be.xp
     cache = _Cache(xp, k_cache, v_cache, table)
     if nnew:
@@ -289,9 +296,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
     lengths = seqlens + nnew
     if be.name != "numpy" and B and hq and nq:
         out = _attend_kernels(be, q, cache, lengths, slopes, causal=causal, scale=scale,
-                              window=window, softcap=softcap, num_splits=num_splits or None)
+                              window=window, softcap=softcap, num_splits=num_splits or None,
+                              mods=mods)
         if out is not None:
             return out if return_lse else out[0]
+        if mods != (None, None):
+            raise ValueError(f"score_mod and mask_mod on backend={be.name!r} need the cache "
+                             f"read in place: a page_size that is a multiple of the key "
+                             f"tile; got page_size {cache.page}")
     if num_splits == 0:
         num_splits = split_kv_calls(parallel_units(be), B, hq, nq,
                                     int(lengths.max()) if B else 0)
@@ -299,6 +311,24 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
     o = xp.empty(q.shape, dtype=dtype)
     lse = xp.empty(q.shape[:-1], dtype=acc)
     opts = dict(scale=scale, softcap=softcap, backend=be.name)
+
+    def attend_mods(b, kb, vb, c0, **options):
+        """One chunk through the backend with the mods, which see key c0 as kv_idx c0."""
+        alibi = slopes[b]
+        var = Variants(window=options.get("window"), softcap=softcap,
+                       alibi=None if alibi is None else xp.ascontiguousarray(
+                           xp.asarray(alibi)[None], dtype=acc),
+                       batch0=b, kv0=c0, score_mod=mods[0], mask_mod=mods[1])
+        o_s, lse_s = be.forward(q[b][None], kb[None], vb[None],
+                                causal=options.get("causal", False), scale=scale, variants=var)
+        return o_s[0], lse_s[0]
+
+    def attend(b, kb, vb, c0, **options):
+        if mods != (None, None):
+            return attend_mods(b, kb, vb, c0, **options)
+        return flash_attention(q[b], kb, vb, alibi_slopes=slopes[b], return_lse=True,
+                               **options, **opts)
+
     for b in range(B):
         L = int(lengths[b])
         if L == 0:  # no key at all: the contract's fully masked rows
@@ -311,11 +341,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=N
             kb, vb = cache.read(b, c0, c1)
             last = s == len(cuts) - 2
             if last:   # ends at L: every option, bottom-right aligned as given
-                part = flash_attention(q[b], kb, vb, causal=causal, window=window,
-                                       alibi_slopes=slopes[b], return_lse=True, **opts)
+                part = attend(b, kb, vb, c0, causal=causal, window=window)
             else:      # all rows see all of these keys (split_points)
-                o_s, lse_s = flash_attention(q[b], kb, vb, alibi_slopes=slopes[b],
-                                             return_lse=True, **opts)
+                o_s, lse_s = attend(b, kb, vb, c0)
                 if slopes[b] is not None:
                     # ALiBi is −slope·|i + Nk − Nq − j|: this chunk ends L − c1 keys
                     # before L, so every true score is slope·(L − c1) lower (nq = 1).

@@ -187,7 +187,7 @@ class ScoreChain:
         self.threshold = var.threshold
         self.banded = causal or var.window is not None
         ranges = {"b": (var.batch0, var.batch0 + B - 1), "h": (0, Hq - 1),
-                  "q_idx": (0, Nq - 1), "kv_idx": (0, Nk - 1)}
+                  "q_idx": (0, Nq - 1), "kv_idx": (var.kv0, var.kv0 + Nk - 1)}
         self.score_mod = None if var.score_mod is None else Bound(var.score_mod, acc_t, ranges)
         self.mask_mod = None if var.mask_mod is None else Bound(var.mask_mod, acc_t, ranges)
         # Without a block mask every tile may hold masked entries; with one, a step's
@@ -208,7 +208,7 @@ class ScoreChain:
         return {"b": np.int64(b + self.var.batch0),
                 "h": np.arange(hs.start, hs.stop)[None, :, None, None],
                 "q_idx": a0 + i + np.arange(rows)[None, None, :, None],
-                "kv_idx": c0 + i + np.arange(cols)[None, None, None, :]}
+                "kv_idx": self.var.kv0 + c0 + i + np.arange(cols)[None, None, None, :]}
 
     def apply(self, S, bh, a0, c0, pred, shift):
         """S (n, G, rows, cols) = scale·Q Kᵀ of n blocks, block i at rows a0 + i·shift and
@@ -222,7 +222,7 @@ class ScoreChain:
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             R = S
             S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R},
-                                     tile=(a0 - c0, rows, cols))
+                                     tile=(a0 - c0 - self.var.kv0, rows, cols))
             if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
                     and S.flags.owndata):       # the later steps write the tile in place
                 S = np.array(np.broadcast_to(S, R.shape), self.acc_t)
@@ -242,7 +242,7 @@ class ScoreChain:
                                                           shift, rows, cols))
         if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
             M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape),
-                                    tile=(a0 - c0, rows, cols))
+                                    tile=(a0 - c0 - self.var.kv0, rows, cols))
             np.copyto(S, NEG_INF, where=np.logical_not(M))
         return S, T, R
 
@@ -251,7 +251,8 @@ class ScoreChain:
         ({buffer name: accumulator}) the buffers' gradients added there too."""
         n, _, rows, cols = R.shape
         return self.score_mod.gradients({**self.indices(bh, a0, c0, shift, R.shape),
-                                         "score": R}, dS, into, tile=(a0 - c0, rows, cols))
+                                         "score": R}, dS, into,
+                                        tile=(a0 - c0 - self.var.kv0, rows, cols))
 
     def keep(self, bh, a0, c0, n, shift, rows, cols):
         """keep/(1 − p) for the n blocks of `apply`, (n, G, rows, cols), or None without
