@@ -137,11 +137,11 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     (10-bit mantissas) instead of the default split tf32 (3 mma, about fp32 accuracy);
     no effect elsewhere (other dtypes, the SIMT kernels, the NumPy backend).
 
-    Programmable attention (docs/programmable.md; backend="numpy" so far):
-    score_mod(score, b, h, q_idx, kv_idx) → the new score, applied to scale·q·kᵀ before
-    every other variant; mask_mod(b, h, q_idx, kv_idx) → True where the key may be
-    attended; block_mask (cuflash.block_mask) skips the tiles its mask_mod leaves empty.
-    b is the flattened batch index, h the query head.
+    Programmable attention (docs/programmable.md): score_mod(score, b, h, q_idx, kv_idx)
+    → the new score, applied to scale·q·kᵀ before every other variant; mask_mod(b, h,
+    q_idx, kv_idx) → True where the key may be attended (both compiled into the kernels
+    too); block_mask (cuflash.block_mask; backend="numpy" so far) skips the tiles its
+    mask_mod leaves empty. b is the flattened batch index, h the query head.
     """
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)

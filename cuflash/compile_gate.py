@@ -544,11 +544,13 @@ def run_gate(specs=None, archs=None, *, jobs=None, use_cache=True, sources=None,
 def cached_registers(arch):
     """{name expression: registers} of every specialization whose gate result for `arch`
     is in the on-disk cache (from an earlier `check-kernels` or test run); compiles
-    nothing."""
+    nothing. The plain kernels' (a generated specialization shares its name)."""
     out = {}
     try:
         options = gate_options(arch)
         for filename, names in collect_specializations(arch).items():
+            if "+" in filename:
+                continue
             text = source_text(filename)
             for sass in (True, False):
                 rows = _load(_key(text, names, arch, options, sass))
