@@ -591,7 +591,7 @@ def cost_cells(cost):
 def format_table(rows):
     """One line per build: registers, shared memory, spills, the disassembly's counts
     (where disassembled), the main loop's cost (tensor-core kernels) and the predicted
-    blocks and warps per SM."""
+    blocks and warps per SM; " +mods" marks a build with the example mods compiled in."""
     plans = _plans()
     # the opcodes REQUIRED_SASS asks for only where a table holds a kernel that must show them
     required = {o for r in rows for o in REQUIRED_SASS.get(r.kernel.partition("<")[0], ())}
@@ -603,7 +603,8 @@ def format_table(rows):
         counts = [str(r.sass[op]) if r.sass else "-" for op in ops]
         blocks = blocks_per_sm(r)
         warps = "-" if blocks is None else str(blocks * -(-plans[r.kernel].num_threads // 32))
-        body.append((r.kernel, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
+        name = r.kernel + (" +mods" if "+mods" in r.source else "")   # the example mods
+        body.append((name, r.arch, str(r.registers), str(r.smem), str(r.spill_stores),
                      str(r.spill_loads), *counts, *cost_cells(r.cost),
                      "-" if blocks is None else str(blocks), warps, r.status))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head) - 1)]
