@@ -8,7 +8,9 @@ each gets the median and the best (minimum) of its runs — the best is timeit's
 convention on a shared machine, where slower runs are mostly interference — and,
 against PyTorch, the median of the per-repetition ratios ("paired"), which a machine
 whose speed drifts between repetitions disturbs least.
-Writes a CSV and a PNG to benchmarks/results/.
+Every N times the forward and the backward (against PyTorch's forward+backward); the
+main N also the naive backward and the validation against PyTorch. Writes a CSV and a
+PNG (forward, and forward+backward, causal or not, over N) to benchmarks/results/.
 
     python benchmarks/bench_cpu.py            # B=1, H=8, N=2048, d=64 + sweep N, 15 repetitions
     python benchmarks/bench_cpu.py --quick    # a smaller, faster run (3 repetitions)
@@ -191,17 +193,16 @@ def main(argv=None):
                 fns["naive fwd"] = lambda: naive_forward(q, k, v, causal, scale)
             if use_torch:
                 fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, causal)
+            fns["cuflash bwd"] = lambda: BK.backward(do, q, k, v, o, lse, causal=causal,
+                                                     scale=scale)
+            if use_torch:
+                fns["torch fwd+bwd"] = lambda: torch_forward_backward(tq, tk, tv, tdo, causal)
             if full:
-                fns["cuflash bwd"] = lambda: BK.backward(do, q, k, v, o, lse, causal=causal,
-                                                         scale=scale)
                 o_n, P_n = naive_forward(q, k, v, causal, scale)
                 fns["naive bwd"] = lambda: naive_backward(do, q, k, v, o_n, P_n, scale)
-                if use_torch:
-                    fns["torch fwd+bwd"] = lambda: torch_forward_backward(tq, tk, tv, tdo, causal)
             t = time_interleaved(fns, repeats)
-            if full:
-                for impl in ("cuflash", "naive"):
-                    t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
+            for impl in ("cuflash", "naive") if full else ("cuflash",):
+                t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
             for name, runs in t.items():
                 kind = name.split()[-1]
                 flops = attention_flops(B, H, N, N, d, causal=causal, pass_=kind)
@@ -210,7 +211,7 @@ def main(argv=None):
                                  causal=causal, ms=sec * 1e3, best_ms=best * 1e3,
                                  gflops=flops / sec / 1e9, vs_torch=vs,
                                  best_vs_torch=best_vs, paired_vs_torch=paired))
-            if full and use_torch:  # the speed target: bwd alone vs torch fwd+bwd
+            if use_torch:  # the speed target: bwd alone vs torch fwd+bwd
                 sec, best, (vs, best_vs, paired) = summary(t["cuflash bwd"], t["torch fwd+bwd"])
                 rows.append(dict(impl="cuflash", pass_="bwd/torch fwd+bwd", B=B, H=H, N=N, d=d,
                                  causal=causal, ms=sec * 1e3, best_ms=best * 1e3,
@@ -305,19 +306,21 @@ def main(argv=None):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for ax, causal in zip(axes, (False, True)):
-            for impl, style in (("cuflash", "o-"), ("torch", "s--"), ("naive", "^:")):
-                pts = [(r["N"], r["gflops"]) for r in rows if r["impl"] == impl
-                       and r["pass_"] == "fwd" and r["causal"] == causal]
-                if pts:
-                    ax.plot(*zip(*sorted(pts)), style, label=f"{impl} forward")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length N")
-            ax.set_title(f"B={B}, H={H}, d={d}, float32, causal={causal}")
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("GFLOP/s (4·B·H·N²·d, halved if causal)")
-        axes[0].legend()
+        # forward above, forward + backward below (FLOPs 3.5× the forward's); causal right
+        fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey="row")
+        for row, (kind, what) in enumerate((("fwd", "forward"), ("fwd+bwd", "forward+backward"))):
+            for ax, causal in zip(axes[row], (False, True)):
+                for impl, style in (("cuflash", "o-"), ("torch", "s--"), ("naive", "^:")):
+                    pts = [(r["N"], r["gflops"]) for r in rows if r["impl"] == impl
+                           and r["pass_"] == kind and r["causal"] == causal]
+                    if pts:
+                        ax.plot(*zip(*sorted(pts)), style, label=f"{impl} {what}")
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("sequence length N")
+                ax.set_title(f"B={B}, H={H}, d={d}, float32, causal={causal}")
+                ax.grid(alpha=0.3)
+            axes[row][0].set_ylabel(f"{what} GFLOP/s")
+            axes[row][0].legend()
         fig.tight_layout()
         png = os.path.join(args.out, "bench_cpu.png")
         fig.savefig(png, dpi=120)
