@@ -22,9 +22,6 @@ FLOAT_FUNCS = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", 
                "sinh", "cosh", "sin", "cos", "tan", "arctan", "floor", "ceil", "trunc")
 # Functions whose result keeps the kind of their (promoted) arguments.
 KIND_FUNCS = ("abs", "square", "sign", "minimum", "maximum", "where", "clip")
-ARITH = ("add", "sub", "mul", "div", "floordiv", "mod", "pow")
-BITS = ("and", "or", "xor", "lshift", "rshift")
-COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
 class Node:

@@ -219,10 +219,12 @@ class ScoreChain:
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
         T = R = None
+        if self.score_mod is not None or self.mask_mod is not None:
+            index = self.indices(bh, a0, c0, shift, S.shape)
+            tile = (a0 - c0 - self.var.kv0, rows, cols)     # its offset for relative parts
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             R = S
-            S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R},
-                                     tile=(a0 - c0 - self.var.kv0, rows, cols))
+            S = self.score_mod.value({**index, "score": R}, tile=tile)
             if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
                     and S.flags.owndata):       # the later steps write the tile in place
                 S = np.array(np.broadcast_to(S, R.shape), self.acc_t)
@@ -241,8 +243,7 @@ class ScoreChain:
             np.copyto(S, NEG_INF, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
                                                           shift, rows, cols))
         if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
-            M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape),
-                                    tile=(a0 - c0 - self.var.kv0, rows, cols))
+            M = self.mask_mod.value(index, tile=tile)
             np.copyto(S, NEG_INF, where=np.logical_not(M))
         return S, T, R
 
