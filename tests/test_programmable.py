@@ -491,6 +491,16 @@ def test_translation_is_shared_by_equal_functions():
     assert translate(a, "score_mod").key() == translate(b_, "score_mod").key()
     assert translate(a, "score_mod").key() != translate(t5_like, "score_mod").key()
 
+    def closing_over(tab):
+        def f(score, b, h, q_idx, kv_idx):
+            return score + tab[h, 0]
+        return f
+
+    same = [translate(closing_over(t), "score_mod").key() for t in
+            (np.zeros((4, 2), np.float32), np.ones((4, 2), np.float32),
+             np.zeros((4, 2), np.float64))]
+    assert same[0] == same[1] != same[2]   # the values are read at run time, the dtype compiled
+
 
 # ------------------------------------------------------------------ the evaluator's shortcuts
 rel_table = rng.standard_normal((4, 64))
