@@ -88,9 +88,6 @@ def _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk):
     if score_mod is None and mask_mod is None and block_mask is None:
         return None, None, None
     from . import programmable
-    if be.name != "numpy" and block_mask is not None:
-        raise ValueError(f"block_mask is supported by backend='numpy' only so far; got "
-                         f"backend={be.name!r} (mask_mod alone runs on every backend)")
     sm = None if score_mod is None else programmable.translate(score_mod, "score_mod")
     mm = None if mask_mod is None else programmable.translate(mask_mod, "mask_mod")
     if block_mask is not None:
@@ -140,8 +137,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     Programmable attention (docs/programmable.md): score_mod(score, b, h, q_idx, kv_idx)
     → the new score, applied to scale·q·kᵀ before every other variant; mask_mod(b, h,
     q_idx, kv_idx) → True where the key may be attended (both compiled into the kernels
-    too); block_mask (cuflash.block_mask; backend="numpy" so far) skips the tiles its
-    mask_mod leaves empty. b is the flattened batch index, h the query head.
+    too); block_mask (cuflash.block_mask) skips the tiles its mask_mod leaves empty and
+    runs the full ones without it. b is the flattened batch index, h the query head.
     """
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)

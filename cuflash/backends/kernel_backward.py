@@ -95,7 +95,9 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
     # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
     # prefers two kernels (W = 0)
-    plain = dq_workers is None and kernel_forward.plain_call(scale)
+    # (a block mask: the mma.sync or SIMT kernels, whose loops skip its empty tiles)
+    plain = (dq_workers is None and kernel_forward.plain_call(scale)
+             and (variants is None or variants.block_mask is None))
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                           dq_parts=not return_dbias and dq_workers != 0,
                                           plain=plain)
@@ -144,7 +146,9 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # (the dQ blocks loop over the heads and batches sharing a bias row; a bias without its
     # query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu, flash_bwd_tc.cu).
     mods = backend.kernel_mods(variants, acc)   # a score_mod / mask_mod, compiled in
-    vflags = variant_args(xp, variants, acc, mods)
+    def vflags(plan):  # a block mask's kinds are of the plan's own tiles
+        return variant_args(xp, variants, acc, mods, plan)
+
     dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
         xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3  # query-broadcast bias: dK/dV writes it
@@ -166,7 +170,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                                  dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
                                            strides=(*strides_in, s3(dk), s3(dv)),
                                            dbias_cols=cols, want_dbias_cols=by_cols,
-                                           dq_parts=dq_parts, variants=vflags, **common),
+                                           dq_parts=dq_parts, variants=vflags(p_dkdv), **common),
                                  shared_mem=p_dkdv.dynamic_smem_bytes)
     # 3. dQ: the partials' sum, or the dQ kernel
     if workers:
@@ -184,7 +188,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                                            strides=(*strides_in, s3(dq)), dbias=dbias,
                                            dbias_strides=dbias_st,
                                            want_dbias=return_dbias and not by_cols,
-                                           heads=heads, batches=batches, variants=vflags,
+                                           heads=heads, batches=batches, variants=vflags(p_dq),
                                            **common),
                                    shared_mem=p_dq.dynamic_smem_bytes)
     if return_dbias:

@@ -111,8 +111,12 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     max_k = segments.max_k if segments is not None else Nk
     acc = _dtypes.accum_dtype(q.dtype)
     lim = backend.limits()
+    # a block mask runs on the mma.sync or SIMT kernels: their key loops skip its empty
+    # tiles (the Hopper forward's producer and consumers walk every tile)
+    masked = variants is not None and variants.block_mask is not None
     plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32,
-                        scale=scale, segments=segments, num_splits=num_splits)
+                        scale=None if masked else scale, segments=segments,
+                        num_splits=num_splits)
     if isinstance(plan, tiling.Sm90FwdPlan):
         return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
                                                 variants=variants, plan=plan, segments=segments)
@@ -130,6 +134,9 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
     strides = [marshal.strides(a, packed=cu[i] is not None)
                for a, i in ((q, 0), (k, 1), (v, 1), (o, 0))]
+    if masked and plan.kernel not in SPLITTABLE:
+        raise ValueError(f"block_mask is taken by algorithm='fa2' (the default); got "
+                         f"algorithm={algorithm!r}")
     if plan.kernel not in SPLITTABLE:
         grid = num_d_chunks * Hq * B  # FA1: O, ℓ, m in global memory, per head-dim chunk
         o_acc = xp.empty((B, Hq, Nq, d), dtype=acc)
@@ -138,7 +145,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
         args = fa1_forward_args(q, k, v, o, lse, o_acc, l_buf, m_buf, batch=B, sizes=sizes,
                                 strides=strides, scale=acc.type(scale), causal=causal,
                                 num_d_chunks=num_d_chunks,
-                                variants=variant_args(xp, variants, acc, mods))
+                                variants=variant_args(xp, variants, acc, mods, plan))
         i32(grid, "grid size (blocks = head-dim chunks x heads x batch)")
         backend.get_function(plan, mods)((grid,), (plan.num_threads,), args,
                                    shared_mem=plan.dynamic_smem_bytes)
@@ -160,7 +167,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
                         num_d_chunks=num_d_chunks,
                         layout=layout_args(xp, segments, lse, num_splits, o_part,
                                            page_size=k.shape[2]),
-                        variants=variant_args(xp, variants, acc, mods))
+                        variants=variant_args(xp, variants, acc, mods, plan))
     backend.get_function(plan, mods)((grid,), (plan.num_threads,), args,
                                shared_mem=plan.dynamic_smem_bytes)
     if num_splits > 1:

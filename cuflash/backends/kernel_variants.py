@@ -18,11 +18,12 @@ def _strides4(a):
     return tuple(np.int64(0 if n == 1 else s // a.itemsize) for n, s in zip(a.shape, a.strides))
 
 
-def variant_args(xp, variants, acc, mods=None) -> tuple:
+def variant_args(xp, variants, acc, mods=None, plan=None) -> tuple:
     """The arguments after a kernel's own: flags, softcap, ALiBi slopes, bias, mask,
     dropout's threshold and key, 1/(1 − p), window, and with `mods` (KernelMods, the
-    call's score_mod / mask_mod compiled in) their captured arrays. Absent arrays are a
-    1-element dummy (never read: their flag is off)."""
+    call's score_mod / mask_mod compiled in) their captured arrays — and with a block mask
+    the kinds of `plan`'s score tiles. Absent arrays are a 1-element dummy (never read:
+    their flag is off)."""
     var = variants or PLAIN
     if var.batch0 and var.dropout_p > 0:
         # The kernels draw the sequence index of a packed batch from the launch itself
@@ -58,7 +59,8 @@ def variant_args(xp, variants, acc, mods=None) -> tuple:
     if mods is not None:
         from ..programmable.cuda_c import mod_args
         flags |= mods.flags
-        extra = mod_args(mods)
+        tiles = var.block_mask.kernel_tiles(*plan.score_tile, xp) if mods.block_mask else None
+        extra = mod_args(mods, tiles)
     return (np.int32(flags), acc.type(var.softcap or 1.0), alibi, alibi_sb, bias, *bias_st,
             mask, *mask_st, np.uint32(var.threshold), np.uint32(var.seed & 0xFFFFFFFF),
             np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(left),

@@ -83,14 +83,15 @@ class KernelBackend:
         return fn
 
     def kernel_mods(self, variants, acc):
-        """The KernelMods of a call's score_mod / mask_mod (None without): indices outside
-        a captured array are clamped, except in the emulator's checked mode, which reports
-        the read."""
+        """The KernelMods of a call's score_mod / mask_mod (None without), and its block
+        mask's: indices outside a captured array are clamped, except in the emulator's
+        checked mode, which reports the read."""
         if variants is None or (variants.score_mod is None and variants.mask_mod is None):
             return None
         from ..programmable.cuda_c import kernel_mods
         clamp = not (self.name == "emulator" and self.module_options.get("checked"))
-        return kernel_mods(self.xp, variants.score_mod, variants.mask_mod, acc, clamp=clamp)
+        return kernel_mods(self.xp, variants.score_mod, variants.mask_mod, acc, clamp=clamp,
+                           block_mask=variants.block_mask is not None)
 
     def module(self, source, name_expressions=()):
         """A module of `source` (a file of cuflash/kernels) compiled with the options of the

@@ -12,7 +12,10 @@
 // kernel (programmable/cuda_c.py): CUFLASH_SCORE_MOD with cuflash_score_mod and its
 // derivative cuflash_score_mod_grad, CUFLASH_MASK_MOD with cuflash_mask_mod, and
 // CUFLASH_MODS with their captured arrays (CUFLASH_MOD_PARAMS, the record cuflash_mods).
-// The score_mod runs first, on scale·q·k; the mask_mod with the masks.
+// The score_mod runs first, on scale·q·k; the mask_mod with the masks. With a block mask
+// (CUFLASH_BLOCK_MASK, cuflash.block_mask) the record also holds the kind of each of the
+// kernel's tiles: the key loops skip empty tiles (neither copied nor computed) and run full
+// ones without the mask_mod (tile_kind, enter_tile).
 #pragma once
 
 #include "common.cuh"
@@ -32,6 +35,9 @@ enum VariantFlag : int {
     kScoreMod = 64, // cuflash_score_mod(s, b, h, i, j) (compiled in: CUFLASH_SCORE_MOD)
     kMaskMod = 128, // cuflash_mask_mod(b, h, i, j): False hides the key (CUFLASH_MASK_MOD)
 };
+
+// Kinds of a tile under a block mask (cuflash/programmable/block_mask.py's).
+enum TileKind : int { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
 
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
@@ -66,6 +72,26 @@ template <typename T> struct Variants {
         bias_bh = b * bias_sb + h * bias_sh;
         mask_bh = b * mask_sb + h * mask_sh;
     }
+
+#ifdef CUFLASH_BLOCK_MASK
+    // The block mask's kind of the kernel's tile of BM query rows from m0 and BN keys from
+    // n0 (multiples of BM, BN), of batch row b_ and query head h_: one byte, read by the
+    // whole block (the host regrids the mask's blocks to the kernel's tiles).
+    template <int BM, int BN>
+    __device__ __forceinline__ int tile_kind(int b_, int h_, int m0, int n0) const {
+        return mods.tile_kinds[b_ * mods.tiles_sb + h_ * mods.tiles_sh +
+                               (long long)(m0 / BM) * mods.tiles_k + n0 / BN];
+    }
+    // A full tile runs without the mask_mod, a partial one with it.
+    __device__ __forceinline__ void enter_tile(int kind) {
+        flags = kind == kTileFull ? flags & ~kMaskMod : flags | kMaskMod;
+    }
+#else
+    template <int BM, int BN> __device__ __forceinline__ int tile_kind(int, int, int, int) const {
+        return kTilePartial;  // every tile is visited, with the chain as it is
+    }
+    __device__ __forceinline__ void enter_tile(int) {}
+#endif
 
     // Any option that changes the scores (the plain path skips score() altogether).
     __device__ __forceinline__ bool scores() const {

@@ -69,6 +69,14 @@ class SimtBwdPlan(Plan):
         return self.num_warps * (32 // self.lanes_per_row) * self.rows_per_group
 
     @property
+    def score_tile(self) -> tuple:
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity
+        (the dK/dV kernel's block owns keys, the dQ kernel's queries)."""
+        if self.kernel == FLASH_BWD_DKDV.name:
+            return self.tile_rows, self.block_rows
+        return self.block_rows, self.tile_rows
+
+    @property
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.kernel, self.accum_bytes, self.head_dim_bucket,
                               self.tile_rows, self.block_rows, self.chunked)

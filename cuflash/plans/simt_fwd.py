@@ -66,6 +66,11 @@ class SimtFwdPlan(Plan):
         return attention_smem_bytes(self.accum_bytes, self.head_dim_bucket,
                                     self.block_m, self.block_n)
 
+    @property
+    def score_tile(self) -> tuple:
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity."""
+        return self.block_m, self.block_n
+
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim_bucket} "
                 f"Br={self.block_m} Bc={self.block_n} threads={self.num_threads} "

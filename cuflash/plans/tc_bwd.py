@@ -170,6 +170,14 @@ class TcBwdPlan(Plan):
     def chunked(self) -> bool:
         return self.chunk_cols < self.head_dim
 
+    @property
+    def score_tile(self) -> tuple:
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity
+        (the dK/dV kernel's block owns keys, the dQ kernel's queries)."""
+        if self.kernel == FLASH_BWD_DKDV_TC.name:
+            return self.tile_rows, self.block_rows
+        return self.block_rows, self.tile_rows
+
     def num_d_chunks(self, d: int) -> int:
         """Blocks per row block for head dim d: the chunks that hold a column < d (the
         kernel computes the same count from d)."""

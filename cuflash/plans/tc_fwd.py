@@ -114,6 +114,11 @@ class TcPlan(Plan):
         return self.block_m // (16 * self.num_warps)
 
     @property
+    def score_tile(self) -> tuple:
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity."""
+        return self.block_m, self.block_n
+
+    @property
     def head_dim_bucket(self) -> int:
         return self.head_dim
 

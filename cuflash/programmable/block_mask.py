@@ -25,6 +25,31 @@ class BlockMask:
     def __init__(self, mod, kinds, block, Nq, Nk, dtype):
         self.mod, self.kinds, self.block = mod, kinds, tuple(block)
         self.Nq, self.Nk, self.dtype = Nq, Nk, np.dtype(dtype)
+        self._tiles = {}  # (rows, keys, xp) -> kernel_tiles' array
+
+    def kernel_tiles(self, rows, keys, xp=np):
+        """The kinds of a kernel's tiles of `rows` queries × `keys` keys (B or 1, H or 1,
+        ⌈Nq/rows⌉, ⌈Nk/keys⌉), C-contiguous uint8 on the array module xp: a tile is empty
+        if every block it overlaps is, full if every one is, else partial. Kept per tile
+        shape: a kernel launch looks up one byte per tile."""
+        key = (rows, keys, xp.__name__)
+        if key not in self._tiles:
+            k = self.kinds
+            for axis, tile, block, n in ((2, rows, self.block[0], self.Nq),
+                                         (3, keys, self.block[1], self.Nk)):
+                starts = np.arange(0, n, tile)
+                first, last = starts // block, (np.minimum(starts + tile, n) - 1) // block
+                size = (last - first + 1).reshape([-1 if a == axis else 1 for a in range(4)])
+
+                def count(kind):  # blocks of `kind` in each tile's span [first, last]
+                    c = np.cumsum(k == kind, axis=axis)
+                    c = np.concatenate([np.zeros_like(np.take(c, [0], axis)), c], axis)
+                    return np.take(c, last + 1, axis) - np.take(c, first, axis)
+
+                k = np.where(count(EMPTY) == size, EMPTY,
+                             np.where(count(FULL) == size, FULL, PARTIAL)).astype(np.uint8)
+            self._tiles[key] = xp.ascontiguousarray(xp.asarray(k))
+        return self._tiles[key]
 
     @property
     def shape(self):

@@ -100,9 +100,11 @@ class KernelMods(NamedTuple):
     flags: int
 
 
-def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True):
+def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False):
     """The KernelMods of a call (score_mod, mask_mod: translate.Mod or None) for the
-    accumulation dtype acc_t, on the array module xp (buffers converted there)."""
+    accumulation dtype acc_t, on the array module xp (buffers converted there). With
+    `block_mask` the record also holds a block mask's tile kinds (CUFLASH_BLOCK_MASK:
+    mod_args' `tiles`)."""
     acc_t = np.dtype(acc_t)
     A = "float" if acc_t == np.float32 else "double"
     buffers = {}
@@ -131,7 +133,13 @@ def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True):
         params += [f"long long mod_{name}_n{i}, long long mod_{name}_s{i}" for i in range(a.ndim)]
         record.append(f"mod_{name}")
         record += [f"mod_{name}_n{i}, mod_{name}_s{i}" for i in range(a.ndim)]
-    if not converted:
+    if block_mask:  # the kinds of the kernel's tiles, (b, h, tile row, tile column)
+        lines.append("    const unsigned char* tile_kinds;")
+        lines.append("    long long tiles_sb, tiles_sh, tiles_k;")
+        params.append("const unsigned char* mod_tile_kinds, long long mod_tiles_sb, "
+                      "long long mod_tiles_sh, long long mod_tiles_k")
+        record.append("mod_tile_kinds, mod_tiles_sb, mod_tiles_sh, mod_tiles_k")
+    if not record:
         lines.append("    int unused;")
         record.append("0")
     lines.append("};")
@@ -150,22 +158,30 @@ def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True):
         lines.append(emit.function(mask_mod.expr, "cuflash_mask_mod", "bool",
                                    "int b, int h, int q_idx, int kv_idx"))
         lines.append("#define CUFLASH_MASK_MOD 1")
+    if block_mask:
+        lines.append("#define CUFLASH_BLOCK_MASK 1")
     lines.append("#define CUFLASH_MODS 1")
     lines.append("#define CUFLASH_MOD_PARAMS , " + ", ".join(params) if params else
                  "#define CUFLASH_MOD_PARAMS")
     lines.append("#define CUFLASH_MOD_RECORD , cuflash_mods{" + ", ".join(record) + "}")
     code = "\n".join(lines) + "\n"
-    key = "|".join([A, str(clamp)] + [m.key() for m in (score_mod, mask_mod) if m is not None])
-    return KernelMods(code, key, tuple(converted), flags)
+    key = "|".join([A, str(clamp), "block_mask" * block_mask]
+                   + [m.key() for m in (score_mod, mask_mod) if m is not None])
+    return KernelMods(code, key, tuple(converted), flags, block_mask)
 
 
-def mod_args(mods):
-    """The CUFLASH_MOD_PARAMS arguments of a launch, in order."""
+def mod_args(mods, tiles=None):
+    """The CUFLASH_MOD_PARAMS arguments of a launch, in order. `tiles`: the block mask's
+    kinds of the launch's tiles (BlockMask.kernel_tiles), where mods were made with one."""
     out = []
     for _, a in mods.buffers:
         out.append(a)
         for n, s in zip(a.shape, a.strides):
             out += [np.int64(n), np.int64(s // a.itemsize)]
+    if mods.block_mask:  # C-contiguous bytes: strides in elements; 0 along a broadcast axis
+        out += [tiles, *(np.int64(0 if n == 1 else s) for n, s in zip(tiles.shape[:2],
+                                                                       tiles.strides[:2])),
+                np.int64(tiles.shape[3])]
     return tuple(out)
 
 
