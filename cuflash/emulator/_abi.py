@@ -84,6 +84,7 @@ _FUNCTIONS = {
                                           ctypes.c_ulonglong, ctypes.c_int]),
     "__emu_launch_wait": (ctypes.c_int, [ctypes.c_int]),
     "__emu_launch_end": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ErrorRecord)]),
+    "__emu_launch_traffic": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]),
     "__emu_bench_switch": (ctypes.c_double, [ctypes.c_long]),
 }
 

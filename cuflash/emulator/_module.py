@@ -144,6 +144,9 @@ class RawKernel:
         self.module = module
         self.name = name
         self._max_dynamic_smem = None   # CUDA's default: 48 KiB less the static arrays
+        # checked mode: {argument index: (bytes read, bytes written)} of the last launch's
+        # global accesses to each array argument (cp.async and TMA copies included)
+        self.last_traffic = None
         self.preferred_shared_memory_carveout = -1
         self.attributes = {}
 
@@ -211,6 +214,12 @@ class RawKernel:
                 while not rt.launch_wait(_WAIT_MS):
                     pass
                 finished = True
+                if checked:
+                    n = len(ranges) // 3
+                    out = (ctypes.c_uint64 * max(1, 3 * n))()
+                    rt.launch_traffic(out, n)
+                    self.last_traffic = {int(out[3 * i]): (int(out[3 * i + 1]), int(out[3 * i + 2]))
+                                         for i in range(n)}
             finally:
                 # an exception (Ctrl-C) cancels the launch: the workers stop at their next
                 # barrier, warp operation or block, and the arrays are free again on return

@@ -167,6 +167,9 @@ flash_bwd_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T*
         var.bind((int)b, h, Nq, Nk);
         A* dbias_bh = dbias_cols + (b * Hq + h) * Nk;  // Σ_i dS_ij of this head's keys
         for (int m0 = m_begin; m0 < m_end; m0 += BR) {
+            const int kind = var.template tile_kind<BR, BC>((int)b, h, m0, n0);
+            if (kind == kTileEmpty) continue;  // a block mask's empty tile: never read
+            var.enter_tile(kind);
             const int m_rows = min(BR, Nq - m0);
             for (int c = 0; c < n_chunks; ++c) {
                 const int chunk = (own + 1 + c) % n_chunks;
@@ -304,6 +307,9 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const T* v_bh = v + b * v_st.b + h_kv * v_st.h + k_row0 * v_st.r;
         // -- main loop: K_j, V_j tiles, head-dim chunks (own last)
         for (int n0 = n_begin; n0 < n_end; n0 += BC) {
+            const int kind = var.template tile_kind<BR, BC>((int)b, h, m0, n0);
+            if (kind == kTileEmpty) continue;  // a block mask's empty tile: never read
+            var.enter_tile(kind);
             const int n_cols = min(BC, n_end - n0);
             for (int c = 0; c < n_chunks; ++c) {
                 const int chunk = (own + 1 + c) % n_chunks;

@@ -159,7 +159,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         // tile x's index in the walk: (head, row tile) in order (BM a power of two)
         auto index = [&](Tile x) { return (x.h - h_kv * group) * m_tiles + (x.m0 - m_begin) / BM; };
         auto issue = [&](Tile x) {  // copy tile x into its ring slot (one commit group per tile)
-            if (x.h < h_end) {
+            // (not a block mask's empty tile: its slot is never read)
+            if (x.h < h_end &&
+                var.template tile_kind<BM, BN>((int)b, x.h, x.m0, n0) != kTileEmpty) {
                 const int i = index(x);
                 const int h = x.h, m0 = x.m0;
                 const int slot = i % STAGES;
@@ -200,6 +202,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies)
             __syncthreads();              // ... everyone's; and everyone is done with tile i − 1
             issue(ahead(tile));           // tile i + STAGES − 1, into the slot tile i − 1 used
+            const int kind = var.template tile_kind<BM, BN>((int)b, tile.h, tile.m0, n0);
+            if (kind == kTileEmpty) return;  // a block mask's empty tile
+            var.enter_tile(kind);
             const int slot = index(tile) % STAGES;
             const T* sQi = sQ + slot * kSlot;
             const T* sdOi = sdO + slot * kSlot;
@@ -386,8 +391,9 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     const int n_begin = mask.key_begin(m0) / BN * BN;
     const int n_end = mask.key_end(min(m0 + BM, Nq));
     const int n_tiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
-    auto issue = [&](int j) {
-        if (j < n_tiles) {
+    auto issue = [&](int j) {  // (not a block mask's empty tile: its slot is never read)
+        if (j < n_tiles &&
+            var.template tile_kind<BM, BN>((int)b, h, m0, n_begin + j * BN) != kTileEmpty) {
             const int n0 = n_begin + j * BN;
             copy_tile_async<Tr, BN>(sK + (j % STAGES) * kSlot, k_bh, k_st.r, k_row0 + n0,
                                          k_row0 + Nk, d);
@@ -433,9 +439,12 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         issue(j + STAGES - 1);
+        const int n0 = n_begin + j * BN;
+        const int kind = var.template tile_kind<BM, BN>((int)b, h, m0, n0);
+        if (kind == kTileEmpty) return;  // a block mask's empty tile
+        var.enter_tile(kind);
         const T* sKj = sK + (j % STAGES) * kSlot;
         const T* sVj = sV + (j % STAGES) * kSlot;
-        const int n0 = n_begin + j * BN;
 
         // -- S = Q_i K_jᵀ, dP = dO_i V_jᵀ
         FragC s[Tr::kSTiles], dp[Tr::kSTiles];

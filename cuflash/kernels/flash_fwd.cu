@@ -95,6 +95,9 @@ flash_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     // -- main loop over K_j, V_j
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
+        const int kind = var.template tile_kind<BLOCK_M, BLOCK_N>(b, h, m0, n0);
+        if (kind == kTileEmpty) continue;  // a block mask's empty tile: never read
+        var.enter_tile(kind);
         if (num_d_chunks > 1) load_tile<Tr, BLOCK_M>(sQ, q_bh, q_st.r, m0, Nq, 0, d);
         const T* k_tile = seq.key_tile(k_h, k_st, b, n0);  // key rows n0 ..
         load_tile<Tr, BLOCK_N>(sK, k_tile, k_st.r, 0, Nk - n0, 0, d);

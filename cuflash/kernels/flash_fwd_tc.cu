@@ -189,10 +189,13 @@ __device__ __forceinline__ void flash_fwd_tc(
     const int t_plain = (seq.block_table || d != Tr::kHeadDim) ? 0 : Nk / BN;
     // Copy key tile jt (K_j and V_j, keys jt·BN ..; always the next one) into the ring
     // slot at byte `slot`.
+    // A block mask's empty tile is not copied (its slot is never read).
     auto copy_kv = [&](int jt, unsigned slot) {
         const int n0 = jt * BN;
+        const bool visit = var.template tile_kind<BM, BN>(b, h, m0, n0) != kTileEmpty;
         if constexpr (kLean && KCopy::kFits && VCopy::kFits) {
-            if (jt < t_plain) {
+            if (!visit) {
+            } else if (jt < t_plain) {
                 k_copy.template full<true>(s_k + slot, k_next);
                 v_copy.template full<true>(s_v + slot, v_next);
             } else {
@@ -221,7 +224,7 @@ __device__ __forceinline__ void flash_fwd_tc(
             }
             k_next += BN * k_st.r;
             v_next += BN * v_st.r;
-        } else {
+        } else if (visit) {
             copy_tile_async<Tr, BN, /*K_LAYOUT=*/kFragProducts>(
                 sK + slot / sizeof(T), seq.key_tile(k_h, k_st, b, n0), k_st.r, 0, Nk - n0, d);
             copy_tile_async<Tr, BN>(sV + slot / sizeof(T), seq.key_tile(v_h, v_st, b, n0),
@@ -271,6 +274,12 @@ __device__ __forceinline__ void flash_fwd_tc(
                 cp_async_commit();
             }
             const int n0 = j * BN;
+            const int kind = var.template tile_kind<BM, BN>(b, h, m0, n0);
+            if (kind == kTileEmpty) {  // a block mask's empty tile: on to the next slot
+                slot = slot + kSlotBytes == STAGES * kSlotBytes ? 0u : slot + kSlotBytes;
+                return;
+            }
+            var.enter_tile(kind);
 
             // -- compute qk: S = Q_i K_jᵀ
             FragC s[R][Tr::kSTiles];
@@ -344,6 +353,9 @@ __device__ __forceinline__ void flash_fwd_tc(
             }
             const int ring = (j - t_begin) % STAGES;  // tile j's slot
             const int n0 = j * BN;
+            const int kind = var.template tile_kind<BM, BN>(b, h, m0, n0);
+            if (kind == kTileEmpty) continue;  // a block mask's empty tile
+            var.enter_tile(kind);
 
             // -- compute qk: S = Q_i K_jᵀ · scale·log2 e, masked (−inf: P̃ = 0 exactly)
             FragC s[R][Tr::kSTiles];

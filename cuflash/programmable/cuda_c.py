@@ -92,12 +92,14 @@ _C_TYPES = {"f4": "float", "f8": "double", "i8": "long long", "u1": "unsigned ch
 class KernelMods(NamedTuple):
     """What a kernel compiles and launches with for one call's mods: `code` (compiled
     before the kernel's source), `key` (its cache key), `buffers` ((name, array) in
-    parameter order, already in the kernels' dtypes) and `flags` (the Variants bits)."""
+    parameter order, already in the kernels' dtypes), `flags` (the Variants bits) and
+    `block_mask` (whether the record holds a block mask's tile kinds)."""
 
     code: str
     key: str
     buffers: tuple
     flags: int
+    block_mask: bool = False
 
 
 def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False):

@@ -557,6 +557,8 @@ static void report_bounds(Worker* w, int space, uintptr_t addr, int size, bool w
 
 static void global_access(Worker* w, uintptr_t a, int size, bool wr, void* pc, bool atomic) {
     Launch* L = w->L;
+    for (auto& r : L->args)   // traffic per argument (one worker in checked mode)
+        if (a >= r.lo && a < r.hi) (wr ? r.written : r.read) += size;
     for (auto& g : L->regions) {
         if (a >= g.lo && a + size <= g.hi) {
             if (atomic) return;
@@ -1220,6 +1222,19 @@ EMU_EXPORT int __emu_launch_wait(int timeout_ms) {
     if (!L) return 1;
     std::unique_lock<std::mutex> g(L->run_mu);
     return L->run_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [L] { return L->running == 0; });
+}
+
+// Checked mode's traffic of the launch so far: (argument index, bytes read, bytes written)
+// of each array argument into out[3·i ..] (at most n of them); returns their count.
+EMU_EXPORT int __emu_launch_traffic(uint64_t* out, int n) {
+    Launch* L = g_launch;
+    if (!L) return 0;
+    for (int i = 0; i < (int)L->args.size() && i < n; ++i) {
+        out[3 * i] = (uint64_t)L->args[i].arg;
+        out[3 * i + 1] = L->args[i].read;
+        out[3 * i + 2] = L->args[i].written;
+    }
+    return (int)L->args.size();
 }
 
 // Ends the launch: with `cancel`, the workers stop at their next fiber switch or block; waits for

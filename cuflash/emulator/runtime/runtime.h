@@ -200,7 +200,11 @@ struct Worker {
 
 extern thread_local Worker* __emu_t_worker;
 
-struct Range { uintptr_t lo, hi; int arg; };
+struct Range {
+    uintptr_t lo, hi;
+    int arg;
+    uint64_t read = 0, written = 0;   // checked mode: bytes of the argument accessed
+};
 struct SShadow;
 struct GRegion { uintptr_t lo, hi; int32_t* wr; int32_t* rd; SShadow* sh; };
 
