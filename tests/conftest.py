@@ -95,11 +95,13 @@ class RecordingBackend(kernels.KernelBackend):
         super().__init__(*args, **kwargs)
         self.launched = []
         self.mods_launched = []  # the KernelMods of each launch (None: no mods compiled in)
+        self.functions = []      # the kernel of each launch (the emulator's: last_traffic)
 
     def get_function(self, plan, mods=None):
         self.launched.append(plan)
         self.mods_launched.append(mods)
-        return super().get_function(plan, mods)
+        self.functions.append(super().get_function(plan, mods))
+        return self.functions[-1]
 
     def take_launches(self) -> list:
         """The plans launched since the last call, in launch order."""

@@ -1,0 +1,105 @@
+"""Block masks in the CUDA kernels, run in the emulator's checked mode: every family the
+mma.sync and SIMT paths launch (forward, dK/dV, dQ, the 5-GEMM backward's dK/dV with dQ
+partials) gives the dense mask_mod's result, and reads only the tiles the block mask leaves
+non-empty — counted from the bytes each launch read of q or k (the emulator's
+last_traffic), against the tiles worked out from the mask written out densely."""
+import numpy as np
+import pytest
+
+from cuflash import variants as _variants
+from cuflash.backends import kernel_backward, kernel_forward
+from cuflash.programmable import block_mask
+
+from conftest import HAS_GXX, attention_inputs, emulator_backend
+from test_programmable import reference
+
+pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
+
+N, D = 256, 32
+DOCS = np.repeat(np.arange(4), 64)  # four documents of 64 tokens
+
+
+def document(b, h, q_idx, kv_idx):
+    return DOCS[q_idx] == DOCS[kv_idx]
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (kv_idx > q_idx - 48)
+
+
+def visited_tiles(dense, tile, block):
+    """The kernel tiles (rows, keys) = `tile` whose span of mask blocks (`block`) holds
+    any visible key of the dense (Nq, Nk) mask."""
+    (Nq, Nk), (tr, tk), (bq, bk) = dense.shape, tile, block
+
+    def span(i, t, b, n):  # the mask blocks kernel tile i overlaps, as rows
+        return slice(i * t // b * b, min(((min((i + 1) * t, n) - 1) // b + 1) * b, n))
+
+    return sum(bool(dense[span(i, tr, bq, Nq), span(j, tk, bk, Nk)].any())
+               for i in range(-(-Nq // tr)) for j in range(-(-Nk // tk)))
+
+
+FAMILIES = [pytest.param((7, 0), np.float32, 0, id="simt-float32"),
+            pytest.param(None, np.float64, 0, id="simt-float64"),
+            pytest.param(None, np.float16, 0, id="mma.sync-float16"),
+            pytest.param(None, np.float16, 2, id="mma.sync-float16-5gemm"),
+            pytest.param(None, np.float32, 0, id="tf32-float32")]
+
+
+@pytest.mark.parametrize("cc,dtype,workers", FAMILIES)
+@pytest.mark.parametrize("fn,block", [(document, 64), (sliding, (32, 64))],
+                         ids=["document", "sliding"])
+def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
+    be = emulator_backend("sm_80", cc=cc, checked=True)
+    Hq = 2  # two query heads on one K/V head: each reads the K/V head's tiles
+    q, k, v, do = attention_inputs(1, Hq, 1, N, N, D, dtype, seed=3)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    bm = block_mask(fn, None, None, N, N, block_size=block, dtype=acc)
+    assert 0 < bm.sparsity() < 1
+    var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
+    scale = D ** -0.5
+    ref = reference(q, k, v, do, scale=scale, mask_mod=fn)
+    tol = dict(rtol=0, atol=1e-12 if dtype == np.float64 else 5e-3 if dtype == np.float16
+               else 2e-5)
+
+    o, lse = kernel_forward.forward(be, q, k, v, causal=False, scale=scale, algorithm="fa2",
+                                    variants=var)
+    np.testing.assert_allclose(o.astype(np.float64), ref[0], **tol)
+    np.testing.assert_allclose(lse, ref[1], rtol=1e-6, atol=1e-6)
+    dense = np.broadcast_to(fn(0, 0, np.arange(N)[:, None], np.arange(N)[None, :]), (N, N))
+    item = np.dtype(dtype).itemsize
+
+    def rows_read(fn_, arg, plan, streamed):  # the streamed operand's tiles, as bytes
+        rows = plan.score_tile[streamed]
+        return fn_.last_traffic[arg][0] // (rows * D * item)
+
+    (plan,), (kernel,) = be.launched, be.functions
+    want = visited_tiles(dense, plan.score_tile, bm.block)
+    assert want < (N // plan.score_tile[0]) * (N // plan.score_tile[1])  # something skipped
+    assert rows_read(kernel, 1, plan, 1) == Hq * want   # K tiles, per query head
+
+    be.launched, be.functions = [], []
+    grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=False, scale=scale,
+                                     variants=var, dq_workers=workers or None)
+    for g, r in zip(grads, ref[2:]):
+        np.testing.assert_allclose(g.astype(np.float64), r, **tol)
+    launched = {p.kernel: (p, f) for p, f in zip(be.launched, be.functions)}
+    dkdv = launched.get("flash_bwd_dkdv_tc") or launched["flash_bwd_dkdv"]
+    assert rows_read(dkdv[1], 0, dkdv[0], 0) == Hq * visited_tiles(
+        dense, dkdv[0].score_tile, bm.block)  # Q tiles, per query head of the group
+    assert getattr(dkdv[0], "dq_parts", False) == bool(workers)
+    dq = launched.get("flash_bwd_dq_tc") or launched.get("flash_bwd_dq")
+    if not workers:
+        assert rows_read(dq[1], 1, dq[0], 1) == Hq * visited_tiles(dense, dq[0].score_tile,
+                                                                     bm.block)
+
+
+def test_fa1_refuses_a_block_mask():
+    be = emulator_backend("sm_80", cc=(7, 0))
+    q, k, v, _ = attention_inputs(1, 1, 1, 64, 64, 16, np.float32)
+    bm = block_mask(document, None, None, 64, 64)
+    var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
+    with pytest.raises(ValueError, match=r"block_mask is taken by algorithm='fa2' \(the "
+                                         r"default\); got algorithm='fa1'"):
+        kernel_forward.forward(be, q, k, v, causal=False, scale=0.25, algorithm="fa1",
+                               variants=var)
