@@ -94,12 +94,22 @@ def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
                                                                      bm.block)
 
 
-def test_fa1_refuses_a_block_mask():
-    be = emulator_backend("sm_80", cc=(7, 0))
-    q, k, v, _ = attention_inputs(1, 1, 1, 64, 64, 16, np.float32)
-    bm = block_mask(document, None, None, 64, 64)
-    var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
-    with pytest.raises(ValueError, match=r"block_mask is taken by algorithm='fa2' \(the "
-                                         r"default\); got algorithm='fa1'"):
-        kernel_forward.forward(be, q, k, v, causal=False, scale=0.25, algorithm="fa1",
-                               variants=var)
+def test_public_api_on_the_emulator():
+    """flash_attention(..., block_mask=) on the emulator gives the NumPy backend's result;
+    a causal call adds its own mask to the block mask's (both skip their tiles)."""
+    import cuflash
+    q, k, v, do = attention_inputs(2, 2, 1, N, N, 16, np.float32, seed=5)
+    bm = block_mask(sliding, None, None, N, N, block_size=32)
+    for causal in (False, True):
+        got = cuflash.flash_attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
+                                      backend="emulator")
+        want = cuflash.flash_attention(q, k, v, mask_mod=sliding, causal=causal,
+                                       return_lse=True, backend="numpy")
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+        g_grads = cuflash.flash_attention_backward(do, q, k, v, *got, block_mask=bm,
+                                                   causal=causal, backend="emulator")
+        w_grads = cuflash.flash_attention_backward(do, q, k, v, *want, mask_mod=sliding,
+                                                   causal=causal, backend="numpy")
+        for g, w in zip(g_grads, w_grads):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)

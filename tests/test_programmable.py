@@ -455,9 +455,9 @@ def test_bad_buffers_and_calls():
                                          r"axis 0 of `reach` \(size 2\)"):
         cuflash.flash_attention(q, k, v, score_mod=_out_of_range)
     bm = block_mask(prefix_lm, None, None, 10, 12)
-    with pytest.raises(ValueError, match="block_mask is supported by backend='numpy' only so "
-                                         "far; got backend='emulator'"):
-        cuflash.flash_attention(q, k, v, block_mask=bm, backend="emulator")
+    with pytest.raises(ValueError, match=r"block_mask is taken by algorithm='fa2' \(the "
+                                         r"default\); got algorithm='fa1'"):
+        cuflash.flash_attention(q, k, v, block_mask=bm, backend="emulator", algorithm="fa1")
     o, lse = cuflash.flash_attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="return_mod_grads is supported by backend='numpy' "
                                          "only so far; got backend='emulator'"):
