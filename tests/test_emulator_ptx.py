@@ -402,11 +402,14 @@ def test_cp_async_sizes_and_zero_fill(cp_size, checked):
     src = rng.integers(1, 256, n * cp_size).astype(np.uint8)
     src_size = (np.arange(n) % (cp_size + 1)).astype(np.int32)     # every src-size 0..cp-size
     out = np.zeros(n * cp_size, np.uint8)
-    ptx_module(checked=checked).get_function(f"cp_async_sizes<{cp_size}>")(
-        (1,), (n,), (src, src_size, out), shared_mem=n * cp_size)
+    f = ptx_module(checked=checked).get_function(f"cp_async_sizes<{cp_size}>")
+    f((1,), (n,), (src, src_size, out), shared_mem=n * cp_size)
     want = src.reshape(n, cp_size).copy()
     want[np.arange(cp_size)[None, :] >= src_size[:, None]] = 0
     np.testing.assert_array_equal(out.reshape(n, cp_size), np.roll(want, -1, axis=0))
+    if checked:  # the traffic of each argument: a cp.async reads src-size bytes
+        assert f.last_traffic == {0: (int(src_size.sum()), 0), 1: (4 * n, 0),
+                                  2: (0, n * cp_size)}
 
 
 @pytest.mark.parametrize("checked", [False, True])
