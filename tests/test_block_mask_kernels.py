@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from cuflash import variants as _variants
-from cuflash.backends import kernel_backward, kernel_forward
+from cuflash.backends import kernel_backward, kernel_backward_sm90, kernel_forward
+from cuflash.backends import kernel_forward_sm90
 from cuflash.programmable import block_mask
 
-from conftest import HAS_GXX, attention_inputs, emulator_backend
+from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+                      emulator_backend)
 from test_programmable import reference
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
@@ -39,6 +41,21 @@ def visited_tiles(dense, tile, block):
                for i in range(-(-Nq // tr)) for j in range(-(-Nk // tk)))
 
 
+def _references(q, k, v, do, scale, fn, dtype):
+    """The float64 reference, and for 16-bit inputs the one with P̃ rounded to 16 bits
+    (FlashAttention's rule: the error bound is a multiple of that one's error)."""
+    ref = reference(q, k, v, do, scale=scale, mask_mod=fn)
+    plain = (reference(q, k, v, do, scale=scale, mask_mod=fn, p_dtype=np.float16)
+             if dtype == np.float16 else None)
+    return ref, plain
+
+
+def _assert_grads(grads, ref, plain, dtype):
+    for g, r, p, what in zip(grads, ref[2:], (None,) * 3 if plain is None else plain[2:],
+                             ("dq", "dk", "dv")):
+        assert_close_to_reference(g, r, p, dtype, factor=4.0, what=what)
+
+
 FAMILIES = [pytest.param((7, 0), np.float32, 0, id="simt-float32"),
             pytest.param(None, np.float64, 0, id="simt-float64"),
             pytest.param(None, np.float16, 0, id="mma.sync-float16"),
@@ -58,14 +75,12 @@ def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
     assert 0 < bm.sparsity() < 1
     var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
     scale = D ** -0.5
-    ref = reference(q, k, v, do, scale=scale, mask_mod=fn)
-    tol = dict(rtol=0, atol=1e-12 if dtype == np.float64 else 5e-3 if dtype == np.float16
-               else 2e-5)
+    ref, plain = _references(q, k, v, do, scale, fn, dtype)
 
     o, lse = kernel_forward.forward(be, q, k, v, causal=False, scale=scale, algorithm="fa2",
                                     variants=var)
-    np.testing.assert_allclose(o.astype(np.float64), ref[0], **tol)
-    np.testing.assert_allclose(lse, ref[1], rtol=1e-6, atol=1e-6)
+    assert_close_to_reference(o, ref[0], plain and plain[0], dtype, what="o")
+    assert_lse_close(lse, ref[1], dtype)
     dense = np.broadcast_to(fn(0, 0, np.arange(N)[:, None], np.arange(N)[None, :]), (N, N))
     item = np.dtype(dtype).itemsize
 
@@ -81,8 +96,7 @@ def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
     be.launched, be.functions = [], []
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=False, scale=scale,
                                      variants=var, dq_workers=workers or None)
-    for g, r in zip(grads, ref[2:]):
-        np.testing.assert_allclose(g.astype(np.float64), r, **tol)
+    _assert_grads(grads, ref, plain, dtype)
     launched = {p.kernel: (p, f) for p, f in zip(be.launched, be.functions)}
     dkdv = launched.get("flash_bwd_dkdv_tc") or launched["flash_bwd_dkdv"]
     assert rows_read(dkdv[1], 0, dkdv[0], 0) == Hq * visited_tiles(
@@ -113,3 +127,41 @@ def test_public_api_on_the_emulator():
                                                    causal=causal, backend="numpy")
         for g, w in zip(g_grads, w_grads):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fn,block", [(document, 64), (sliding, (32, 64))],
+                         ids=["document", "sliding"])
+def test_hopper_kernels_skip_empty_tiles(fn, block):
+    """The Hopper forward's producer and consumers, and both backward passes', walk the same
+    non-empty tiles: their TMA loads of k (forward, dQ) and q (dK/dV) count them."""
+    be = emulator_backend("sm_90a", checked=True)
+    Hq, d = 2, 64
+    q, k, v, do = attention_inputs(1, Hq, 1, N, N, d, np.float16, seed=3)
+    # the tensor maps read (B, N, H, d) in place
+    q, k, v, do = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                   for x in (q, k, v, do))
+    bm = block_mask(fn, None, None, N, N, block_size=block)
+    var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
+    scale = d ** -0.5
+    ref, plain = _references(q, k, v, do, scale, fn, np.float16)
+    o, lse = kernel_forward_sm90.forward_sm90(be, q, k, v, causal=False, scale=scale,
+                                              variants=var)
+    assert_close_to_reference(o, ref[0], plain[0], np.float16, what="o")
+    assert_lse_close(lse, ref[1], np.float16)
+    dense = np.broadcast_to(fn(0, 0, np.arange(N)[:, None], np.arange(N)[None, :]), (N, N))
+    tile_bytes = d * 2  # a row of a 16-bit tile
+
+    def tiles_read(plan, fn_, arg, streamed):
+        return fn_.last_traffic[arg][0] // (plan.score_tile[streamed] * tile_bytes)
+
+    (plan,), (kernel,) = be.launched, be.functions
+    assert tiles_read(plan, kernel, 1, 1) == Hq * visited_tiles(dense, plan.score_tile, bm.block)
+    be.launched, be.functions = [], []
+    Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
+    grads = kernel_backward_sm90.backward_sm90(be, do, q, k, v, lse, Dvec, causal=False,
+                                               scale=scale, variants=var)
+    _assert_grads(grads, ref, plain, np.float16)
+    (p_dkdv, p_dq), (f_dkdv, f_dq) = be.launched, be.functions
+    assert tiles_read(p_dkdv, f_dkdv, 0, 0) == Hq * visited_tiles(dense, p_dkdv.score_tile,
+                                                                  bm.block)
+    assert tiles_read(p_dq, f_dq, 1, 1) == Hq * visited_tiles(dense, p_dq.score_tile, bm.block)

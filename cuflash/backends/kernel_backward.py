@@ -95,9 +95,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
     # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
     # prefers two kernels (W = 0)
-    # (a block mask: the mma.sync or SIMT kernels, whose loops skip its empty tiles)
-    plain = (dq_workers is None and kernel_forward.plain_call(scale)
-             and (variants is None or variants.block_mask is None))
+    plain = dq_workers is None and kernel_forward.plain_call(scale)
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                           dq_parts=not return_dbias and dq_workers != 0,
                                           plain=plain)

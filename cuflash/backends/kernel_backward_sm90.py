@@ -77,13 +77,15 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                          for x in padded)
     cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
     mods = backend.kernel_mods(variants, np.float32)   # a score_mod / mask_mod, compiled in
-    sizes = (*cu, np.int32(Hq), np.int32(Hq // Hkv), np.int32(rows_q), np.int32(rows_k),
-             np.float32(scale), np.int32(bool(causal)),
-             *variant_args(xp, variants, np.float32, mods))
+    def sizes(plan):  # a block mask's kinds are of the plan's own tiles
+        return (*cu, np.int32(Hq), np.int32(Hq // Hkv), np.int32(rows_q), np.int32(rows_k),
+                np.float32(scale), np.int32(bool(causal)),
+                *variant_args(xp, variants, np.float32, mods, plan))
+
     backend.get_function(p_dkdv, mods)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
-         cols, np.int32(by_cols), *sizes),
+         cols, np.int32(by_cols), *sizes(p_dkdv)),
         shared_mem=p_dkdv.dynamic_smem_bytes)
     # the heads (batch rows) that share a row of dbias take one launch each, in stream order
     want = np.int32(return_dbias and not by_cols)
@@ -93,7 +95,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                 (-(-Nq // p_dq.own_rows), Hq // heads_per_launch, B // batch_per_launch),
                 (p_dq.num_threads,),
                 (*maps((q, do), (k, v), p_dq.own_rows, p_dq.streamed_rows), lse, Dvec, dq,
-                 dbias, *dbias_st, want, np.int32(h0), np.int32(b0), *sizes),
+                 dbias, *dbias_st, want, np.int32(h0), np.int32(b0), *sizes(p_dq)),
                 shared_mem=p_dq.dynamic_smem_bytes)
     return result()
 

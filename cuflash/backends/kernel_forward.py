@@ -111,12 +111,8 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     max_k = segments.max_k if segments is not None else Nk
     acc = _dtypes.accum_dtype(q.dtype)
     lim = backend.limits()
-    # a block mask runs on the mma.sync or SIMT kernels: their key loops skip its empty
-    # tiles (the Hopper forward's producer and consumers walk every tile)
-    masked = variants is not None and variants.block_mask is not None
     plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32,
-                        scale=None if masked else scale, segments=segments,
-                        num_splits=num_splits)
+                        scale=scale, segments=segments, num_splits=num_splits)
     if isinstance(plan, tiling.Sm90FwdPlan):
         return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
                                                 variants=variants, plan=plan, segments=segments)
@@ -134,7 +130,8 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
     strides = [marshal.strides(a, packed=cu[i] is not None)
                for a, i in ((q, 0), (k, 1), (v, 1), (o, 0))]
-    if masked and plan.kernel not in SPLITTABLE:
+    masked = variants is not None and variants.block_mask is not None
+    if masked and plan.kernel not in SPLITTABLE:  # FA1's K/V-outer loop walks every tile
         raise ValueError(f"block_mask is taken by algorithm='fa2' (the default); got "
                          f"algorithm={algorithm!r}")
     if plan.kernel not in SPLITTABLE:

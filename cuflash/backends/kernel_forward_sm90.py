@@ -149,6 +149,6 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
       (*maps, o, lse, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q),
        np.int32(rows_k),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
-       *variant_args(xp, variants, np.float32, mods)),
+       *variant_args(xp, variants, np.float32, mods, plan)),
       shared_mem=plan.dynamic_smem_bytes)
     return o, lse

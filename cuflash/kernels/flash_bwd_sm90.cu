@@ -169,10 +169,12 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
                 sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
             }
-            for (int it = 0; it < steps; ++it) {
-                const int s = it % STAGES, hq = h_kv * group + it / (i_end - i_begin);
+            for (int it = 0, pos = 0; it < steps; ++it) {  // pos: tiles loaded, the ring's
+                const int hq = h_kv * group + it / (i_end - i_begin);
                 const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
-                auto* full = ring.acquire(it, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
+                if (var.template tile_kind<BM, BN>(b, hq, m0, n0) == kTileEmpty) continue;
+                const int s = pos % STAGES;  // (a block mask's empty tile: not loaded)
+                auto* full = ring.acquire(pos++, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
                     sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row0 + m0, hq, tb, full);
                     sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row0 + m0, hq, tb, full);
@@ -201,10 +203,14 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     unsigned pa[BM / 16][4], pds[BM / 16][4];
 
     sm90::mbar_wait(&kv_full, 0);
-    for (int it = 0; it < steps; ++it) {
-        const int s = it % STAGES;
+    for (int it = 0, pos = 0; it < steps; ++it) {  // pos: tiles consumed, as the producer's
         const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
-        ring.wait(it);
+        const int hq = h_kv * group + it / (i_end - i_begin);
+        const int kind = var.template tile_kind<BM, BN>(b, hq, m0, n0);
+        if (kind == kTileEmpty) continue;  // a block mask's empty tile
+        var.enter_tile(kind);
+        const int s = pos % STAGES;
+        ring.wait(pos);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
@@ -244,7 +250,6 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             }
         };
         if (variants) {  // Pᵀ ∘ Z (dropout) for dV, dSᵀ ∘ (1 − t²) (softcap) for dK
-            const int hq = h_kv * group + it / (i_end - i_begin);
             var.bind(b, hq, Nq, Nk);
             float cols_top = 0.f, cols_bottom = 0.f;  // Σ over the thread's queries of dS
 #pragma unroll 1
@@ -290,7 +295,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                   sm90::desc_mn_major_sw128(sm.q[s][0], Tr::kQBoxBytes) + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        ring.release(it);
+        ring.release(pos++);
     }
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
@@ -366,9 +371,11 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 sm90::tma_load_4d(sm.q[c], map_q, 64 * c, q_row0 + m0, h, tb, &q_full);
                 sm90::tma_load_4d(sm.dout[c], map_do, 64 * c, q_row0 + m0, h, tb, &q_full);
             }
-            for (int j = 0; j < tiles; ++j) {
-                const int s = j % STAGES;
-                auto* full = ring.acquire(j, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
+            for (int j = 0, pos = 0; j < tiles; ++j) {  // pos: tiles loaded, the ring's
+                if (var.template tile_kind<BM, BN>(b, h, m0, (j0 + j) * BN) == kTileEmpty)
+                    continue;  // a block mask's empty tile: not loaded
+                const int s = pos % STAGES;
+                auto* full = ring.acquire(pos++, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
                     const int row = k_row0 + (j0 + j) * BN;
                     sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, h_kv, tb, full);
@@ -402,9 +409,13 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     unsigned pds[BN / 16][4];
 
     sm90::mbar_wait(&q_full, 0);
-    for (int j = 0; j < tiles; ++j) {
-        const int s = j % STAGES, n0 = (j0 + j) * BN;
-        ring.wait(j);
+    for (int j = 0, pos = 0; j < tiles; ++j) {  // pos: tiles consumed, as the producer's
+        const int n0 = (j0 + j) * BN;
+        const int kind = var.template tile_kind<BM, BN>(b, h, m0, n0);
+        if (kind == kTileEmpty) continue;  // a block mask's empty tile
+        var.enter_tile(kind);
+        const int s = pos % STAGES;
+        ring.wait(pos);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
@@ -467,7 +478,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                   sm90::desc_mn_major_sw128(sm.k[s][0], Tr::kKvBoxBytes) + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        ring.release(j);
+        ring.release(pos++);
     }
 
     // -- dQ_i · scale, from registers

@@ -190,7 +190,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c)
                     sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.q_row0 + x.m0, x.h, x.tb, &q_full);
-                for (int j = x.j0; j < x.j1; ++j, ++it) {
+                // the key tiles a block mask leaves non-empty (all of them without one)
+                for (int j = var.template next_tile<BM, BN>(x.b, x.h, x.m0, x.j0, x.j1); j < x.j1;
+                     j = var.template next_tile<BM, BN>(x.b, x.h, x.m0, j + 1, x.j1), ++it) {
                     const int s = it % STAGES;
                     int row = x.k_row0 + j * BN, kb = x.tbk;  // the tile's rows in k and v
                     if (VARLEN && block_table) {  // its page
@@ -253,6 +255,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // max of S, scaled; P̃ = exp2(S·c − m_new) in place, dropped out for P̃ V; returns α
     auto softmax = [&](int j, float& alpha_top, float& alpha_bottom) {
         const int n0 = j * BN;
+        var.enter_tile(var.template tile_kind<BM, BN>(tile_b, tile_h, m0, n0));
         if (scores) {  // the chain inlined once: a rolled loop takes score e from sc[0]
             var.bind(tile_b, tile_h, mask.Nq, mask.Nk);
             const float inv_c = 1.f / c;  // back from log2 units to S's
@@ -324,18 +327,19 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     int it = 0;  // key tiles consumed so far: the rings' slot and phase, as the producer's
     int n = 0;   // tiles run so far: q_full's phase
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        int j0, tiles;
+        int j0, j1, tiles;  // the first key tile visited, the range's end, the count
         {  // the tile's fields the loop needs, in registers of their own
             const Tile x = tile_at(tile);
             if (x.skip) continue;
-            j0 = x.j0;
-            tiles = x.j1 - x.j0;
+            j0 = var.template next_tile<BM, BN>(x.b, x.h, x.m0, x.j0, x.j1);
+            j1 = x.j1;
+            tiles = var.template count_tiles<BM, BN>(x.b, x.h, x.m0, j0, x.j1);
             m0 = x.m0;
             tile_b = x.b;
             tile_h = x.h;
             mask = x.mask;
         }
-        mask.full_tiles(m0, m0 + BM, BN, j0, j0 + tiles, full_lo, full_hi);
+        mask.full_tiles(m0, m0 + BM, BN, j0, j1, full_lo, full_hi);
         r_top = m0 + warpgroup * 64 + row;
         top.init();
         bottom.init();
@@ -354,7 +358,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             softmax(j0, alpha_top, alpha_bottom);
             pack();
         }
-        for (int j = 1; j < tiles; ++j) {
+        for (int j = 1, jt = j0; j < tiles; ++j) {  // the j-th tile visited: key tile jt
+            jt = var.template next_tile<BM, BN>(tile_b, tile_h, m0, jt + 1, j1);
             const int s = (it + j) % STAGES, s_prev = (it + j - 1) % STAGES;
             ring_k.wait(it + j);
             ring_v.wait(it + j - 1);
@@ -366,7 +371,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order): K_j is free
             ring_k.release(it + j);
             float alpha_top, alpha_bottom;
-            softmax(j0 + j, alpha_top, alpha_bottom);
+            softmax(jt, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
             ring_v.release(it + j - 1);
             // acc *= α, skipped by the whole warp when none of its rows' max moved (every α

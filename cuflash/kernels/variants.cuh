@@ -86,11 +86,31 @@ template <typename T> struct Variants {
     __device__ __forceinline__ void enter_tile(int kind) {
         flags = kind == kTileFull ? flags & ~kMaskMod : flags | kMaskMod;
     }
+    // The first key tile j' in [j, j1) the block mask does not leave empty (j1: none), and
+    // how many of [j, j1) it leaves non-empty: for loops whose ring counts visited tiles
+    // (the Hopper kernels' producers and consumers walk the same tiles).
+    template <int BM, int BN>
+    __device__ __forceinline__ int next_tile(int b_, int h_, int m0, int j, int j1) const {
+        while (j < j1 && tile_kind<BM, BN>(b_, h_, m0, j * BN) == kTileEmpty) ++j;
+        return j;
+    }
+    template <int BM, int BN>
+    __device__ __forceinline__ int count_tiles(int b_, int h_, int m0, int j, int j1) const {
+        int n = 0;
+        for (; j < j1; ++j) n += tile_kind<BM, BN>(b_, h_, m0, j * BN) != kTileEmpty;
+        return n;
+    }
 #else
     template <int BM, int BN> __device__ __forceinline__ int tile_kind(int, int, int, int) const {
         return kTilePartial;  // every tile is visited, with the chain as it is
     }
     __device__ __forceinline__ void enter_tile(int) {}
+    template <int BM, int BN>
+    __device__ __forceinline__ int next_tile(int, int, int, int j, int) const { return j; }
+    template <int BM, int BN>
+    __device__ __forceinline__ int count_tiles(int, int, int, int j, int j1) const {
+        return j1 - j;
+    }
 #endif
 
     // Any option that changes the scores (the plain path skips score() altogether).

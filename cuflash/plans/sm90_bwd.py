@@ -32,6 +32,14 @@ class Sm90BwdPlan(Plan):
     head_dim: int             # HEAD_DIM: exactly d (64 or 128)
 
     @property
+    def score_tile(self) -> tuple:
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity
+        (the dK/dV kernel's block owns keys, the dQ kernel's queries)."""
+        if self.kernel == "flash_bwd_dkdv_sm90":
+            return self.streamed_rows, self.own_rows
+        return self.own_rows, self.streamed_rows
+
+    @property
     def smem_bytes(self) -> int:
         """Smem: the block's two own tiles and the ring's stages of two streamed ones, each
         D / 64 boxes; the dK/dV pass's stages also hold their queries' lse and D."""

@@ -35,6 +35,11 @@ class Sm90FwdPlan(Plan):
         return 64 if self.head_dim == 256 else 128
 
     @property
+    def score_tile(self) -> tuple:
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity."""
+        return self.block_m, self.block_n
+
+    @property
     def head_dim_bucket(self) -> int:
         return self.head_dim
 
