@@ -29,6 +29,19 @@ def sliding(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (kv_idx > q_idx - 48)
 
 
+def dilated(b, h, q_idx, kv_idx):
+    """Key blocks 0 (whole) and 2 (two keys in three) of four of 128: the tiles a query
+    tile visits are not contiguous, so a ring of visited tiles must skip inside the range."""
+    blk = kv_idx // 128
+    return (blk == 0) | ((blk == 2) & (kv_idx % 3 != q_idx % 3))
+
+
+# (mask_mod, block_size, Nq, Nk)
+PATTERNS = [pytest.param(document, 64, N, N, id="document"),
+            pytest.param(sliding, (32, 64), N, N, id="sliding"),
+            pytest.param(dilated, (64, 128), 128, 512, id="dilated")]
+
+
 def visited_tiles(dense, tile, block):
     """The kernel tiles (rows, keys) = `tile` whose span of mask blocks (`block`) holds
     any visible key of the dense (Nq, Nk) mask."""
@@ -64,14 +77,13 @@ FAMILIES = [pytest.param((7, 0), np.float32, 0, id="simt-float32"),
 
 
 @pytest.mark.parametrize("cc,dtype,workers", FAMILIES)
-@pytest.mark.parametrize("fn,block", [(document, 64), (sliding, (32, 64))],
-                         ids=["document", "sliding"])
-def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
+@pytest.mark.parametrize("fn,block,Nq,Nk", PATTERNS)
+def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block, Nq, Nk):
     be = emulator_backend("sm_80", cc=cc, checked=True)
     Hq = 2  # two query heads on one K/V head: each reads the K/V head's tiles
-    q, k, v, do = attention_inputs(1, Hq, 1, N, N, D, dtype, seed=3)
+    q, k, v, do = attention_inputs(1, Hq, 1, Nq, Nk, D, dtype, seed=3)
     acc = np.float64 if dtype == np.float64 else np.float32
-    bm = block_mask(fn, None, None, N, N, block_size=block, dtype=acc)
+    bm = block_mask(fn, None, None, Nq, Nk, block_size=block, dtype=acc)
     assert 0 < bm.sparsity() < 1
     var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
     scale = D ** -0.5
@@ -81,7 +93,7 @@ def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
                                     variants=var)
     assert_close_to_reference(o, ref[0], plain and plain[0], dtype, what="o")
     assert_lse_close(lse, ref[1], dtype)
-    dense = np.broadcast_to(fn(0, 0, np.arange(N)[:, None], np.arange(N)[None, :]), (N, N))
+    dense = np.broadcast_to(fn(0, 0, np.arange(Nq)[:, None], np.arange(Nk)[None, :]), (Nq, Nk))
     item = np.dtype(dtype).itemsize
 
     def rows_read(fn_, arg, plan, streamed):  # the streamed operand's tiles, as bytes
@@ -90,7 +102,7 @@ def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block):
 
     (plan,), (kernel,) = be.launched, be.functions
     want = visited_tiles(dense, plan.score_tile, bm.block)
-    assert want < (N // plan.score_tile[0]) * (N // plan.score_tile[1])  # something skipped
+    assert want < -(-Nq // plan.score_tile[0]) * -(-Nk // plan.score_tile[1])  # skipped
     assert rows_read(kernel, 1, plan, 1) == Hq * want   # K tiles, per query head
 
     be.launched, be.functions = [], []
@@ -129,18 +141,17 @@ def test_public_api_on_the_emulator():
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fn,block", [(document, 64), (sliding, (32, 64))],
-                         ids=["document", "sliding"])
-def test_hopper_kernels_skip_empty_tiles(fn, block):
+@pytest.mark.parametrize("fn,block,Nq,Nk", PATTERNS)
+def test_hopper_kernels_skip_empty_tiles(fn, block, Nq, Nk):
     """The Hopper forward's producer and consumers, and both backward passes', walk the same
     non-empty tiles: their TMA loads of k (forward, dQ) and q (dK/dV) count them."""
     be = emulator_backend("sm_90a", checked=True)
     Hq, d = 2, 64
-    q, k, v, do = attention_inputs(1, Hq, 1, N, N, d, np.float16, seed=3)
+    q, k, v, do = attention_inputs(1, Hq, 1, Nq, Nk, d, np.float16, seed=3)
     # the tensor maps read (B, N, H, d) in place
     q, k, v, do = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
                    for x in (q, k, v, do))
-    bm = block_mask(fn, None, None, N, N, block_size=block)
+    bm = block_mask(fn, None, None, Nq, Nk, block_size=block)
     var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
     scale = d ** -0.5
     ref, plain = _references(q, k, v, do, scale, fn, np.float16)
@@ -148,7 +159,7 @@ def test_hopper_kernels_skip_empty_tiles(fn, block):
                                               variants=var)
     assert_close_to_reference(o, ref[0], plain[0], np.float16, what="o")
     assert_lse_close(lse, ref[1], np.float16)
-    dense = np.broadcast_to(fn(0, 0, np.arange(N)[:, None], np.arange(N)[None, :]), (N, N))
+    dense = np.broadcast_to(fn(0, 0, np.arange(Nq)[:, None], np.arange(Nk)[None, :]), (Nq, Nk))
     tile_bytes = d * 2  # a row of a 16-bit tile
 
     def tiles_read(plan, fn_, arg, streamed):
