@@ -223,9 +223,6 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
         q, nk, hq, dtype, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         bias=bias, mask=mask, dropout_p=dropout_p, seed=seed)
     mods = _mods(be, score_mod, mask_mod, block_mask, q, batch, hq, nk)
-    if return_mod_grads and be.name != "numpy":
-        raise ValueError(f"return_mod_grads is supported by backend='numpy' only so far; got "
-                         f"backend={be.name!r}")
     if return_mod_grads and mods[0] is None:
         raise ValueError("return_mod_grads=True needs a score_mod (its captured float "
                          "arrays are what it differentiates); got score_mod=None")

@@ -13,6 +13,7 @@ from cuflash.programmable.cuda_c import kernel_mods
 
 from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
                       emulator_backend, to_host)
+import test_programmable
 from test_programmable import document_mask, reference, swin_bias, t5_bias
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
@@ -101,6 +102,65 @@ def _edge(score, b, h, q_idx, kv_idx):
 
 
 ramp = np.arange(40, dtype=np.float32) * 0.5   # one entry per key
+
+
+# ------------------------------------------------------------------ buffer gradients
+CAP = 3.0
+
+
+def _fd_gradient(q, k, v, do, scale, arr, **mods):
+    """∂(Σ o·do)/∂arr of the float64 reference by central differences, every entry (arr,
+    a captured array, perturbed in place and restored)."""
+    saved, out = arr.copy(), np.zeros(arr.shape)
+    try:
+        for idx in np.ndindex(arr.shape):
+            losses = []
+            for step in (1e-3, -1e-3):
+                arr[idx] = saved[idx] + step
+                losses.append((float(arr[idx]), float((reference(q, k, v, scale=scale, **mods)[0]
+                                                       * do).sum())))
+            arr[idx] = saved[idx]
+            (e_up, up), (e_down, down) = losses
+            out[idx] = (up - down) / (e_up - e_down)  # the steps the array could store
+    finally:
+        arr[...] = saved
+    return out
+
+
+def t5_softcapped(score, b, h, q_idx, kv_idx):
+    """t5_bias then the built-in softcap, as one score_mod (the reference's)."""
+    return CAP * np.tanh(t5_bias(score, b, h, q_idx, kv_idx) / CAP)
+
+
+@pytest.mark.parametrize("kernel,arch,cc,dtype", [pytest.param(*k[:3], k[3], id=f"{k[0]}-{k[3]}")
+                                                  for k in KERNELS])
+@pytest.mark.parametrize("softcap", [False, True], ids=["", "softcap"])
+def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, softcap):
+    """return_mod_grads on the kernels: the dQ kernel's warps add ds·∂score_mod/∂entry into
+    partials of their own (in checked mode: no race, no read past an array), summed on the
+    host; against finite differences of the float64 reference. An sm_90a device runs the
+    mma.sync backward for it."""
+    be = emulator_backend(arch, cc=cc, checked=True)
+    Nq, Nk = 70, 150  # edge tiles: padding rows and keys call the vjp with dS = 0
+    q, k, v, do = attention_inputs(1, H, 1, Nq, Nk, 32, dtype, seed=8)
+    scale = 32 ** -0.5
+    table = test_programmable.t5_table
+
+    def t5_at(score, b, h, q_idx, kv_idx):  # T5 over these sizes (document_mask is NQ, NK's)
+        return t5_bias(score, b, h, q_idx, kv_idx)
+
+    ref_mod = t5_softcapped if softcap else t5_at
+    fd = _fd_gradient(q, k, v, do.astype(np.float64), scale, table, score_mod=ref_mod)
+    ref = reference(q, k, v, do, scale=scale, score_mod=ref_mod)
+    var = _variants_of(score_mod=t5_at, softcap=CAP if softcap else None)
+    out = kernel_backward.backward(be, do, q, k, v, ref[0].astype(dtype), ref[1], causal=False,
+                                   scale=scale, variants=var, return_mod_grads=True)
+    (name, g), = out[3].items()
+    assert name == "t5_table" and g.shape == table.shape and g.dtype == table.dtype
+    tol = {F64: 1e-5, F32: 1e-4, F16: 2e-2}[dtype] * max(1.0, np.abs(fd).max())
+    assert np.abs(g - fd).max() <= tol, (np.abs(g - fd).max(), tol)
+    assert {p.kernel for p in be.launched} >= {"flash_bwd_dq_tc" if dtype != F64 and cc is None
+                                               else "flash_bwd_dq"}
 
 
 def test_out_of_range_reads():

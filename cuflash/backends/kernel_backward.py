@@ -38,6 +38,8 @@ sums of dS instead, summed over the other broadcast axes here: `dbias_launch`,
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .. import _dtypes, tiling
 from . import kernel_backward_sm90, kernel_forward, kernel_forward_sm90
 from .kernel_forward import loads_16b_aligned
@@ -71,7 +73,8 @@ def preprocess(backend, do, o, lse):
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
-             return_dbias=False, allow_tf32=False, segments=None, dq_workers=None):
+             return_dbias=False, allow_tf32=False, segments=None, dq_workers=None,
+             return_mod_grads=False):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants): the options; with `return_dbias` a fourth
@@ -83,7 +86,10 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     (None: `tiling.dq_workers`' count; 0: the two-kernel backward); a count also keeps the
     call on mma.sync. On an sm_90a device a `kernel_forward.plain_call` (a positive finite
     scale: every variant, dbias and packed sequences are taken) runs the Hopper kernels
-    (`kernel_backward_sm90.backward_sm90`) where `tiling.backward_path` takes them."""
+    (`kernel_backward_sm90.backward_sm90`) where `tiling.backward_path` takes them.
+    `return_mod_grads`: a last result, {name: gradient} of the float arrays the
+    score_mod captures (`mod_grads`), on the two-kernel backward: the dQ kernel's warps
+    add them into partials of their own."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     _, Hq, rows_q, d = q.shape
@@ -95,9 +101,10 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
     # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
     # prefers two kernels (W = 0)
-    plain = dq_workers is None and kernel_forward.plain_call(scale)
+    plain = dq_workers is None and kernel_forward.plain_call(scale) and not return_mod_grads
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
-                                          dq_parts=not return_dbias and dq_workers != 0,
+                                          dq_parts=not (return_dbias or return_mod_grads)
+                                          and dq_workers != 0,
                                           plain=plain)
     if isinstance(p_dkdv, tiling.Sm90BwdPlan):   # 1. D, 2. dK, dV, 3. dQ
         lse = xp.ascontiguousarray(lse, dtype=acc)
@@ -143,9 +150,11 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     # Variants: the score chain's run-time arguments (every kernel), and dbias's launch
     # (the dQ blocks loop over the heads and batches sharing a bias row; a bias without its
     # query axis takes the dK/dV kernel's column sums instead: flash_bwd.cu, flash_bwd_tc.cu).
-    mods = backend.kernel_mods(variants, acc)   # a score_mod / mask_mod, compiled in
-    def vflags(plan):  # a block mask's kinds are of the plan's own tiles
-        return variant_args(xp, variants, acc, mods, plan)
+    # a score_mod / mask_mod, compiled in (with the score_mod's gradients: `mod_grads`)
+    mods = backend.kernel_mods(variants, acc, grads=return_mod_grads)
+
+    def vflags(plan, grad_part=None):  # a block mask's kinds are of the plan's own tiles
+        return variant_args(xp, variants, acc, mods, plan, grad_part)
 
     dbias, dbias_st, heads_per_block, batch_per_block, cols = dbias_launch(
         xp, variants if return_dbias else None, acc, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
@@ -179,6 +188,11 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     else:
         chunks_q = p_dq.num_d_chunks(d) if tc else num_d_chunks
         grid_q = i32(-(-Nq // p_dq.block_rows) * chunks_q, "dQ blocks per head")
+    grad_part = None
+    if return_mod_grads:  # one partial per warp of a dQ launch (the launches add in turn)
+        warps = grid_q * (Hq // heads_per_block) * (B // batch_per_block) * (
+            p_dq.num_threads // 32)
+        grad_part = mod_grad_partials(xp, mods, warps, acc)
     for heads, batches in dq_launches:
         backend.get_function(p_dq, mods)((grid_q, Hq // heads_per_block, B // batch_per_block),
                                    (p_dq.num_threads,),
@@ -186,11 +200,44 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
                                            strides=(*strides_in, s3(dq)), dbias=dbias,
                                            dbias_strides=dbias_st,
                                            want_dbias=return_dbias and not by_cols,
-                                           heads=heads, batches=batches, variants=vflags(p_dq),
+                                           heads=heads, batches=batches,
+                                           variants=vflags(p_dq, grad_part),
                                            **common),
                                    shared_mem=p_dq.dynamic_smem_bytes)
+    out = (dq, dk, dv)
     if return_dbias:
         if by_cols:
             dbias = dbias_from_cols(cols, variants.bias.shape)
-        return dq, dk, dv, dbias
-    return dq, dk, dv
+        out += (dbias,)
+    if return_mod_grads:
+        out += (mod_grads(grad_part, mods, variants.score_mod),)
+    return out
+
+
+# The most memory the dQ warps' gradient partials may take.
+_MOD_GRAD_BYTES = 2 << 30
+
+
+def mod_grad_partials(xp, mods, warps, acc):
+    """Zeroed (warps, entries) partials of the score_mod's float arrays' gradients, one row
+    per warp of the dQ launch; ValueError past _MOD_GRAD_BYTES (an array as big as the
+    score matrix belongs in `bias`, whose gradient the kernels reduce by rows)."""
+    entries = sum(size for *_, size in mods.grad_spans)
+    need = warps * entries * np.dtype(acc).itemsize
+    if need > _MOD_GRAD_BYTES:
+        names = ", ".join(f"{n} ({size} entries)" for n, _, size in mods.grad_spans)
+        raise ValueError(f"return_mod_grads: the kernels add the gradients of {names} into "
+                         f"one partial per dQ warp, {warps} of them: {need / 2**30:.1f} GiB, "
+                         f"over the {_MOD_GRAD_BYTES / 2**30:.0f} GiB limit; pass a dense "
+                         f"bias as bias= (return_dbias=True), or use backend='numpy'")
+    return xp.zeros((warps, max(entries, 1)), dtype=acc)
+
+
+def mod_grads(part, mods, score_mod):
+    """{name: gradient} of the score_mod's float arrays from the warps' partials: summed
+    over the warps in a fixed order (the array module's reduction), in each array's shape
+    and dtype."""
+    total = part.sum(axis=0)
+    return {name: total[off:off + size].reshape(score_mod.buffers[name].shape)
+            .astype(score_mod.buffers[name].dtype)
+            for name, off, size in mods.grad_spans}

@@ -18,12 +18,13 @@ def _strides4(a):
     return tuple(np.int64(0 if n == 1 else s // a.itemsize) for n, s in zip(a.shape, a.strides))
 
 
-def variant_args(xp, variants, acc, mods=None, plan=None) -> tuple:
+def variant_args(xp, variants, acc, mods=None, plan=None, grad_part=None) -> tuple:
     """The arguments after a kernel's own: flags, softcap, ALiBi slopes, bias, mask,
     dropout's threshold and key, 1/(1 − p), window, and with `mods` (KernelMods, the
-    call's score_mod / mask_mod compiled in) their captured arrays — and with a block mask
-    the kinds of `plan`'s score tiles. Absent arrays are a 1-element dummy (never read:
-    their flag is off)."""
+    call's score_mod / mask_mod compiled in) their captured arrays — with a block mask
+    the kinds of `plan`'s score tiles, with the score_mod's gradients `grad_part` (the
+    partials the dQ launch adds them into). Absent arrays are a 1-element dummy (never
+    read or written: their flag is off, or the kernel adds no gradient)."""
     var = variants or PLAIN
     if var.batch0 and var.dropout_p > 0:
         # The kernels draw the sequence index of a packed batch from the launch itself
@@ -60,7 +61,7 @@ def variant_args(xp, variants, acc, mods=None, plan=None) -> tuple:
         from ..programmable.cuda_c import mod_args
         flags |= mods.flags
         tiles = var.block_mask.kernel_tiles(*plan.score_tile, xp) if mods.block_mask else None
-        extra = mod_args(mods, tiles)
+        extra = mod_args(mods, tiles, dummy if grad_part is None else grad_part)
     return (np.int32(flags), acc.type(var.softcap or 1.0), alibi, alibi_sb, bias, *bias_st,
             mask, *mask_st, np.uint32(var.threshold), np.uint32(var.seed & 0xFFFFFFFF),
             np.uint32(var.seed >> 32), acc.type(var.keep_scale), np.int32(left),

@@ -82,16 +82,17 @@ class KernelBackend:
                 self._functions[key] = fn
         return fn
 
-    def kernel_mods(self, variants, acc):
-        """The KernelMods of a call's score_mod / mask_mod (None without), and its block
-        mask's: indices outside a captured array are clamped, except in the emulator's
-        checked mode, which reports the read."""
+    def kernel_mods(self, variants, acc, grads=False):
+        """The KernelMods of a call's score_mod / mask_mod (None without), its block
+        mask's, and with `grads` the score_mod's arrays' gradients: indices outside a
+        captured array are clamped, except in the emulator's checked mode, which reports
+        the read."""
         if variants is None or (variants.score_mod is None and variants.mask_mod is None):
             return None
         from ..programmable.cuda_c import kernel_mods
         clamp = not (self.name == "emulator" and self.module_options.get("checked"))
         return kernel_mods(self.xp, variants.score_mod, variants.mask_mod, acc, clamp=clamp,
-                           block_mask=variants.block_mask is not None)
+                           block_mask=variants.block_mask is not None, grads=grads)
 
     def module(self, source, name_expressions=()):
         """A module of `source` (a file of cuflash/kernels) compiled with the options of the
@@ -110,12 +111,13 @@ class KernelBackend:
                                           num_splits=num_splits)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
-                 return_dbias=False, allow_tf32=False, segments=None):
+                 return_dbias=False, allow_tf32=False, segments=None, return_mod_grads=False):
         with self._device_of(q):
             return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal,
                                             scale=scale, variants=variants,
                                             return_dbias=return_dbias, allow_tf32=allow_tf32,
-                                            segments=segments)
+                                            segments=segments,
+                                            return_mod_grads=return_mod_grads)
 
     def softmax(self, x):
         with self._device_of(x):

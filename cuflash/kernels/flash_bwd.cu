@@ -345,6 +345,11 @@ flash_bwd_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* _
                                                     ds_biased, ds);
                             if (write_dbias && tc.g == 0 && i < Nq)
                                 dbias_bh[i * dbias_sr + (n0 + j) * dbias_sc] += ds_biased;
+                            // the score_mod's arrays' gradients: every lane calls, lane 0 of
+                            // the group adds (a padding row: dS = 0); the own-0 chunk's block
+                            if (own == 0)
+                                var.add_mod_grads(s * scale, min(i, Nq - 1), n0 + j,
+                                                  tc.g == 0 ? ds_biased : A(0));
                         }
                         axpy<Tr>(ds, kv, dqr[t]);  // dQ_i += dS_ij K_j
                     }

@@ -243,7 +243,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                     lse2 = lse_log2(sLi[c]);
                     Di = sDi[c];
                     hidden = qi >= Nq || mask.masked(qi, kj);
-                }, [&](int e, int, int, float ds_biased) {
+                }, [&](int e, int, int, float ds_biased, float) {
                     (e & 2 ? sum_bottom : sum_top) += ds_biased;
                 });
                 // dbias of a bias broadcast over query rows: cols[b, h, j] += Σ_i dS_ij over the
@@ -472,7 +472,10 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
                 lse2 = (e & 2) ? lse2_bottom : lse2_top;
                 Di = (e & 2) ? d_bottom : d_top;
                 hidden = qi >= Nq || mask.masked(qi, kj);
-            }, [&](int e, int qi, int kj, float ds_biased) {
+            }, [&](int e, int qi, int kj, float ds_biased, float x) {
+                // the score_mod's arrays' gradients (every lane; a padding element at an
+                // edge row or key with dS = 0); only the first chunk's block adds them
+                if (col0 == 0) var.add_mod_grads(x, min(qi, Nq - 1), min(kj, Nk - 1), ds_biased);
                 // dbias_ij += dS_ij: the thread's own element, key tiles in order (then the
                 // launches of the heads and batches sharing it). A bias broadcast over keys
                 // (dbias_sc = 0) sums its quad's four columns first, added by lane t = 0.

@@ -274,8 +274,9 @@ __device__ __forceinline__ void hide(FragC& s, FragC& dp, const Seen& top, const
 // for dV), dp becomes dS_raw (dS ∘ (1 − t²) under softcap, for dK and dQ). `at(e, i, j,
 // lse2, Di, hidden)` gives element e's query i, key j, lse·log2 e and D of its query, and
 // whether causal, the window or padding hide it (hidden: nothing read, P = dS = 0).
-// `dbias(e, i, j, ds)` then receives the element's dS before softcap's factor (dbias's
-// share: the gradient of the biased score; 0 where hidden). One rolled loop takes the
+// `dbias(e, i, j, ds, x)` then receives the element's dS before softcap's factor (dbias's
+// share: the gradient of the biased score; 0 where hidden) and x = scale·q_i·k_j (the
+// score_mod's argument, for its arrays' gradients). One rolled loop takes the
 // elements from s[0].c0, dp[0].c0 (rotate_fragments, tc_tile.cuh): the chain is inlined
 // once.
 template <int N, typename T, class At, class Dbias>
@@ -288,9 +289,10 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
         bool hidden;
         at(e, i, j, lse2, Di, hidden);
         float p, ds_biased, ds;
+        const float x = s[0].c0 * scale;
         recompute_p_ds_variants(s[0].c0, dp[0].c0, scale, lse2, Di, hidden, var, i, j, p,
                                 ds_biased, ds);
-        dbias(e, i, j, ds_biased);
+        dbias(e, i, j, ds_biased, x);
         rotate_fragments(s, p);
         rotate_fragments(dp, ds);
     }

@@ -42,6 +42,30 @@ enum TileKind : int { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 
+#ifdef CUFLASH_MOD_GRADS
+// part[at] += v for one warp's partial, bitwise reproducibly and without atomics: the lanes
+// that add to the same entry sum their values in lane order (every lane reads every
+// lane's pair), and the lowest of them writes. Only this warp writes its partial, its
+// additions in program order; the host sums the partials in a fixed order.
+template <typename A> struct WarpPartialAdd {
+    A* part;
+    __device__ __forceinline__ void operator()(long long at, A v) const {
+        const int lane = threadIdx.x % 32;
+        A sum = A(0);
+        bool lowest = true;
+        for (int l = 0; l < 32; ++l) {
+            const long long at_l = __shfl_sync(0xffffffffu, at, l);
+            const A v_l = __shfl_sync(0xffffffffu, v, l);
+            if (at_l == at) {
+                sum += v_l;
+                lowest = lowest && l >= lane;
+            }
+        }
+        if (lowest && sum != A(0)) part[at] += sum;
+    }
+};
+#endif
+
 template <typename T> struct Variants {
     using A = accum_t<T>;
     int flags;
@@ -111,6 +135,28 @@ template <typename T> struct Variants {
     __device__ __forceinline__ int count_tiles(int, int, int, int j, int j1) const {
         return j1 - j;
     }
+#endif
+
+#ifdef CUFLASH_MOD_GRADS
+    // The gradients of the score_mod's captured float arrays from score (i, j) (in range),
+    // x = scale·q_i·k_j, whose biased score has gradient ds_biased (0: hidden): ds_biased
+    // times softcap's factor is the gradient of the score_mod's result, which
+    // cuflash_score_mod_vjp spreads over the entries it read. Every lane of the warp calls
+    // it together: they go into the warp's own partial (WarpPartialAdd).
+    __device__ __forceinline__ void add_mod_grads(A x, int i, int j, A ds_biased) const {
+        A ds = ds_biased;
+        if (flags & kSoftcap) {
+            const A t = tanh_(cuflash_score_mod(x, b, h, i, j, mods) / softcap);
+            ds *= A(1) - t * t;
+        }
+        const long long block =
+            blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+        const long long warp = block * (blockDim.x / 32) + threadIdx.x / 32;
+        cuflash_score_mod_vjp(x, b, h, i, j, mods, ds,
+                              WarpPartialAdd<A>{mods.grad_part + warp * mods.grad_stride});
+    }
+#else
+    __device__ __forceinline__ void add_mod_grads(A, int, int, A) const {}
 #endif
 
     // Any option that changes the scores (the plain path skips score() altogether).

@@ -93,20 +93,25 @@ class KernelMods(NamedTuple):
     """What a kernel compiles and launches with for one call's mods: `code` (compiled
     before the kernel's source), `key` (its cache key), `buffers` ((name, array) in
     parameter order, already in the kernels' dtypes), `flags` (the Variants bits) and
-    `block_mask` (whether the record holds a block mask's tile kinds)."""
+    `block_mask` (whether the record holds a block mask's tile kinds) and `grad_spans`
+    ((name, offset, size) of each score_mod float array's gradient in a partial; empty
+    without gradients)."""
 
     code: str
     key: str
     buffers: tuple
     flags: int
     block_mask: bool = False
+    grad_spans: tuple = ()
 
 
-def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False):
+def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False,
+                grads=False):
     """The KernelMods of a call (score_mod, mask_mod: translate.Mod or None) for the
     accumulation dtype acc_t, on the array module xp (buffers converted there). With
     `block_mask` the record also holds a block mask's tile kinds (CUFLASH_BLOCK_MASK:
-    mod_args' `tiles`)."""
+    mod_args' `tiles`); with `grads`, where the score_mod's captured float arrays'
+    gradients go (CUFLASH_MOD_GRADS: cuflash_score_mod_vjp, mod_args' `grad_part`)."""
     acc_t = np.dtype(acc_t)
     A = "float" if acc_t == np.float32 else "double"
     buffers = {}
@@ -135,6 +140,18 @@ def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False)
         params += [f"long long mod_{name}_n{i}, long long mod_{name}_s{i}" for i in range(a.ndim)]
         record.append(f"mod_{name}")
         record += [f"mod_{name}_n{i}, mod_{name}_s{i}" for i in range(a.ndim)]
+    grad_spans = []  # (name, offset, size) of each float array's gradient in a partial
+    if grads:
+        for name in score_mod.float_buffers():
+            size = int(np.prod(score_mod.buffers[name].shape, dtype=np.int64))
+            grad_spans.append((name, sum(n for *_, n in grad_spans), size))
+        lines += [f"    long long {name}_goff;" for name, *_ in grad_spans]
+        lines.append(f"    {A}* grad_part;")
+        lines.append("    long long grad_stride;")
+        params += [f"long long mod_{name}_goff" for name, *_ in grad_spans]
+        params.append(f"{A}* mod_grad_part, long long mod_grad_stride")
+        record += [f"mod_{name}_goff" for name, *_ in grad_spans]
+        record.append("mod_grad_part, mod_grad_stride")
     if block_mask:  # the kinds of the kernel's tiles, (b, h, tile row, tile column)
         lines.append("    const unsigned char* tile_kinds;")
         lines.append("    long long tiles_sb, tiles_sh, tiles_k;")
@@ -155,6 +172,10 @@ def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False)
                                    f"{A} score, int b, int h, int q_idx, int kv_idx",
                                    grad=True))
         lines.append("#define CUFLASH_SCORE_MOD 1")
+        if grads:
+            lines.append(emit.vjp(score_mod.expr, f"{A} score, int b, int h, int q_idx, "
+                                                  f"int kv_idx"))
+            lines.append("#define CUFLASH_MOD_GRADS 1")
     if mask_mod is not None:
         flags |= MASK_MOD
         lines.append(emit.function(mask_mod.expr, "cuflash_mask_mod", "bool",
@@ -167,19 +188,24 @@ def kernel_mods(xp, score_mod, mask_mod, acc_t, *, clamp=True, block_mask=False)
                  "#define CUFLASH_MOD_PARAMS")
     lines.append("#define CUFLASH_MOD_RECORD , cuflash_mods{" + ", ".join(record) + "}")
     code = "\n".join(lines) + "\n"
-    key = "|".join([A, str(clamp), "block_mask" * block_mask]
+    key = "|".join([A, str(clamp), "block_mask" * block_mask, "grads" * grads]
                    + [m.key() for m in (score_mod, mask_mod) if m is not None])
-    return KernelMods(code, key, tuple(converted), flags, block_mask)
+    return KernelMods(code, key, tuple(converted), flags, block_mask, tuple(grad_spans))
 
 
-def mod_args(mods, tiles=None):
+def mod_args(mods, tiles=None, grad_part=None):
     """The CUFLASH_MOD_PARAMS arguments of a launch, in order. `tiles`: the block mask's
-    kinds of the launch's tiles (BlockMask.kernel_tiles), where mods were made with one."""
+    kinds of the launch's tiles (BlockMask.kernel_tiles), where mods were made with one;
+    `grad_part`: the (warps, Σ sizes) partials the launch's warps add the gradients into,
+    where mods were made with grad_spans (a 1-element dummy for a launch that adds none)."""
     out = []
     for _, a in mods.buffers:
         out.append(a)
         for n, s in zip(a.shape, a.strides):
             out += [np.int64(n), np.int64(s // a.itemsize)]
+    if mods.grad_spans:  # (a launch that adds none passes a 1-element dummy)
+        out += [np.int64(off) for _, off, _ in mods.grad_spans]
+        out += [grad_part, np.int64(grad_part.shape[-1] if grad_part.ndim == 2 else 0)]
     if mods.block_mask:  # C-contiguous bytes: strides in elements; 0 along a broadcast axis
         out += [tiles, *(np.int64(0 if n == 1 else s) for n, s in zip(tiles.shape[:2],
                                                                        tiles.strides[:2])),
@@ -212,6 +238,40 @@ class _Emitter:
         result = dnames[id(expr)] if grad else names[id(expr)]
         return (f"__device__ __forceinline__ {ret} {name}({params}, const cuflash_mods& mods) {{\n"
                 + "\n".join(body) + f"\n    return {result};\n}}")
+
+    def vjp(self, expr, params):
+        """cuflash_score_mod_vjp(..., ds, add): for each read of a captured float array,
+        add(entry, ds·∂expr/∂entry), entry its row-major index plus the array's offset
+        in the partial (mods.X_goff). Each derivative by forward mode seeded at the read;
+        every call of add happens on every path (a warp's lanes call it together)."""
+        body, names = [], {}
+        order = list(expr.walk())
+        for i, n in enumerate(order):
+            body.append(f"    const {self.ctype(n.kind)} v{i} = {self.value(n, names)};")
+            names[id(n)] = f"v{i}"
+        A = self.A
+        for r, read in enumerate(order):
+            if read.op != "index" or read.kind != FLOAT:
+                continue
+            d = {id(read): f"{A}(1)"}
+            for i, n in enumerate(order[r + 1:], r + 1):
+                if n.kind == FLOAT and n.op not in ("arg", "const", "index") and any(
+                        id(x) in d for x in n.args):
+                    body.append(f"    const {A} e{r}_{i} = {self.derivative(n, names, d)};")
+                    d[id(n)] = f"e{r}_{i}"
+            if id(expr) not in d:
+                continue  # this read does not reach the result
+            idx = [names[id(x)] for x in read.args]
+            x = read.value
+            flat = f"cuflash_index({idx[0]}, mods.{x}_n0, {str(self.clamp).lower()})"
+            for k, ik in enumerate(idx[1:], 1):
+                flat = (f"({flat} * mods.{x}_n{k} + "
+                        f"cuflash_index({ik}, mods.{x}_n{k}, {str(self.clamp).lower()}))")
+            g = d[id(expr)]
+            body.append(f"    add(mods.{x}_goff + {flat}, ds == {A}(0) ? {A}(0) : ds * {g});")
+        return (f"template <class Add>\n__device__ __forceinline__ void cuflash_score_mod_vjp("
+                f"{params}, const cuflash_mods& mods, {A} ds, const Add& add) {{\n"
+                + "\n".join(body) + "\n}")
 
     def literal(self, n):
         if n.kind == BOOL:
