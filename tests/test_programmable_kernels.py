@@ -108,22 +108,36 @@ ramp = np.arange(40, dtype=np.float32) * 0.5   # one entry per key
 CAP = 3.0
 
 
-def _fd_gradient(q, k, v, do, scale, arr, **mods):
-    """∂(Σ o·do)/∂arr of the float64 reference by central differences, every entry (arr,
-    a captured array, perturbed in place and restored)."""
-    saved, out = arr.copy(), np.zeros(arr.shape)
+def _t5_table_gradient(q, k, v, do, scale, softcap):
+    """∂(Σ o·do)/∂t5_table of float64 attention with t5_bias (then softcap·tanh(·/softcap)),
+    by central differences on every entry; the buckets worked out once per (query, key)."""
+    table = test_programmable.t5_table
+    G = q.shape[1] // k.shape[1]
+    K, V = (np.repeat(x.astype(np.float64), G, axis=1) for x in (k, v))
+    S = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), K) * scale
+    Nq, Nk = S.shape[2:]
+    buckets = np.array([[test_programmable.t5_bucket(j - i) for j in range(Nk)]
+                        for i in range(Nq)])
+
+    def loss():
+        Z = S + table.astype(np.float64)[None, :, buckets]
+        if softcap:
+            Z = softcap * np.tanh(Z / softcap)
+        P = np.exp(Z - Z.max(axis=-1, keepdims=True))
+        return float(((P / P.sum(axis=-1, keepdims=True)) @ V * do).sum())
+
+    saved, out = table.copy(), np.zeros(table.shape)
     try:
-        for idx in np.ndindex(arr.shape):
+        for idx in np.ndindex(table.shape):
             losses = []
             for step in (1e-3, -1e-3):
-                arr[idx] = saved[idx] + step
-                losses.append((float(arr[idx]), float((reference(q, k, v, scale=scale, **mods)[0]
-                                                       * do).sum())))
-            arr[idx] = saved[idx]
+                table[idx] = saved[idx] + step
+                losses.append((float(table[idx]), loss()))
+            table[idx] = saved[idx]
             (e_up, up), (e_down, down) = losses
-            out[idx] = (up - down) / (e_up - e_down)  # the steps the array could store
+            out[idx] = (up - down) / (e_up - e_down)  # the steps float32 could store
     finally:
-        arr[...] = saved
+        table[...] = saved
     return out
 
 
@@ -145,14 +159,9 @@ def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, softcap):
     q, k, v, do = attention_inputs(1, H, 1, Nq, Nk, 32, dtype, seed=8)
     scale = 32 ** -0.5
     table = test_programmable.t5_table
-
-    def t5_at(score, b, h, q_idx, kv_idx):  # T5 over these sizes (document_mask is NQ, NK's)
-        return t5_bias(score, b, h, q_idx, kv_idx)
-
-    ref_mod = t5_softcapped if softcap else t5_at
-    fd = _fd_gradient(q, k, v, do.astype(np.float64), scale, table, score_mod=ref_mod)
-    ref = reference(q, k, v, do, scale=scale, score_mod=ref_mod)
-    var = _variants_of(score_mod=t5_at, softcap=CAP if softcap else None)
+    fd = _t5_table_gradient(q, k, v, do.astype(np.float64), scale, CAP if softcap else None)
+    ref = reference(q, k, v, do, scale=scale, score_mod=t5_softcapped if softcap else t5_bias)
+    var = _variants_of(score_mod=t5_bias, softcap=CAP if softcap else None)
     out = kernel_backward.backward(be, do, q, k, v, ref[0].astype(dtype), ref[1], causal=False,
                                    scale=scale, variants=var, return_mod_grads=True)
     (name, g), = out[3].items()
