@@ -108,48 +108,70 @@ ramp = np.arange(40, dtype=np.float32) * 0.5   # one entry per key
 CAP = 3.0
 
 
-def _t5_table_gradient(q, k, v, do, scale, softcap):
-    """∂(Σ o·do)/∂t5_table of float64 attention with t5_bias (then softcap·tanh(·/softcap)),
-    by central differences on every entry; the buckets worked out once per (query, key)."""
-    table = test_programmable.t5_table
+def _fd_gradients(q, k, v, do, scale, softcap, biased, arrays):
+    """{name: ∂(Σ o·do)/∂array} of float64 attention whose biased scores are
+    biased(S, Nq, Nk) (then softcap·tanh(·/softcap)), by central differences on every entry
+    of each captured array in `arrays` ({name: array}, perturbed in place and restored)."""
     G = q.shape[1] // k.shape[1]
     K, V = (np.repeat(x.astype(np.float64), G, axis=1) for x in (k, v))
     S = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), K) * scale
-    Nq, Nk = S.shape[2:]
-    buckets = np.array([[test_programmable.t5_bucket(j - i) for j in range(Nk)]
-                        for i in range(Nq)])
 
     def loss():
-        Z = S + table.astype(np.float64)[None, :, buckets]
+        Z = biased(S, *S.shape[2:])
         if softcap:
             Z = softcap * np.tanh(Z / softcap)
         P = np.exp(Z - Z.max(axis=-1, keepdims=True))
         return float(((P / P.sum(axis=-1, keepdims=True)) @ V * do).sum())
 
-    saved, out = table.copy(), np.zeros(table.shape)
-    try:
-        for idx in np.ndindex(table.shape):
-            losses = []
-            for step in (1e-3, -1e-3):
-                table[idx] = saved[idx] + step
-                losses.append((float(table[idx]), loss()))
-            table[idx] = saved[idx]
-            (e_up, up), (e_down, down) = losses
-            out[idx] = (up - down) / (e_up - e_down)  # the steps float32 could store
-    finally:
-        table[...] = saved
-    return out
+    grads = {}
+    for name, arr in arrays.items():
+        saved, out = arr.copy(), np.zeros(arr.shape)
+        try:
+            for idx in np.ndindex(arr.shape):
+                losses = []
+                for step in (1e-3, -1e-3):
+                    arr[idx] = saved[idx] + step
+                    losses.append((float(arr[idx]), loss()))
+                arr[idx] = saved[idx]
+                (e_up, up), (e_down, down) = losses
+                out[idx] = (up - down) / (e_up - e_down)  # the steps float32 could store
+        finally:
+            arr[...] = saved
+        grads[name] = out
+    return grads
 
 
-def t5_softcapped(score, b, h, q_idx, kv_idx):
-    """t5_bias then the built-in softcap, as one score_mod (the reference's)."""
-    return CAP * np.tanh(t5_bias(score, b, h, q_idx, kv_idx) / CAP)
+def _t5_biased(S, Nq, Nk):
+    buckets = np.array([[test_programmable.t5_bucket(j - i) for j in range(Nk)]
+                        for i in range(Nq)])
+    return S + test_programmable.t5_table.astype(np.float64)[None, :, buckets]
+
+
+_rng = np.random.default_rng(12)
+row_bias = _rng.standard_normal(70).astype(np.float32)
+col_bias = _rng.standard_normal(150).astype(np.float64)
+
+
+def by_position(score, b, h, q_idx, kv_idx):
+    """Two arrays indexed by the positions themselves: a padding row or key reads past
+    them unless the kernel clamps it; two arrays, so their gradients sit side by side."""
+    return score + row_bias[q_idx] * (h + 1) + col_bias[kv_idx]
+
+
+def _by_position_biased(S, Nq, Nk):
+    heads = np.arange(S.shape[1])[None, :, None, None] + 1
+    return S + row_bias.astype(np.float64)[:, None] * heads + col_bias[None, :]
+
+
+GRAD_MODS = {"t5": (t5_bias, _t5_biased, {"t5_table": test_programmable.t5_table}),
+             "by_position": (by_position, _by_position_biased,
+                             {"row_bias": row_bias, "col_bias": col_bias})}
 
 
 @pytest.mark.parametrize("kernel,arch,cc,dtype", [pytest.param(*k[:3], k[3], id=f"{k[0]}-{k[3]}")
                                                   for k in KERNELS])
-@pytest.mark.parametrize("softcap", [False, True], ids=["", "softcap"])
-def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, softcap):
+@pytest.mark.parametrize("mod,softcap", [("t5", False), ("t5", True), ("by_position", False)])
+def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, mod, softcap):
     """return_mod_grads on the kernels: the dQ kernel's warps add ds·∂score_mod/∂entry into
     partials of their own (in checked mode: no race, no read past an array), summed on the
     host; against finite differences of the float64 reference. An sm_90a device runs the
@@ -158,16 +180,22 @@ def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, softcap):
     Nq, Nk = 70, 150  # edge tiles: padding rows and keys call the vjp with dS = 0
     q, k, v, do = attention_inputs(1, H, 1, Nq, Nk, 32, dtype, seed=8)
     scale = 32 ** -0.5
-    table = test_programmable.t5_table
-    fd = _t5_table_gradient(q, k, v, do.astype(np.float64), scale, CAP if softcap else None)
-    ref = reference(q, k, v, do, scale=scale, score_mod=t5_softcapped if softcap else t5_bias)
-    var = _variants_of(score_mod=t5_bias, softcap=CAP if softcap else None)
+    score_mod, biased, arrays = GRAD_MODS[mod]
+    cap = CAP if softcap else None
+    fd = _fd_gradients(q, k, v, do.astype(np.float64), scale, cap, biased, arrays)
+
+    def softcapped(score, b, h, q_idx, kv_idx):  # the reference's one score_mod
+        return CAP * np.tanh(score_mod(score, b, h, q_idx, kv_idx) / CAP)
+
+    ref = reference(q, k, v, do, scale=scale, score_mod=softcapped if softcap else score_mod)
+    var = _variants_of(score_mod=score_mod, softcap=cap)
     out = kernel_backward.backward(be, do, q, k, v, ref[0].astype(dtype), ref[1], causal=False,
                                    scale=scale, variants=var, return_mod_grads=True)
-    (name, g), = out[3].items()
-    assert name == "t5_table" and g.shape == table.shape and g.dtype == table.dtype
-    tol = {F64: 1e-5, F32: 1e-4, F16: 2e-2}[dtype] * max(1.0, np.abs(fd).max())
-    assert np.abs(g - fd).max() <= tol, (np.abs(g - fd).max(), tol)
+    assert set(out[3]) == set(arrays)
+    for name, g in out[3].items():
+        assert g.shape == arrays[name].shape and g.dtype == arrays[name].dtype
+        tol = {F64: 1e-5, F32: 1e-4, F16: 2e-2}[dtype] * max(1.0, np.abs(fd[name]).max())
+        assert np.abs(g - fd[name]).max() <= tol, (name, np.abs(g - fd[name]).max(), tol)
     assert {p.kernel for p in be.launched} >= {"flash_bwd_dq_tc" if dtype != F64 and cc is None
                                                else "flash_bwd_dq"}
 
