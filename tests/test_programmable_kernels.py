@@ -156,13 +156,15 @@ col_bias = _rng.standard_normal(150).astype(np.float64)
 
 def by_position(score, b, h, q_idx, kv_idx):
     """Two arrays indexed by the positions themselves: a padding row or key reads past
-    them unless the kernel clamps it; two arrays, so their gradients sit side by side."""
-    return score + row_bias[q_idx] * (h + 1) + col_bias[kv_idx]
+    them unless the kernel clamps it (the square keeps the read alive in the gradient's
+    code); two arrays, so their gradients sit side by side."""
+    r = row_bias[q_idx]
+    return score + r * r * (h + 1) + col_bias[kv_idx]
 
 
 def _by_position_biased(S, Nq, Nk):
     heads = np.arange(S.shape[1])[None, :, None, None] + 1
-    return S + row_bias.astype(np.float64)[:, None] * heads + col_bias[None, :]
+    return S + (row_bias.astype(np.float64) ** 2)[:, None] * heads + col_bias[None, :]
 
 
 GRAD_MODS = {"t5": (t5_bias, _t5_biased, {"t5_table": test_programmable.t5_table}),
