@@ -204,6 +204,26 @@ def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, mod, softcap):
                                                else "flash_bwd_dq"}
 
 
+@pytest.mark.parametrize("dtype,d", [(F64, 320), (F32, 256)], ids=["simt-float64", "tf32-float32"])
+def test_buffer_gradients_with_head_dim_chunks(dtype, d):
+    """Head dims the dQ kernels split over blocks (SIMT above 256, tf32 at 256 in chunks of
+    128): every chunk's block sees the whole dS, one adds the gradients."""
+    be = emulator_backend("sm_80")
+    q, k, v, do = attention_inputs(1, H, 1, 40, 72, d, dtype, seed=9)
+    scale = d ** -0.5
+    score_mod, biased, arrays = GRAD_MODS["t5"]
+    fd = _fd_gradients(q, k, v, do.astype(np.float64), scale, None, biased, arrays)
+    ref = reference(q, k, v, do, scale=scale, score_mod=score_mod)
+    out = kernel_backward.backward(be, do, q, k, v, ref[0].astype(dtype), ref[1], causal=False,
+                                   scale=scale, variants=_variants_of(score_mod=score_mod),
+                                   return_mod_grads=True)
+    dq_plan = next(p for p in be.launched if p.kernel.startswith("flash_bwd_dq"))
+    assert (dq_plan.chunked if dtype == F64 else dq_plan.num_d_chunks(d) > 1), dq_plan
+    g = out[3]["t5_table"]
+    tol = {F64: 1e-5, F32: 1e-4}[dtype] * max(1.0, np.abs(fd["t5_table"]).max())
+    assert np.abs(g - fd["t5_table"]).max() <= tol
+
+
 def test_out_of_range_reads():
     """ramp[kv_idx + 1] reads one past the end at the last key: the emulator's checked mode
     reports the read; elsewhere the index is clamped to the array's edge."""
