@@ -224,6 +224,27 @@ def test_buffer_gradients_with_head_dim_chunks(dtype, d):
     assert np.abs(g - fd["t5_table"]).max() <= tol
 
 
+def test_public_api_buffer_gradients(monkeypatch):
+    """flash_attention_backward(..., return_mod_grads=True) on the emulator: the NumPy
+    backend's gradients (finite-difference tested in test_programmable); past the partials'
+    memory limit, a ValueError naming the arrays."""
+    import cuflash
+    q, k, v, do = attention_inputs(2, H, 1, 70, 150, 16, F32, seed=10)
+    o, lse = cuflash.flash_attention(q, k, v, score_mod=by_position, return_lse=True)
+    kw = dict(score_mod=by_position, return_mod_grads=True)
+    *_, got = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="emulator", **kw)
+    *_, want = cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="numpy", **kw)
+    assert set(got) == set(want) == {"row_bias", "col_bias"}
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(kernel_backward, "_MOD_GRAD_BYTES", 1 << 10)
+    with pytest.raises(ValueError, match=r"return_mod_grads: the kernels add the gradients of "
+                                         r"row_bias \(70 entries\), col_bias \(150 entries\) "
+                                         r"into one partial per dQ warp, \d+ of them"):
+        cuflash.flash_attention_backward(do, q, k, v, o, lse, backend="emulator", **kw)
+
+
 def test_out_of_range_reads():
     """ramp[kv_idx + 1] reads one past the end at the last key: the emulator's checked mode
     reports the read; elsewhere the index is clamped to the array's edge."""
