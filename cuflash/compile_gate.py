@@ -10,9 +10,9 @@ kernels regardless.
 
 Programmable attention compiles a call's score_mod / mask_mod into the kernels
 (programmable/cuda_c.py): the gate builds one such specialization per attention kernel
-family (`MOD_ARCHS`), with an example of each (a table lookup and a document mask) and a
-block mask, as the pseudo-source "<file>+mods_f32" (or _f64): the generated code, then the
-file.
+family (`MOD_ARCHS`), with an example of each (a table lookup and a document mask), a
+block mask and the table's gradient, as the pseudo-source "<file>+mods_f32" (or _f64): the
+generated code, then the file.
 
 `python -m cuflash check-kernels` calls `check_kernels()`, which prints the table.
 
@@ -97,12 +97,14 @@ def _example_mask_mod(b, h, q_idx, kv_idx):
 @functools.cache
 def example_mods_code(acc):
     """The generated code of the gate's example score_mod and mask_mod, with a block
-    mask, for the accumulation type `acc` ("f32" or "f64")."""
+    mask and the score_mod's gradients, for the accumulation type `acc` ("f32" or
+    "f64")."""
     from .programmable import translate
     from .programmable.cuda_c import kernel_mods
     return kernel_mods(np, translate(_example_score_mod, "score_mod"),
                        translate(_example_mask_mod, "mask_mod"),
-                       np.float32 if acc == "f32" else np.float64, block_mask=True).code
+                       np.float32 if acc == "f32" else np.float64, block_mask=True,
+                       grads=True).code
 
 
 def mod_specializations(specs):
