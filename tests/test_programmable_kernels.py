@@ -1,6 +1,7 @@
 """score_mod and mask_mod compiled into the CUDA kernels, run in the emulator: the SIMT
 kernels, mma.sync tensor cores (16-bit), tf32 (float32) and the Hopper kernels, forward
-and backward, against test_programmable's per-element Python reference."""
+and backward, against test_programmable's per-element Python reference; the gradients of
+the arrays a score_mod captures (return_mod_grads), against finite differences."""
 import numpy as np
 import pytest
 
@@ -172,9 +173,16 @@ GRAD_MODS = {"t5": (t5_bias, _t5_biased, {"t5_table": test_programmable.t5_table
                              {"row_bias": row_bias, "col_bias": col_bias})}
 
 
-@pytest.mark.parametrize("kernel,arch,cc,dtype", [pytest.param(*k[:3], k[3], id=f"{k[0]}-{k[3]}")
-                                                  for k in KERNELS])
-@pytest.mark.parametrize("mod,softcap", [("t5", False), ("t5", True), ("by_position", False)])
+# One case per family by default (each of the three on some family); the rest `-m slow`.
+GRAD_CASES = [("t5", False), ("t5", True), ("by_position", False)]
+GRAD_FAST = {(0, 0), (1, 1), (2, 2), (3, 1), (4, 2)}  # (family, case)
+
+
+@pytest.mark.parametrize("kernel,arch,cc,dtype,mod,softcap", [
+    pytest.param(*KERNELS[f], *GRAD_CASES[c], id=f"{GRAD_CASES[c][0]}"
+                 f"{'-softcap' if GRAD_CASES[c][1] else ''}-{KERNELS[f][0]}-{KERNELS[f][3]}",
+                 marks=() if (f, c) in GRAD_FAST else pytest.mark.slow)
+    for f in range(len(KERNELS)) for c in range(len(GRAD_CASES))])
 def test_kernels_return_buffer_gradients(kernel, arch, cc, dtype, mod, softcap):
     """return_mod_grads on the kernels: the dQ kernel's warps add ds·∂score_mod/∂entry into
     partials of their own (in checked mode: no race, no read past an array), summed on the
