@@ -11,7 +11,7 @@ from cuflash.backends import kernel_backward, kernel_backward_sm90, kernel_forwa
 from cuflash.backends import kernel_forward_sm90
 from cuflash.programmable import block_mask
 
-from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
+from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
                       emulator_backend)
 from test_programmable import reference
 
@@ -179,3 +179,37 @@ def test_hopper_kernels_skip_empty_tiles(fn, block, Nq, Nk):
     assert tiles_read(p_dkdv, f_dkdv, 0, 0) == Hq * visited_tiles(dense, p_dkdv.score_tile,
                                                                   bm.block)
     assert tiles_read(p_dq, f_dq, 1, 1) == Hq * visited_tiles(dense, p_dq.score_tile, bm.block)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_on_the_gpu(dtype):
+    """A block mask and the buffer gradients through NVRTC on the device's kernels (the
+    Hopper forward on an H100), against the NumPy backend on the same inputs."""
+    import cupy
+    import cuflash
+    from test_programmable_kernels import by_position, col_bias, row_bias
+    Nq, Nk = 70, 150
+    q, k, v, do = attention_inputs(2, 4, 2, Nq, Nk, 64, dtype, seed=13)
+
+    def sliding_here(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + Nk - Nq) & (kv_idx > q_idx + Nk - Nq - 48)
+
+    acc = np.float64 if dtype == np.float64 else np.float32
+    bm = block_mask(sliding_here, None, None, Nq, Nk, block_size=32, dtype=acc)
+    kw = dict(block_mask=bm, score_mod=by_position)
+    want = cuflash.flash_attention(q, k, v, return_lse=True, backend="numpy", **kw)
+    *w_grads, w_mod = cuflash.flash_attention_backward(do, q, k, v, *want, backend="numpy",
+                                                       return_mod_grads=True, **kw)
+    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    got = cuflash.flash_attention(qg, kg, vg, return_lse=True, **kw)
+    *g_grads, g_mod = cuflash.flash_attention_backward(dog, qg, kg, vg, *got,
+                                                       return_mod_grads=True, **kw)
+    tol = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}[dtype]
+    for g, w in zip((*got, *g_grads), (*want, *w_grads)):
+        np.testing.assert_allclose(cupy.asnumpy(g).astype(np.float64), w.astype(np.float64),
+                                   rtol=tol, atol=tol)
+    for name in ("row_bias", "col_bias"):
+        np.testing.assert_allclose(cupy.asnumpy(g_mod[name]), w_mod[name], rtol=tol * 10,
+                                   atol=tol * 10)

@@ -64,11 +64,13 @@ SECTIONS = ("tests", "sanitize", "bench", "capture")
 CAPS = {"tests": 120, "sanitize": 240, "bench": 180, "capture": 30}
 # The sanitizer's selection, most telling first (a tool stopped at its cap has done
 # these): the forward kernels (the Hopper ones too) and the backward ones against the
-# reference over dtypes and odd shapes, a score_mod and mask_mod compiled in, then split-KV,
+# reference over dtypes and odd shapes, a score_mod and mask_mod compiled in (a block mask
+# and buffer gradients too), then split-KV,
 # varlen and the paged KV cache; all small shapes.
 SANITIZE_SELECTION = ("tests/test_api.py::test_forward_matches_reference",
                       "tests/test_kernels_sm90.py", "tests/test_kernels_sm90_bwd.py",
                       "tests/test_programmable_kernels.py::test_on_the_gpu",
+                      "tests/test_block_mask_kernels.py::test_on_the_gpu",
                       "tests/test_api.py::test_backward_matches_reference",
                       "tests/test_kernels_backward.py", "tests/test_serving.py")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
