@@ -341,6 +341,41 @@ def test_block_mask_kinds_and_memory():
     assert "12 empty, 15 partial, 18 full tiles" in repr(bm)  # 3 × the counts of `want`
 
 
+class _DeviceArray:
+    """What translate and block_mask see of a CuPy array: a dtype, a shape, a
+    __cuda_array_interface__ (no host memory NumPy could read) and .get()."""
+    __cuda_array_interface__ = {}
+
+    def __init__(self, a):
+        self._a = a
+
+    dtype = property(lambda self: self._a.dtype)
+    shape = property(lambda self: self._a.shape)
+    ndim = property(lambda self: self._a.ndim)
+
+    def get(self):
+        return self._a.copy()
+
+
+_docs_host = np.repeat(np.arange(4), 64)
+_docs_device = _DeviceArray(_docs_host)
+
+
+def test_block_mask_of_arrays_on_the_device():
+    """A mask_mod over arrays on a GPU: block_mask reads them on the host (.get()), and
+    keeps the mask_mod as captured (the kernels read the device arrays)."""
+    def on_host(b, h, q_idx, kv_idx):
+        return _docs_host[q_idx] == _docs_host[kv_idx]
+
+    def on_device(b, h, q_idx, kv_idx):
+        return _docs_device[q_idx] == _docs_device[kv_idx]
+
+    want = block_mask(on_host, None, None, 256, 256, block_size=64)
+    got = block_mask(on_device, None, None, 256, 256, block_size=64)
+    np.testing.assert_array_equal(got.kinds, want.kinds)
+    assert got.mod.buffers["_docs_device"] is _docs_device
+
+
 def test_block_mask_save_load(tmp_path):
     def doc(b, h, q_idx, kv_idx):
         return doc_id[q_idx] == doc_id[kv_idx]

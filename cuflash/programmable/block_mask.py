@@ -116,8 +116,11 @@ def block_mask(mask_mod, B, H, Nq, Nk, *, block_size=128, dtype=np.float32):
     if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"dtype must be float32 or float64; got {dtype!r}")
     Bm, Hm = B or 1, H or 1
-    bound = Bound(mod, dtype, {"b": (0, Bm - 1), "h": (0, Hm - 1), "q_idx": (0, Nq - 1),
-                               "kv_idx": (0, Nk - 1)})
+    # arrays captured on a GPU (CuPy) are read on the host: the grid is walked in NumPy
+    host = mod._replace(buffers={n: a.get() if hasattr(a, "__cuda_array_interface__") else a
+                                 for n, a in mod.buffers.items()})
+    bound = Bound(host, dtype, {"b": (0, Bm - 1), "h": (0, Hm - 1), "q_idx": (0, Nq - 1),
+                                "kv_idx": (0, Nk - 1)})
     nbq, nbk = -(-Nq // bq), -(-Nk // bk)
     kinds = np.empty((Bm, Hm, nbq, nbk), np.uint8)
     keys = max(bk, (_STRIP // max(1, Bm * Hm * bq)) // bk * bk)  # keys per strip
