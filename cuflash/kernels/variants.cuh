@@ -50,6 +50,7 @@ __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 template <typename A> struct WarpPartialAdd {
     A* part;
     __device__ __forceinline__ void operator()(long long at, A v) const {
+        if (__all_sync(0xffffffffu, v == A(0))) return;  // hidden scores: nothing to add
         const int lane = threadIdx.x % 32;
         A sum = A(0);
         bool lowest = true;
