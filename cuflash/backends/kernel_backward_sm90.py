@@ -77,6 +77,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                          for x in padded)
     cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)
     mods = backend.kernel_mods(variants, np.float32)   # a score_mod / mask_mod, compiled in
+
     def sizes(plan):  # a block mask's kinds are of the plan's own tiles
         return (*cu, np.int32(Hq), np.int32(Hq // Hkv), np.int32(rows_q), np.int32(rows_k),
                 np.float32(scale), np.int32(bool(causal)),

@@ -10,7 +10,11 @@ functions the score chain calls:
     A    cuflash_score_mod(A score, int b, int h, int q_idx, int kv_idx, const cuflash_mods&)
     A    cuflash_score_mod_grad(...)      ∂score_mod/∂score (forward mode), for the backward
     bool cuflash_mask_mod(int b, int h, int q_idx, int kv_idx, const cuflash_mods&)
+    void cuflash_score_mod_vjp(..., A ds, add)   with `grads`: add(entry, ds·∂/∂entry) for
+                                                 every read of a captured float array
 
+With a block mask the record also holds the kinds of the launch's tiles (`tiles`), with
+`grads` where the dQ kernels' warps add the gradients (`grad_part`, one row per warp).
 Each tree node becomes one `const` line (a shared subtree, once), in the accumulation
 type A for floats, `long long` for integers (as the NumPy backend's int64), `bool`.
 Integer `//` and `%` floor as in Python; float `//` and `%` follow NumPy's divmod. An
@@ -92,7 +96,7 @@ _C_TYPES = {"f4": "float", "f8": "double", "i8": "long long", "u1": "unsigned ch
 class KernelMods(NamedTuple):
     """What a kernel compiles and launches with for one call's mods: `code` (compiled
     before the kernel's source), `key` (its cache key), `buffers` ((name, array) in
-    parameter order, already in the kernels' dtypes), `flags` (the Variants bits) and
+    parameter order, already in the kernels' dtypes), `flags` (the Variants bits),
     `block_mask` (whether the record holds a block mask's tile kinds) and `grad_spans`
     ((name, offset, size) of each score_mod float array's gradient in a partial; empty
     without gradients)."""
