@@ -181,6 +181,32 @@ def test_hopper_kernels_skip_empty_tiles(fn, block, Nq, Nk):
     assert tiles_read(p_dq, f_dq, 1, 1) == Hq * visited_tiles(dense, p_dq.score_tile, bm.block)
 
 
+def test_hopper_block_mask_under_causal():
+    """The Hopper kernels with causal on top of a block mask whose visited tiles leave a
+    gap (Nk > Nq: the diagonal bottom-right): the causal range, then the block mask's
+    tiles within it."""
+    be = emulator_backend("sm_90a", checked=True)
+    Nq, Nk, d = 256, 384, 64
+    q, k, v, do = attention_inputs(1, 2, 1, Nq, Nk, d, np.float16, seed=3)
+    q, k, v, do = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+                   for x in (q, k, v, do))
+
+    def gaps(b, h, q_idx, kv_idx):  # key blocks 0, 4 and 5 of six, under the diagonal
+        blk = kv_idx // 64
+        return ((blk == 0) | (blk == 4) | (blk == 5)) & (kv_idx <= q_idx + Nk - Nq)
+
+    bm = block_mask(gaps, None, None, Nq, Nk, block_size=64)
+    var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
+    ref, plain = _references(q, k, v, do, d ** -0.5, gaps, np.float16)
+    o, lse = kernel_forward_sm90.forward_sm90(be, q, k, v, causal=True, scale=d ** -0.5,
+                                              variants=var)
+    assert_close_to_reference(o, ref[0], plain[0], np.float16, what="o")
+    Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
+    grads = kernel_backward_sm90.backward_sm90(be, do, q, k, v, lse, Dvec, causal=True,
+                                               scale=d ** -0.5, variants=var)
+    _assert_grads(grads, ref, plain, np.float16)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
