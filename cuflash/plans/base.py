@@ -79,6 +79,12 @@ class Plan:
         return f"{FAMILIES[self.kernel].function}<{args}>"
 
 
+def backward_score_tile(own_rows: int, streamed_rows: int, owns_keys: bool) -> tuple:
+    """(query rows, keys) of a backward kernel's score tiles, a block mask's granularity:
+    a dK/dV block owns keys and streams query tiles (owns_keys), a dQ block the reverse."""
+    return (streamed_rows, own_rows) if owns_keys else (own_rows, streamed_rows)
+
+
 def flag(value: bool) -> str:
     """A bool template argument as C++ spells it."""
     return "true" if value else "false"

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 
 from ..families import FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_PREPROCESS
-from .base import DTYPE_NAMES, ELEMENTS, Plan, dtype_name, flag
+from .base import DTYPE_NAMES, ELEMENTS, Plan, backward_score_tile, dtype_name, flag
 
 BWD_HEAD_DIM_BUCKETS = (32, 64, 128, 256)   # the same for every dtype (double too)
 BWD_NUM_WARPS = 8                # 256 threads per block for the dK/dV and dQ kernels
@@ -70,11 +70,9 @@ class SimtBwdPlan(Plan):
 
     @property
     def score_tile(self) -> tuple:
-        """(query rows, keys) of the kernel's score tiles: a block mask's granularity
-        (the dK/dV kernel's block owns keys, the dQ kernel's queries)."""
-        if self.kernel == FLASH_BWD_DKDV.name:
-            return self.tile_rows, self.block_rows
-        return self.block_rows, self.tile_rows
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity."""
+        return backward_score_tile(self.block_rows, self.tile_rows,
+                                   self.kernel == FLASH_BWD_DKDV.name)
 
     @property
     def smem_bytes(self) -> int:

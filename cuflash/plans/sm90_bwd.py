@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Plan
+from .base import Plan, backward_score_tile
 from .sm90_fwd import SM90_DTYPES
 
 SM90_BWD_HEAD_DIMS = (64, 128)   # d = 256 runs mma.sync's backward
@@ -33,11 +33,9 @@ class Sm90BwdPlan(Plan):
 
     @property
     def score_tile(self) -> tuple:
-        """(query rows, keys) of the kernel's score tiles: a block mask's granularity
-        (the dK/dV kernel's block owns keys, the dQ kernel's queries)."""
-        if self.kernel == "flash_bwd_dkdv_sm90":
-            return self.streamed_rows, self.own_rows
-        return self.own_rows, self.streamed_rows
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity."""
+        return backward_score_tile(self.own_rows, self.streamed_rows,
+                                   self.kernel == "flash_bwd_dkdv_sm90")
 
     @property
     def smem_bytes(self) -> int:

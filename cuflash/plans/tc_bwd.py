@@ -19,7 +19,7 @@ import dataclasses
 import functools
 
 from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_SUM, FLASH_BWD_DQ_TC
-from .base import Plan, flag
+from .base import Plan, backward_score_tile, flag
 from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, tf32_mode
 
 TC_BWD_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 runs in one
@@ -172,11 +172,9 @@ class TcBwdPlan(Plan):
 
     @property
     def score_tile(self) -> tuple:
-        """(query rows, keys) of the kernel's score tiles: a block mask's granularity
-        (the dK/dV kernel's block owns keys, the dQ kernel's queries)."""
-        if self.kernel == FLASH_BWD_DKDV_TC.name:
-            return self.tile_rows, self.block_rows
-        return self.block_rows, self.tile_rows
+        """(query rows, keys) of the kernel's score tiles: a block mask's granularity."""
+        return backward_score_tile(self.block_rows, self.tile_rows,
+                                   self.kernel == FLASH_BWD_DKDV_TC.name)
 
     def num_d_chunks(self, d: int) -> int:
         """Blocks per row block for head dim d: the chunks that hold a column < d (the
