@@ -70,17 +70,25 @@ def _assert_grads(grads, ref, plain, dtype):
         assert_close_to_reference(g, r, p, dtype, factor=4.0, what=what)
 
 
-FAMILIES = [pytest.param((7, 0), np.float32, 0, id="simt-float32"),
-            pytest.param(None, np.float64, 0, id="simt-float64"),
-            pytest.param(None, np.float16, 0, id="mma.sync-float16"),
-            pytest.param(None, np.float16, 2, id="mma.sync-float16-5gemm"),
-            pytest.param(None, np.float32, 0, id="tf32-float32")]
+FAMILIES = [pytest.param("sm_80", (7, 0), np.float32, 0, id="simt-float32"),
+            pytest.param("sm_80", None, np.float64, 0, id="simt-float64"),
+            pytest.param("sm_80", None, np.float16, 0, id="mma.sync-float16"),
+            pytest.param("sm_80", None, np.float16, 2, id="mma.sync-float16-5gemm"),
+            pytest.param("sm_80", None, np.float32, 0, id="tf32-float32"),
+            # the other archs the mma.sync kernels target: Turing, Hopper without its own
+            # kernels, consumer Blackwell (their own tiles and rings)
+            pytest.param("sm_75", None, np.float16, 0, id="mma.sync-float16-sm_75"),
+            pytest.param("sm_90", None, np.float16, 0, id="mma.sync-float16-sm_90"),
+            pytest.param("sm_120", None, np.float16, 0, id="mma.sync-float16-sm_120")]
 
 
-@pytest.mark.parametrize("cc,dtype,workers", FAMILIES)
-@pytest.mark.parametrize("fn,block,Nq,Nk", PATTERNS)
-def test_kernels_skip_empty_tiles(cc, dtype, workers, fn, block, Nq, Nk):
-    be = emulator_backend("sm_80", cc=cc, checked=True)
+@pytest.mark.parametrize("arch,cc,dtype,workers,fn,block,Nq,Nk", [
+    pytest.param(*f.values, *p.values, id=f"{p.id}-{f.id}",
+                 # the other archs run the dilated mask by default, the rest `-m slow`
+                 marks=pytest.mark.slow if f.values[0] != "sm_80" and p.id != "dilated" else ())
+    for p in PATTERNS for f in FAMILIES])
+def test_kernels_skip_empty_tiles(arch, cc, dtype, workers, fn, block, Nq, Nk):
+    be = emulator_backend(arch, cc=cc, checked=True)
     Hq = 2  # two query heads on one K/V head: each reads the K/V head's tiles
     q, k, v, do = attention_inputs(1, Hq, 1, Nq, Nk, D, dtype, seed=3)
     acc = np.float64 if dtype == np.float64 else np.float32
