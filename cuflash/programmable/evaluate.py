@@ -13,6 +13,7 @@ a sum in a fixed order: deterministic).
 import math
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from .ir import BOOL, FLOAT, INT
 from .ranges import fits_int32, int_ranges
@@ -66,7 +67,7 @@ class Bound:
             if fits_int32(r):
                 self.arrays[name] = self.arrays[name].astype(_INT32)
         self.relative = _relative_roots(self.order)
-        self.cache, self.cached_bytes = {}, 0
+        self.diagonals = {}   # the relative parts' tiles, as views of their diagonals
         # the nodes through which the score's and the float buffers' gradients flow
         self.score_path = _reaching(self.order, lambda n: n.op == "arg" and n.kind == FLOAT)
         self.buffer_path = _reaching(self.order, lambda n: n.op == "index" and n.kind == FLOAT)
@@ -77,32 +78,56 @@ class Bound:
         int64 arrays}, all broadcastable to the tile. `tile` = (q_idx − kv_idx at the
         tile's first row and key, rows, keys), when given, lets the parts of the mod that
         depend on the positions only through q_idx − kv_idx (a relative position bias's
-        bucket, ALiBi's distance) be computed once per such tile and reused."""
+        bucket and table entry, ALiBi's distance) be computed once per diagonal, on a
+        vector, and read as a Toeplitz view of the tile."""
         if tile is None or not self.relative:
             return self._values(env)[id(self.mod.expr)]
         return self._lazy(env, tile)[id(self.mod.expr)]
 
     def _lazy(self, env, tile):
-        """The values `value` needs, the relative parts from (or into) the cache: the
-        nodes inside a cached part are not computed."""
-        vals = {}
+        """The values `value` needs, the relative parts on the tile's diagonals (see
+        `_diagonals`), kept per tile shape and offset, batch row and heads (a loop meets
+        a few of them over and over; a vector each): the nodes inside them are not
+        computed on the tile."""
+        vals, diagonal = {}, None
+        heads = (int(env["b"]), tuple(np.ravel(env["h"])))
 
         def get(n):
+            nonlocal diagonal
             k = id(n)
             if k not in vals:
-                key = (k, tile) if k in self.relative else None
-                v = self.cache.get(key) if key else None
-                if v is None:
-                    v = self._node(n, [get(a) for a in n.args], env)
-                    if key and self.cached_bytes < _CACHE_BYTES:
-                        v = v[:1] if np.ndim(v) == 4 else v   # the blocks of a run agree
-                        self.cache[key] = v
-                        self.cached_bytes += np.asarray(v).nbytes
-                vals[k] = v
+                if k in self.relative:
+                    key = (k, tile, heads)
+                    v = self.diagonals.get(key)
+                    if v is None:
+                        if diagonal is None:
+                            diagonal = self._diagonals(env, tile)
+                        v = _toeplitz(diagonal(n), tile)
+                        if len(self.diagonals) < _DIAGONALS_KEPT:
+                            self.diagonals[key] = v
+                    vals[k] = v
+                else:
+                    vals[k] = self._node(n, [get(a) for a in n.args], env)
             return vals[k]
 
         get(self.mod.expr)
         return vals
+
+    def _diagonals(self, env, tile):
+        """A function giving a relative node's values along the tile's rows + keys − 1
+        diagonals, the last axis: q_idx − kv_idx = off + rows − 1 − k for the k-th (kv_idx
+        = 0, q_idx the distance: a relative node sees only their difference)."""
+        off, rows, cols = tile
+        denv = {**env, "q_idx": off + rows - 1 - np.arange(rows + cols - 1),
+                "kv_idx": np.int64(0)}
+        vals = {}
+
+        def get(n):
+            if id(n) not in vals:
+                vals[id(n)] = self._node(n, [get(a) for a in n.args], denv)
+            return vals[id(n)]
+
+        return get
 
     def _values(self, env):
         vals = {}
@@ -197,17 +222,28 @@ class Bound:
         return np.broadcast_to(dscore, seed.shape)
 
 
-# Bytes of relative parts one Bound keeps (one call's tiles): 16 offsets of a 512 × 256 tile
-# of float32 take 8 MiB.
-_CACHE_BYTES = 64 << 20
+# Relative parts one Bound keeps (`_lazy`): a vector of rows + keys − 1 values each.
+_DIAGONALS_KEPT = 4096
+
+
+def _toeplitz(v, tile):
+    """The tile (…, rows, keys) of a relative node from its values v (…, 1, L) along the
+    tile's L = rows + keys − 1 diagonals (`Bound._diagonals`): entry (x, y) is v[…, rows −
+    1 − x + y], a read-only strided view (rows step back one element, keys forward one)."""
+    _, rows, cols = tile
+    v = np.asarray(v)
+    v = np.ascontiguousarray(v.reshape(v.shape[:-2] + v.shape[-1:]) if v.ndim > 1 else v)
+    step = v.strides[-1]
+    return as_strided(v[..., rows - 1:], v.shape[:-1] + (rows, cols),
+                      v.strides[:-1] + (-step, step), writeable=False)
 
 
 def _relative_roots(order):
     """The ids of the largest subtrees that depend on the positions only through
-    q_idx − kv_idx (besides constants and captured arrays), with more than a constant
-    in them: their value on a tile depends on the tile's offset from the diagonal and
-    its shape alone. A linear form a·q_idx + c·kv_idx (+, −, negation, multiples by
-    constants) with a = −c counts as q_idx − kv_idx."""
+    q_idx − kv_idx (besides constants, captured arrays and the b and h arguments), with
+    q_idx − kv_idx in them: their value on a tile is a function of the diagonal alone.
+    A linear form a·q_idx + c·kv_idx (+, −, negation, multiples by constants) with a = −c
+    counts as q_idx − kv_idx."""
     linear, dep = {}, {}
     for n in order:
         a = [linear.get(id(x)) for x in n.args]
@@ -229,7 +265,7 @@ def _relative_roots(order):
         if lin is not None and lin[0] == -lin[1] != 0:
             dep[id(n)] = _REL                              # a function of q_idx − kv_idx
         elif n.op == "arg":
-            dep[id(n)] = _OTHER
+            dep[id(n)] = _CONST if n.value in ("b", "h") else _OTHER
         else:
             dep[id(n)] = max((dep[id(x)] for x in n.args), default=_CONST)
     parents = {}
@@ -241,7 +277,9 @@ def _relative_roots(order):
         k == root or any(dep[id(p)] != _REL for p in parents.get(k, [])))}
 
 
-_CONST, _REL, _OTHER = 0, 1, 2   # a node's dependence on the arguments, in rising order
+# a node's dependence on the arguments, in rising order (b and h count as constants: a
+# tile's are broadcast along its own axes, not the positions)
+_CONST, _REL, _OTHER = 0, 1, 2
 
 
 def _reaching(order, leaf):

@@ -26,6 +26,7 @@ the same from call to call.
 """
 import functools
 import math
+import threading
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -34,8 +35,10 @@ from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
 from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
 from ...programmable.evaluate import Bound
-from .arrays import Scratch, as_dtype, column_shift, split_scale
+from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
+from .expbase import exp_limit
+from .forward_tiles import _L_MAX, _L_MIN
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF
 
@@ -49,6 +52,9 @@ _ROWS, _KEYS, _WINDOW_BLOCK = 512, 256, 128
 # these plus the band's width, so fewer compute fewer hidden scores, until the matmuls'
 # few rows cost more per score than they save (see _tile_sizes).
 _BAND_BLOCK = 32
+# A score_mod's reference below this (natural units) is taken as 0: e^S then stays far from
+# overflow and underflow, and the frozen forward skips a subtraction per score.
+_NEAR_ZERO = 20.0
 # Scores of one run of band tiles, and of one task's batch of runs (all heads). 1 MB of
 # float32 measured 3–10% less CPU time than 512 KB: fewer tasks, each a few GIL hand-overs.
 _RUN_SCORES = 1 << 18
@@ -146,8 +152,8 @@ def _outside_band(rows, cols, t, L, R):
     return out
 
 
-def hide_outside_band(S, t, L, R):
-    """S (…, rows, cols) = −inf where key y is outside row x's band (see _outside_band),
+def hide_outside_band(S, t, L, R, fill=NEG_INF):
+    """S (…, rows, cols) = fill where key y is outside row x's band (see _outside_band),
     testing only the columns that can hold such keys: those left of the band's left edge
     at the last row, and right of its right edge at the first row (a band's tile is
     mostly inside it)."""
@@ -155,12 +161,12 @@ def hide_outside_band(S, t, L, R):
     left = min(cols, max(0, t - L + rows - 1))  # y < left: outside for some row, on the left
     right = min(cols, max(0, t + R + 1))        # y ≥ right: outside for some row, on the right
     if left >= right:
-        np.copyto(S, NEG_INF, where=_outside_band(rows, cols, t, L, R))
+        np.copyto(S, fill, where=_outside_band(rows, cols, t, L, R))
         return
     if left:
-        np.copyto(S[..., :left], NEG_INF, where=_outside_band(rows, left, t, L, R))
+        np.copyto(S[..., :left], fill, where=_outside_band(rows, left, t, L, R))
     if right < cols:
-        np.copyto(S[..., right:], NEG_INF,
+        np.copyto(S[..., right:], fill,
                   where=_outside_band(rows, cols - right, t - right, L, R))
 
 
@@ -193,6 +199,7 @@ class ScoreChain:
         # Without a block mask every tile may hold masked entries; with one, a step's
         # `pred` says so (block_mask_schedule).
         self.mask_every_tile = var.block_mask is None
+        self.local = threading.local()   # each worker's scratch (the scaled bias)
 
     def heads(self, bh):
         """(batch index, slice of the G query heads) of K/V head bh."""
@@ -215,37 +222,58 @@ class ScoreChain:
         keys c0 + i·shift → (the masked, biased score; tanh(S/softcap), the backward's
         softcap factor, or None; the score_mod's input, or None). S is overwritten, unless
         a score_mod keeps it as its input."""
+        S, T, R = self.values(S, bh, a0, c0, shift)
+        self.hide(S, bh, a0, c0, pred, shift)
+        return S, T, R
+
+    def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False):
+        """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
+        the natural one (log_b(e) for scores in base b; the score_mod's only in natural
+        units); with `over_softcap`, S is already scale·Q Kᵀ/softcap. Returns (S, T, R)
+        as `apply`."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
         T = R = None
-        if self.score_mod is not None or self.mask_mod is not None:
-            index = self.indices(bh, a0, c0, shift, S.shape)
-            tile = (a0 - c0 - self.var.kv0, rows, cols)     # its offset for relative parts
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             R = S
-            S = self.score_mod.value({**index, "score": R}, tile=tile)
+            S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R},
+                                     tile=(a0 - c0 - self.var.kv0, rows, cols))
             if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
                     and S.flags.owndata):       # the later steps write the tile in place
                 S = np.array(np.broadcast_to(S, R.shape), self.acc_t)
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
-            T = np.tanh(np.multiply(S, 1.0 / var.softcap, out=S), out=S)
-            S = np.multiply(T, var.softcap, out=np.empty_like(T))
+            T = np.tanh(S if over_softcap else np.multiply(S, 1.0 / var.softcap, out=S), out=S)
+            S = np.multiply(T, var.softcap * unit, out=np.empty_like(T))
         t = a0 + self.Nk - self.Nq - c0  # key c0 + y sits t + x − y from row a0 + x's diagonal
         if self.alibi is not None:                           # − slope·|i + Nk − Nq − j|
-            slopes = self.alibi[b, hs].astype(self.acc_t)[:, None, None]
+            slopes = (self.alibi[b, hs] * unit).astype(self.acc_t)[:, None, None]
             S -= slopes * _distance(rows, cols, t, self.acc_t)
         if self.bias is not None:                            # + bias
-            S += diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
-        if pred and self.banded:                             # causal / window
-            hide_outside_band(S, t, self.L, self.R)
-        if self.mask is not None:                            # / mask (True = may attend)
-            np.copyto(S, NEG_INF, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
-                                                          shift, rows, cols))
-        if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
-            M = self.mask_mod.value(index, tile=tile)
-            np.copyto(S, NEG_INF, where=np.logical_not(M))
+            bias = diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
+            if unit != 1:
+                if not hasattr(self.local, "bias"):
+                    self.local.bias = Scratch(self.acc_t)
+                bias = np.multiply(bias, unit, out=self.local.bias.get(S.shape),
+                                   dtype=self.acc_t)
+            S += bias
         return S, T, R
+
+    def hide(self, S, bh, a0, c0, pred, shift, fill=NEG_INF):
+        """S = fill where the masks hide a key: causal / window, mask, mask_mod (−inf on
+        scores; 0 on probabilities)."""
+        var = self.var
+        b, hs = self.heads(bh)
+        n, _, rows, cols = S.shape
+        if pred and self.banded:                             # causal / window
+            hide_outside_band(S, a0 + self.Nk - self.Nq - c0, self.L, self.R, fill)
+        if self.mask is not None:                            # / mask (True = may attend)
+            np.copyto(S, fill, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
+                                                       shift, rows, cols))
+        if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
+            M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape),
+                                    tile=(a0 - c0 - self.var.kv0, rows, cols))
+            np.copyto(S, fill, where=np.logical_not(M))
 
     def mod_gradients(self, R, dS, bh, a0, c0, shift, into):
         """dS with respect to the score_mod's input R, of n blocks; with `into`
@@ -319,34 +347,98 @@ def forward(q, k, v, causal, scale, config, var):
     tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "q")
     # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
     s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
+    # The frozen reference (frozen_steps) where the chain allows it: no score_mod (its
+    # scores are natural and unbounded), no dropout (ℓ is summed before the mask).
+    frozen = config.frozen_max and not var.dropout_p
+    base, sample = config.base, config.max_sample
+    exp, lim = base.exp, exp_limit(acc_t, base)
 
     def run(task):
         bh, batch = task
         for r0, br, n, steps in batch:
             run_blocks(bh, r0, br, n, steps)
 
-    def run_blocks(bh, r0, br, n, steps, shift=None):
-        """n blocks of br rows from row r0, block i shifted by i·br keys; V's columns
-        scaled by `shift` (column_shift) where not None."""
-        b, hs = chain.heads(bh)
-        hkv = bh % Hkv
-        r1 = r0 + n * br
-        if not steps:                          # rows that see no key: o = 0, lse = −inf
-            o[b, hs, r0:r1] = 0
-            lse[b, hs, r0:r1] = NEG_INF
-            return
-        # Q (n, G·br, d): each block's G heads stacked, one matmul's rows.
-        Q = np.empty((n, G, br, d), acc_t)
-        np.multiply(q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3), s_q, out=Q)
-        Q = Q.reshape(n, G * br, d)
-        kh, vh = k[b, hkv], v[b, hkv]
+    def key_windows(x, keys, n, br, span, factor=1):
+        """The n blocks' keys of x (K or V of one head) as (n, span, d) windows, in the
+        accumulation dtype, times `factor` (a number or V's column shift)."""
+        x = as_dtype(x[keys], acc_t)
+        return windows(x if isinstance(factor, int) and factor == 1 else x * factor,
+                       n, br, span)
+
+    def frozen_steps(q_i, kh, vh, bh, r0, br, n, steps):
+        """(acc, ℓ, m) of the tile with the max frozen at a reference, as the plain
+        forward's frozen_max_tile: per step Q Kᵀ, the chain's values, the exponential
+        and P̃ [V_j | 1] (ℓ from the column of ones), the masks zeroing probabilities
+        after the exponential; no max, rescale or row sum.
+
+        Scores are in the config's base b, except with a score_mod (natural: its input
+        is). The reference m_i: under softcap (without a score_mod), whose scores lie
+        within ±softcap, 0, with Q scaled by 1/softcap for the tanh; otherwise the larger
+        of the row's max over the first `max_sample` keys before and after the chain
+        (ALiBi only lowers scores; a bias or score_mod may move them anywhere), folded
+        into the matmul as in the plain forward ([c·Q_i | −m_i] [K_j | 1]ᵀ), or with a
+        score_mod subtracted after it — or not at all where every |m_i| ≤ _NEAR_ZERO.
+        Exponents are clipped to ±lim (the score_mod's: np.exp is fast anywhere), so a
+        score more than ~44 above m_i shows as ℓ > 2^64. None where a row that sees a
+        key ends with ℓ outside [2^-30, 2^64] or acc is not finite (scores far from the
+        sample's, a NaN, a huge V): the caller runs the running max instead."""
+        mod = chain.score_mod is not None
+        capped = chain.var.softcap is not None and not mod
+        unit = 1.0 if mod else base.log_e
+        fold = not (mod or capped)
+        Q = np.empty((n, G, br, d + fold), acc_t)
+        np.multiply(q_i, s_q * acc_t.type(1 / chain.var.softcap if capped else unit),
+                    out=Q[..., :d])
+        if capped:
+            m_i = np.zeros((n, G, br), acc_t)
+        else:                                    # the first keys, the same for every block
+            K0 = key_windows(kh, slice(0, min(sample, Nk)), 1, 0, min(sample, Nk), s_k)
+            S0 = Q[..., :d] @ K0[:, None].transpose(0, 1, 3, 2)
+            m_i = S0.max(axis=-1)
+            for i in range(n):
+                np.maximum(m_i[i], chain.values(S0[i:i + 1], bh, r0 + i * br, 0, br,
+                                                unit=unit)[0].max(axis=-1)[0], out=m_i[i])
+        if fold:
+            Q[..., d] = -m_i
+        elif mod and np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
+            m_i[...] = 0
+        Q, m_i = Q.reshape(n, G * br, d + fold), m_i.reshape(n, G * br)
+        accx = np.zeros((n, G * br, d + 1), acc_t)
+        for c0, c1, pred in steps:
+            span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
+            if fold:                                                 # [K_j | 1]
+                K_j = np.empty((keys.stop - keys.start, d + 1), acc_t)
+                with_ones(kh[keys], K_j, s_k)
+                K_j = windows(K_j, n, br, span)
+            else:
+                K_j = key_windows(kh, keys, n, br, span, s_k)
+            S, _, _ = chain.values((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh,
+                                   r0, c0, br, unit=unit, over_softcap=capped)
+            if not mod:
+                np.clip(S, -lim, lim, out=S)
+                exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
+            else:   # np.exp is fast for any argument; ±inf and NaN reach the checks below
+                if m_i.any():
+                    np.subtract(S, m_i.reshape(n, G, br, 1), out=S)
+                np.exp(S, out=S)                                     # P̃ = exp(S − m_i)
+            chain.hide(S, bh, r0, c0, pred, br, fill=0)
+            V_j = np.empty((keys.stop - keys.start, d + 1), acc_t)
+            with_ones(vh[keys], V_j)
+            accx += S.reshape(n, G * br, span) @ windows(V_j, n, br, span)  # acc += P̃ [V_j | 1]
+        l_i = accx[..., d]
+        seen = l_i[l_i > 0]
+        if not (math.isfinite(accx.sum()) and (not seen.size or (
+                seen.min() >= _L_MIN and seen.max() <= _L_MAX))):
+            return None
+        return accx[..., :d], l_i, m_i * acc_t.type(1.0 / unit)
+
+    def online_steps(Q, kh, vh, bh, r0, br, n, steps, shift):
+        """(acc, ℓ, m) of the tile with FlashAttention-2's running max, in natural units."""
         m_i = l_i = acc = None
         for c0, c1, pred in steps:
             span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
-            K_j = as_dtype(kh[keys], acc_t)
-            V_j = as_dtype(vh[keys], acc_t)
-            K_j = windows(K_j if s_k == 1 else K_j * s_k, n, br, span)
-            V_j = windows(V_j if shift is None else V_j * shift, n, br, span)
+            K_j = key_windows(kh, keys, n, br, span, s_k)
+            V_j = key_windows(vh, keys, n, br, span, 1 if shift is None else shift)
             # -- compute qk, then the chain: S = softcap(scale·Q Kᵀ) + ALiBi + bias, masked
             S, _, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh,
                                   r0, c0, pred, br)
@@ -366,6 +458,26 @@ def forward(q, k, v, causal, scale, config, var):
                 l_i = alpha * l_i + l_step
                 acc = alpha[..., None] * acc + P @ V_j               # acc = α acc + P̃ V_j
             m_i = m_new
+        return acc, l_i, m_i
+
+    def run_blocks(bh, r0, br, n, steps, shift=None):
+        """n blocks of br rows from row r0, block i shifted by i·br keys; V's columns
+        scaled by `shift` (column_shift) where not None."""
+        b, hs = chain.heads(bh)
+        hkv = bh % Hkv
+        r1 = r0 + n * br
+        if not steps:                          # rows that see no key: o = 0, lse = −inf
+            o[b, hs, r0:r1] = 0
+            lse[b, hs, r0:r1] = NEG_INF
+            return
+        # Q (n, G·br, d): each block's G heads stacked, one matmul's rows.
+        q_i = q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3)
+        kh, vh = k[b, hkv], v[b, hkv]
+        state = frozen_steps(q_i, kh, vh, bh, r0, br, n, steps) if frozen and shift is None else None
+        if state is None:
+            Q = np.multiply(q_i, s_q, dtype=acc_t).reshape(n, G * br, d)
+            state = online_steps(Q, kh, vh, bh, r0, br, n, steps, shift)
+        acc, l_i, m_i = state
         if shift is None and not math.isfinite(acc.sum()):
             # P̃ V overflowed where |V| nears the dtype's maximum: again with V's big
             # columns scaled down by powers of two, scaled back after the division by ℓ.
