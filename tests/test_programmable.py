@@ -601,3 +601,112 @@ def test_an_index_out_of_range_through_arithmetic():
     q, k, v, _ = attention_inputs(1, 1, 1, 10, 12, 8, np.float64)
     with pytest.raises(ValueError, match=r"index 14 is out of range for axis 0 of `ten`"):
         cuflash.flash_attention(q, k, v, score_mod=_shifted)
+
+
+# ------------------------------------------------ the NumPy variant forward's frozen reference
+frozen_table = rng.standard_normal((4, 64)).astype(np.float32)
+doc_ids = np.repeat(np.arange(6), 60)[:340]
+
+
+def table_mod(score, b, h, q_idx, kv_idx):
+    return score + frozen_table[h, min(abs(q_idx - kv_idx) // 8, 63)]
+
+
+def capped_mod(score, b, h, q_idx, kv_idx):
+    return 30.0 * np.tanh(score / 30.0)
+
+
+def document(b, h, q_idx, kv_idx):
+    return doc_ids[q_idx] == doc_ids[kv_idx]
+
+
+def down_200(score, b, h, q_idx, kv_idx):
+    return score - 200.0
+
+
+def _fills(monkeypatch, config):
+    """The NumPy backend run with `config`; returns the list of fills ScoreChain.hide
+    writes, in call order: 0 for the frozen forward's probabilities, −inf for the
+    running max's scores."""
+    from cuflash.backends import numpy_backend as nb
+    from cuflash.backends.numpy_backend import variants as nv
+    monkeypatch.setattr(nb.BACKEND, "config", config)
+    fills, hide = [], nv.ScoreChain.hide
+
+    def recorded(self, S, bh, a0, c0, pred, shift, fill=-np.inf):
+        fills.append(fill)
+        return hide(self, S, bh, a0, c0, pred, shift, fill=fill)
+
+    monkeypatch.setattr(nv.ScoreChain, "hide", recorded)
+    return fills
+
+
+FROZEN_CASES = {
+    "softcap": dict(softcap=5.0),
+    "alibi causal": dict(alibi_slopes=np.linspace(0.1, 2.0, 4), causal=True),
+    "bias window": dict(bias=rng.standard_normal((1, 4, 300, 340)).astype(np.float32) * 3,
+                        window=(70, 20)),
+    "softcap alibi mask": dict(softcap=3.0, alibi_slopes=np.full(4, 0.3),
+                               mask=rng.random((300, 340)) > 0.2),
+    "table score_mod": dict(score_mod=table_mod, causal=True),
+    "capped score_mod": dict(score_mod=capped_mod),
+    "document mask_mod": dict(mask_mod=document),
+    "document block_mask": dict(block_mask=block_mask(document, None, None, 300, 340,
+                                                      block_size=64)),
+}
+
+
+@pytest.mark.parametrize("base", ["2", "e"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("case", FROZEN_CASES, ids=str)
+def test_variant_forward_frozen_reference(monkeypatch, case, dtype, base):
+    """The variants' forward takes a frozen reference (no max, rescale or row sum per
+    step) and gives the running max's result to rounding, in either base."""
+    import dataclasses
+    from cuflash.backends.numpy_backend import config as cfg
+    from cuflash.backends.numpy_backend.expbase import BASE_2, BASE_E
+    q, k, v, _ = attention_inputs(1, 4, 2, 300, 340, 32, dtype, seed=11)
+    q *= 2   # scores up to ~15: a reference that matters
+    kw = FROZEN_CASES[case]
+    config = dataclasses.replace(cfg.DEFAULT_CONFIG, base=BASE_2 if base == "2" else BASE_E)
+    fills = _fills(monkeypatch, dataclasses.replace(config, frozen_max=False))
+    o_ref, lse_ref = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+    assert fills and set(fills) == {-np.inf}
+    fills = _fills(monkeypatch, config)
+    o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+    assert fills and set(fills) == {0}, "the frozen reference did not serve every tile"
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(o, o_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, lse_ref, rtol=tol, atol=tol)
+
+
+def test_variant_forward_frozen_reference_hands_over(monkeypatch):
+    """Where the reference cannot serve — scores far above the first keys' (a bias, a
+    softcap wider than exp's range), far below them (a score_mod's shift), a row whose
+    keys a bias hides, NaN — the tile falls back to the running max, and the result is
+    the reference's."""
+    from cuflash.backends.numpy_backend import config as cfg
+    q, k, v, _ = attention_inputs(1, 2, 2, 40, 90, 16, np.float32, seed=12)
+    late = np.zeros((1, 1, 40, 90), np.float32)
+    late[..., 70:] = 300.0                          # past the first keys' sample: overflow
+    hidden = np.zeros((1, 1, 40, 90), np.float32)
+    hidden[..., 5, :] = -np.inf                      # row 5 sees no key
+    q_nan = q.copy()
+    q_nan[0, 1, 7, 3] = np.nan
+    for qq, kw, ref_kw in ((q, dict(bias=late), dict(bias=late)),
+                           (q * 30, dict(softcap=300.0), dict(softcap=300.0)),
+                           (q, dict(score_mod=down_200), dict(bias=np.full(late.shape, -200.0))),
+                           (q, dict(bias=hidden), dict(bias=hidden)),
+                           (q_nan, dict(softcap=5.0), dict(softcap=5.0))):
+        fills = _fills(monkeypatch, cfg.DEFAULT_CONFIG)
+        o, lse = cuflash.flash_attention(qq, k, v, return_lse=True, **kw)
+        assert 0 in fills and -np.inf in fills, f"{list(kw)}: no hand-over"
+        o_ref, lse_ref = cuflash.reference.naive_attention(
+            qq.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+            return_lse=True, **ref_kw)
+        np.testing.assert_array_equal(np.isnan(o), np.isnan(o_ref))
+        ok = ~np.isnan(o_ref)
+        np.testing.assert_allclose(o[ok], o_ref[ok], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+        ok = np.isfinite(lse_ref)
+        np.testing.assert_allclose(lse[ok], lse_ref[ok], rtol=1e-5, atol=1e-4)

@@ -37,7 +37,7 @@ from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
 from ...programmable.evaluate import Bound
 from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
-from .expbase import exp_limit
+from .expbase import BASE_E, exp_limit
 from .forward_tiles import _L_MAX, _L_MIN
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF
@@ -351,7 +351,7 @@ def forward(q, k, v, causal, scale, config, var):
     # scores are natural and unbounded), no dropout (ℓ is summed before the mask).
     frozen = config.frozen_max and not var.dropout_p
     base, sample = config.base, config.max_sample
-    exp, lim = base.exp, exp_limit(acc_t, base)
+    exp, lim, lim_e = base.exp, exp_limit(acc_t, base), exp_limit(acc_t, BASE_E)
 
     def run(task):
         bh, batch = task
@@ -378,10 +378,11 @@ def forward(q, k, v, causal, scale, config, var):
         (ALiBi only lowers scores; a bias or score_mod may move them anywhere), folded
         into the matmul as in the plain forward ([c·Q_i | −m_i] [K_j | 1]ᵀ), or with a
         score_mod subtracted after it — or not at all where every |m_i| ≤ _NEAR_ZERO.
-        Exponents are clipped to ±lim (the score_mod's: np.exp is fast anywhere), so a
-        score more than ~44 above m_i shows as ℓ > 2^64. None where a row that sees a
-        key ends with ℓ outside [2^-30, 2^64] or acc is not finite (scores far from the
-        sample's, a NaN, a huge V): the caller runs the running max instead."""
+        Exponents are clipped to ±lim, so a score more than ~44 above m_i shows as ℓ >
+        2^64, and every weight is at least b^-lim: ℓ = 0 only where the masks hide every
+        key. None where a row ends with ℓ outside [2^-30, 2^64] (other than 0) or acc is
+        not finite (scores far from the sample's, a NaN, a huge V): the caller runs the
+        running max instead."""
         mod = chain.score_mod is not None
         capped = chain.var.softcap is not None and not mod
         unit = 1.0 if mod else base.log_e
@@ -417,9 +418,10 @@ def forward(q, k, v, causal, scale, config, var):
             if not mod:
                 np.clip(S, -lim, lim, out=S)
                 exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
-            else:   # np.exp is fast for any argument; ±inf and NaN reach the checks below
+            else:
                 if m_i.any():
                     np.subtract(S, m_i.reshape(n, G, br, 1), out=S)
+                np.clip(S, -lim_e, lim_e, out=S)   # no weight underflows to 0 (see below)
                 np.exp(S, out=S)                                     # P̃ = exp(S − m_i)
             chain.hide(S, bh, r0, c0, pred, br, fill=0)
             V_j = np.empty((keys.stop - keys.start, d + 1), acc_t)
