@@ -80,23 +80,22 @@ class Bound:
         depend on the positions only through q_idx − kv_idx (a relative position bias's
         bucket and table entry, ALiBi's distance) be computed once per diagonal, on a
         vector, and read as a Toeplitz view of the tile."""
-        if tile is None or not self.relative:
-            return self._values(env)[id(self.mod.expr)]
-        return self._lazy(env, tile)[id(self.mod.expr)]
+        return self._getter(env, tile)(self.mod.expr)
 
-    def _lazy(self, env, tile):
-        """The values `value` needs, the relative parts on the tile's diagonals (see
-        `_diagonals`), kept per tile shape and offset, batch row and heads (a loop meets
-        a few of them over and over; a vector each): the nodes inside them are not
-        computed on the tile."""
+    def _getter(self, env, tile=None):
+        """A function giving a node's value for `env`, computed on first use; with `tile`
+        (see `value`), the relative parts on the tile's diagonals (`_diagonals`), kept
+        per tile shape and offset, batch row and heads (a loop meets a few of them over
+        and over; a vector each), the nodes inside them not computed on the tile."""
         vals, diagonal = {}, None
-        heads = (int(env["b"]), tuple(np.ravel(env["h"])))
+        relative = self.relative if tile is not None else ()
+        heads = (int(env["b"]), tuple(np.ravel(env["h"]))) if relative else None
 
         def get(n):
             nonlocal diagonal
             k = id(n)
             if k not in vals:
-                if k in self.relative:
+                if k in relative:
                     key = (k, tile, heads)
                     v = self.diagonals.get(key)
                     if v is None:
@@ -110,8 +109,7 @@ class Bound:
                     vals[k] = self._node(n, [get(a) for a in n.args], env)
             return vals[k]
 
-        get(self.mod.expr)
-        return vals
+        return get
 
     def _diagonals(self, env, tile):
         """A function giving a relative node's values along the tile's rows + keys − 1
@@ -128,12 +126,6 @@ class Bound:
             return vals[id(n)]
 
         return get
-
-    def _values(self, env):
-        vals = {}
-        for n in self.order:
-            vals[id(n)] = self._node(n, [vals[id(a)] for a in n.args], env)
-        return vals
 
     def _node(self, n, a, env):
         op, acc = n.op, self.acc_t
@@ -201,7 +193,7 @@ class Bound:
         the nodes on a path to the score (and to a wanted buffer) are differentiated;
         `tile` as in `value`."""
         want = self.score_path | (self.buffer_path if into is not None else set())
-        vals = self._values(env) if into is not None or tile is None else self._lazy(env, tile)
+        val = self._getter(env, tile)      # only the values the rules below ask for
         adj = {id(self.mod.expr): seed}
         dscore = None
         for n in reversed(self.order):
@@ -211,9 +203,9 @@ class Bound:
             if n.op == "arg":                        # the score
                 dscore = g if dscore is None else dscore + g
             elif n.op == "index":                    # scatter-add into the buffer
-                _scatter(into[n.value], [vals[id(i)] for i in n.args], g)
+                _scatter(into[n.value], [val(i) for i in n.args], g)
             else:
-                for arg, ga in _rule(n, [vals.get(id(a)) for a in n.args], vals.get(id(n)), g):
+                for arg, ga in _rule(n, _Values(val, n.args), lambda n=n: val(n), g):
                     if id(arg) in want and ga is not None:
                         key = id(arg)
                         adj[key] = ga if key not in adj else adj[key] + ga
@@ -301,9 +293,20 @@ def _scatter(acc, idx, g):
                                               minlength=hi - lo + 1)
 
 
+class _Values:
+    """The values of a node's arguments, each computed when a rule first reads it."""
+
+    def __init__(self, val, args):
+        self.val, self.args = val, args
+
+    def __getitem__(self, i):
+        return self.val(self.args[i])
+
+
 def _rule(n, a, y, g):
-    """(argument node, its adjoint) pairs of node n with argument values a, value y and
-    adjoint g (adjoints keep the tile's shape: only the score and the buffers take them)."""
+    """(argument node, its adjoint) pairs of node n with argument values a (`_Values`),
+    its value y() and adjoint g (adjoints keep the tile's shape: only the score and the
+    buffers take them)."""
     op, args = n.op, n.args
     if op == "cast":                                  # float(x) of a float: identity
         return [(args[0], g)] if args[0].kind == FLOAT else []
@@ -316,12 +319,12 @@ def _rule(n, a, y, g):
     if op == "mul":
         return [(args[0], g * a[1]), (args[1], g * a[0])]
     if op == "div":
-        return [(args[0], g / a[1]), (args[1], -g * y / a[1])]
+        return [(args[0], g / a[1]), (args[1], -g * y() / a[1])]
     if op == "pow":
         out = [(args[0], g * a[1] * a[0] ** (a[1] - 1))]
         if args[1].op != "const":
             with np.errstate(divide="ignore", invalid="ignore"):
-                out.append((args[1], np.where(g == 0, 0, g * y * np.log(a[0]))))
+                out.append((args[1], np.where(g == 0, 0, g * y() * np.log(a[0]))))
         return out
     if op == "floordiv":
         return []
@@ -331,21 +334,23 @@ def _rule(n, a, y, g):
         return [(args[1], np.where(a[0], g, 0)), (args[2], np.where(a[0], 0, g))]
     if op != "call":
         return []
-    f, x = n.value, a[0]
+    f = n.value
     if f in ("minimum", "maximum"):
+        x = a[0]
         first = (x <= a[1]) if f == "minimum" else (x >= a[1])   # ties: the first
         return [(args[0], np.where(first, g, 0)), (args[1], np.where(first, 0, g))]
     if f == "clip":
+        x = a[0]
         inside = (x >= a[1]) & (x <= a[2])
         return [(args[0], np.where(inside, g, 0)), (args[1], np.where(x < a[1], g, 0)),
                 (args[2], np.where(x > a[2], g, 0))]
-    d = {"exp": lambda: y, "exp2": lambda: y * math.log(2), "expm1": lambda: y + 1,
-         "log": lambda: 1 / x, "log2": lambda: 1 / (x * math.log(2)),
-         "log10": lambda: 1 / (x * math.log(10)), "log1p": lambda: 1 / (1 + x),
-         "sqrt": lambda: 0.5 / y, "tanh": lambda: 1 - y * y, "sinh": lambda: np.cosh(x),
-         "cosh": lambda: np.sinh(x), "sin": lambda: np.cos(x), "cos": lambda: -np.sin(x),
-         "tan": lambda: 1 + y * y, "arctan": lambda: 1 / (1 + x * x),
-         "abs": lambda: np.sign(x), "square": lambda: 2 * x}.get(f)
+    d = {"exp": y, "exp2": lambda: y() * math.log(2), "expm1": lambda: y() + 1,
+         "log": lambda: 1 / a[0], "log2": lambda: 1 / (a[0] * math.log(2)),
+         "log10": lambda: 1 / (a[0] * math.log(10)), "log1p": lambda: 1 / (1 + a[0]),
+         "sqrt": lambda: 0.5 / y(), "tanh": lambda: 1 - y() ** 2, "sinh": lambda: np.cosh(a[0]),
+         "cosh": lambda: np.sinh(a[0]), "sin": lambda: np.cos(a[0]), "cos": lambda: -np.sin(a[0]),
+         "tan": lambda: 1 + y() ** 2, "arctan": lambda: 1 / (1 + a[0] * a[0]),
+         "abs": lambda: np.sign(a[0]), "square": lambda: 2 * a[0]}.get(f)
     if d is None:                                     # floor, ceil, trunc, sign: flat
         return []
     return [(args[0], g * d())]

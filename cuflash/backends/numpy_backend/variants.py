@@ -262,7 +262,6 @@ class ScoreChain:
     def hide(self, S, bh, a0, c0, pred, shift, fill=NEG_INF):
         """S = fill where the masks hide a key: causal / window, mask, mask_mod (−inf on
         scores; 0 on probabilities)."""
-        var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
         if pred and self.banded:                             # causal / window
