@@ -710,3 +710,27 @@ def test_variant_forward_frozen_reference_hands_over(monkeypatch):
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
         ok = np.isfinite(lse_ref)
         np.testing.assert_allclose(lse[ok], lse_ref[ok], rtol=1e-5, atol=1e-4)
+
+
+def test_evaluating_a_mod_leaves_no_garbage_cycles():
+    """A mod's value and gradients on a tile free their intermediate tiles at once (no
+    reference cycles for the garbage collector to find later: with strips of a big
+    block mask they piled up to hundreds of MiB)."""
+    import gc
+
+    from cuflash.programmable.evaluate import Bound
+    bound = Bound(translate(relative, "score_mod"), np.float64,
+                  {"b": (0, 0), "h": (0, 3), "q_idx": (0, 999), "kv_idx": (0, 999)})
+    env = {"b": np.int64(0), "h": np.arange(4)[None, :, None, None],
+           "q_idx": np.arange(100, 164)[None, None, :, None],
+           "kv_idx": np.arange(300, 428)[None, None, None, :],
+           "score": rng.standard_normal((1, 4, 64, 128))}
+    gc.collect()
+    gc.disable()
+    try:
+        for tile in (None, (100 - 300, 64, 128)):
+            bound.value(env, tile=tile)
+            bound.gradients(env, np.ones((1, 4, 64, 128)), tile=tile)
+            assert gc.collect() == 0
+    finally:
+        gc.enable()

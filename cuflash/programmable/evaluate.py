@@ -87,45 +87,15 @@ class Bound:
         (see `value`), the relative parts on the tile's diagonals (`_diagonals`), kept
         per tile shape and offset, batch row and heads (a loop meets a few of them over
         and over; a vector each), the nodes inside them not computed on the tile."""
-        vals, diagonal = {}, None
-        relative = self.relative if tile is not None else ()
-        heads = (int(env["b"]), tuple(np.ravel(env["h"]))) if relative else None
-
-        def get(n):
-            nonlocal diagonal
-            k = id(n)
-            if k not in vals:
-                if k in relative:
-                    key = (k, tile, heads)
-                    v = self.diagonals.get(key)
-                    if v is None:
-                        if diagonal is None:
-                            diagonal = self._diagonals(env, tile)
-                        v = _toeplitz(diagonal(n), tile)
-                        if len(self.diagonals) < _DIAGONALS_KEPT:
-                            self.diagonals[key] = v
-                    vals[k] = v
-                else:
-                    vals[k] = self._node(n, [get(a) for a in n.args], env)
-            return vals[k]
-
-        return get
+        return _Getter(self, env, tile)
 
     def _diagonals(self, env, tile):
         """A function giving a relative node's values along the tile's rows + keys − 1
         diagonals, the last axis: q_idx − kv_idx = off + rows − 1 − k for the k-th (kv_idx
         = 0, q_idx the distance: a relative node sees only their difference)."""
         off, rows, cols = tile
-        denv = {**env, "q_idx": off + rows - 1 - np.arange(rows + cols - 1),
-                "kv_idx": np.int64(0)}
-        vals = {}
-
-        def get(n):
-            if id(n) not in vals:
-                vals[id(n)] = self._node(n, [get(a) for a in n.args], denv)
-            return vals[id(n)]
-
-        return get
+        return _Getter(self, {**env, "q_idx": off + rows - 1 - np.arange(rows + cols - 1),
+                              "kv_idx": np.int64(0)})
 
     def _node(self, n, a, env):
         op, acc = n.op, self.acc_t
@@ -291,6 +261,37 @@ def _scatter(acc, idx, g):
     lo, hi = int(flat.min()), int(flat.max())
     acc.reshape(-1)[lo:hi + 1] += np.bincount(flat - lo, weights=g.ravel(),
                                               minlength=hi - lo + 1)
+
+
+class _Getter:
+    """A node's value for one env, computed on first use and kept (`Bound._getter`). A
+    class rather than a recursive closure: a closure calling itself is a reference
+    cycle, which keeps every tile it computed alive until the garbage collector runs."""
+
+    def __init__(self, bound, env, tile=None):
+        self.bound, self.env, self.tile, self.vals = bound, env, tile, {}
+        self.relative = bound.relative if tile is not None else ()
+        self.heads = (int(env["b"]), tuple(np.ravel(env["h"]))) if self.relative else None
+        self.diagonal = None
+
+    def __call__(self, n):
+        k = id(n)
+        v = self.vals.get(k)
+        if v is None:
+            bound = self.bound
+            if k in self.relative:
+                key = (k, self.tile, self.heads)
+                v = bound.diagonals.get(key)
+                if v is None:
+                    if self.diagonal is None:
+                        self.diagonal = bound._diagonals(self.env, self.tile)
+                    v = _toeplitz(self.diagonal(n), self.tile)
+                    if len(bound.diagonals) < _DIAGONALS_KEPT:
+                        bound.diagonals[key] = v
+            else:
+                v = bound._node(n, [self(a) for a in n.args], self.env)
+            self.vals[k] = v
+        return v
 
 
 class _Values:

@@ -1,13 +1,18 @@
 """Attention with variants on the CPU: window, softcap, ALiBi, bias, bool mask, dropout.
 
-The FA2 loops with FlashAttention-2's running max (as `online_tile`), in natural units,
-with the score chain of `cuflash.variants` applied to every score tile:
+The FA2 loops with the score chain of `cuflash.variants` applied to every score tile:
 
-    S = scale·Q_i K_jᵀ → softcap → + ALiBi + bias → causal/window/mask (−inf)
-      → online softmax (m_i, ℓ_i on the undropped P̃) → P̃ ∘ keep/(1 − p) → acc += P̃ V_j
+    S = scale·Q_i K_jᵀ → score_mod → softcap → + ALiBi + bias → causal/window/mask(_mod)
+      → softmax (m_i, ℓ_i on the undropped P̃) → P̃ ∘ keep/(1 − p) → acc += P̃ V_j
 
-The default forward's frozen max needs |S| bounded by the norms of Q and K (Cauchy–
-Schwarz), which a bias or ALiBi breaks, so the variants run the running max throughout.
+The forward's tiles (without dropout) first run with the max frozen at a reference, as
+the plain forward's (`frozen_steps`: the reference from the first keys, folded into the
+matmul; the chain's values in the exponential's base; the masks applied to P̃ as zeros;
+ℓ from P̃ [V_j | 1]): Q Kᵀ, the chain, the exponential and P̃ V per step, no max,
+rescale or row sum. A tile whose ℓ or acc shows the reference did not serve is redone
+with FlashAttention-2's running max (`online_steps`, natural units, masks as −inf), as
+is every tile with dropout or `CpuConfig(frozen_max=False)`, and the backward's (lse
+given) never needs one.
 The block schedule (`variant_schedule`) visits only the blocks the causal and window
 bands reach, a band's whole span in one step per tile (`_tile_sizes`); a band's tiles
 between the sequence's ends run many at once (`band.runs`: one NumPy call per pass for
