@@ -633,9 +633,9 @@ def _fills(monkeypatch, config):
     monkeypatch.setattr(nb.BACKEND, "config", config)
     fills, hide = [], nv.ScoreChain.hide
 
-    def recorded(self, S, bh, a0, c0, pred, shift, fill=-np.inf):
+    def recorded(self, S, bh, a0, c0, pred, shift, fill=-np.inf, **kw):
         fills.append(fill)
-        return hide(self, S, bh, a0, c0, pred, shift, fill=fill)
+        return hide(self, S, bh, a0, c0, pred, shift, fill=fill, **kw)
 
     monkeypatch.setattr(nv.ScoreChain, "hide", recorded)
     return fills

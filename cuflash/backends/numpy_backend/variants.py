@@ -227,22 +227,31 @@ class ScoreChain:
         keys c0 + i·shift → (the masked, biased score; tanh(S/softcap), the backward's
         softcap factor, or None; the score_mod's input, or None). S is overwritten, unless
         a score_mod keeps it as its input."""
-        S, T, R = self.values(S, bh, a0, c0, shift)
-        self.hide(S, bh, a0, c0, pred, shift)
+        index = self.shared_indices(bh, a0, c0, shift, S.shape)
+        S, T, R = self.values(S, bh, a0, c0, shift, index=index)
+        self.hide(S, bh, a0, c0, pred, shift, index=index)
         return S, T, R
 
-    def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False):
+    def shared_indices(self, bh, a0, c0, shift, shape):
+        """`indices` where both a score_mod and a mask_mod will read them (made once for
+        `values` and `hide`), else None."""
+        if self.score_mod is None or self.mask_mod is None:
+            return None
+        return self.indices(bh, a0, c0, shift, shape)
+
+    def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False, index=None):
         """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
         the natural one (log_b(e) for scores in base b; the score_mod's only in natural
-        units); with `over_softcap`, S is already scale·Q Kᵀ/softcap. Returns (S, T, R)
-        as `apply`."""
+        units); with `over_softcap`, S is already scale·Q Kᵀ/softcap; `index`, the
+        tile's `indices` if made already. Returns (S, T, R) as `apply`."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
         T = R = None
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             R = S
-            S = self.score_mod.value({**self.indices(bh, a0, c0, shift, S.shape), "score": R},
+            index = index or self.indices(bh, a0, c0, shift, S.shape)
+            S = self.score_mod.value({**index, "score": R},
                                      tile=(a0 - c0 - self.var.kv0, rows, cols))
             if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
                     and S.flags.owndata):       # the later steps write the tile in place
@@ -264,9 +273,9 @@ class ScoreChain:
             S += bias
         return S, T, R
 
-    def hide(self, S, bh, a0, c0, pred, shift, fill=NEG_INF):
+    def hide(self, S, bh, a0, c0, pred, shift, fill=NEG_INF, index=None):
         """S = fill where the masks hide a key: causal / window, mask, mask_mod (−inf on
-        scores; 0 on probabilities)."""
+        scores; 0 on probabilities); `index` as in `values`."""
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
         if pred and self.banded:                             # causal / window
@@ -275,7 +284,7 @@ class ScoreChain:
             np.copyto(S, fill, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
                                                        shift, rows, cols))
         if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
-            M = self.mask_mod.value(self.indices(bh, a0, c0, shift, S.shape),
+            M = self.mask_mod.value(index or self.indices(bh, a0, c0, shift, S.shape),
                                     tile=(a0 - c0 - self.var.kv0, rows, cols))
             np.copyto(S, fill, where=np.logical_not(M))
 
@@ -417,8 +426,10 @@ def forward(q, k, v, causal, scale, config, var):
                 K_j = windows(K_j, n, br, span)
             else:
                 K_j = key_windows(kh, keys, n, br, span, s_k)
-            S, _, _ = chain.values((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh,
-                                   r0, c0, br, unit=unit, over_softcap=capped)
+            S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span)
+            index = chain.shared_indices(bh, r0, c0, br, S.shape)
+            S, _, _ = chain.values(S, bh, r0, c0, br, unit=unit, over_softcap=capped,
+                                   index=index)
             if not mod:
                 np.clip(S, -lim, lim, out=S)
                 exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
@@ -427,7 +438,7 @@ def forward(q, k, v, causal, scale, config, var):
                     np.subtract(S, m_i.reshape(n, G, br, 1), out=S)
                 np.clip(S, -lim_e, lim_e, out=S)   # no weight underflows to 0 (see below)
                 np.exp(S, out=S)                                     # P̃ = exp(S − m_i)
-            chain.hide(S, bh, r0, c0, pred, br, fill=0)
+            chain.hide(S, bh, r0, c0, pred, br, fill=0, index=index)
             V_j = np.empty((keys.stop - keys.start, d + 1), acc_t)
             with_ones(vh[keys], V_j)
             accx += S.reshape(n, G * br, span) @ windows(V_j, n, br, span)  # acc += P̃ [V_j | 1]
