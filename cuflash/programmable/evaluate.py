@@ -80,17 +80,16 @@ class Bound:
         depend on the positions only through q_idx − kv_idx (a relative position bias's
         bucket and table entry, ALiBi's distance) be computed once per diagonal, on a
         vector, and read as a Toeplitz view of the tile."""
-        return self._getter(env, tile)(self.mod.expr)
+        return self.evaluate(env, tile)(self.mod.expr)
 
-    def _getter(self, env, tile=None):
-        """A function giving a node's value for `env`, computed on first use; with `tile`
-        (see `value`), the relative parts on the tile's diagonals (`_diagonals`), kept
-        per tile shape and offset, batch row and heads (a loop meets a few of them over
-        and over; a vector each), the nodes inside them not computed on the tile."""
+    def evaluate(self, env, tile=None):
+        """The evaluation of the mod for `env` (and `tile`, as in `value`): a function
+        giving any node's value, computed on first use and kept — call it with the mod's
+        expression for its value, and hand it to `gradients` to reuse what it computed."""
         return _Getter(self, env, tile)
 
     def _diagonals(self, env, tile):
-        """A function giving a relative node's values along the tile's rows + keys − 1
+        """A `_Getter` giving a relative node's values along the tile's rows + keys − 1
         diagonals, the last axis: q_idx − kv_idx = off + rows − 1 − k for the k-th (kv_idx
         = 0, q_idx the distance: a relative node sees only their difference)."""
         off, rows, cols = tile
@@ -156,14 +155,15 @@ class Bound:
         return np.take(arr.reshape(-1), flat)
 
     # -- backward -------------------------------------------------------------------
-    def gradients(self, env, seed, into=None, tile=None):
+    def gradients(self, env, seed, into=None, tile=None, evaluation=None):
         """∂/∂score of Σ seed·mod for env's tile (seed: the gradient with respect to the
         mod's output, the tile's dS); with `into` ({buffer name: float64 array of its
         shape}), the buffers' gradients Σ seed·∂mod/∂buffer are added there too. Only
         the nodes on a path to the score (and to a wanted buffer) are differentiated;
-        `tile` as in `value`."""
+        `tile` as in `value`; `evaluation`, the forward's (`evaluate`), to reuse its
+        values (env and tile are then its own)."""
         want = self.score_path | (self.buffer_path if into is not None else set())
-        val = self._getter(env, tile)      # only the values the rules below ask for
+        val = evaluation or self.evaluate(env, tile)   # only the values the rules ask for
         adj = {id(self.mod.expr): seed}
         dscore = None
         for n in reversed(self.order):
@@ -175,9 +175,9 @@ class Bound:
             elif n.op == "index":                    # scatter-add into the buffer
                 _scatter(into[n.value], [val(i) for i in n.args], g)
             else:
-                for arg, ga in _rule(n, _Values(val, n.args), lambda n=n: val(n), g):
-                    if id(arg) in want and ga is not None:
-                        key = id(arg)
+                for arg, adjoint in _rule(n, _Values(val, n.args), lambda n=n: val(n), g):
+                    if id(arg) in want:
+                        key, ga = id(arg), adjoint()
                         adj[key] = ga if key not in adj else adj[key] + ga
         if dscore is None:
             dscore = np.zeros_like(seed)
@@ -264,7 +264,7 @@ def _scatter(acc, idx, g):
 
 
 class _Getter:
-    """A node's value for one env, computed on first use and kept (`Bound._getter`). A
+    """A node's value for one env, computed on first use and kept (`Bound.evaluate`). A
     class rather than a recursive closure: a closure calling itself is a reference
     cycle, which keeps every tile it computed alive until the garbage collector runs."""
 
@@ -306,45 +306,48 @@ class _Values:
 
 def _rule(n, a, y, g):
     """(argument node, its adjoint) pairs of node n with argument values a (`_Values`),
-    its value y() and adjoint g (adjoints keep the tile's shape: only the score and the
-    buffers take them)."""
+    its value y() and adjoint g; each adjoint a function, called only for the arguments
+    the caller wants (adjoints keep the tile's shape: only the score and the buffers take
+    them)."""
     op, args = n.op, n.args
     if op == "cast":                                  # float(x) of a float: identity
-        return [(args[0], g)] if args[0].kind == FLOAT else []
+        return [(args[0], lambda: g)] if args[0].kind == FLOAT else []
     if op == "neg":
-        return [(args[0], -g)]
+        return [(args[0], lambda: -g)]
     if op == "add":
-        return [(args[0], g), (args[1], g)]
+        return [(args[0], lambda: g), (args[1], lambda: g)]
     if op == "sub":
-        return [(args[0], g), (args[1], -g)]
+        return [(args[0], lambda: g), (args[1], lambda: -g)]
     if op == "mul":
-        return [(args[0], g * a[1]), (args[1], g * a[0])]
+        return [(args[0], lambda: g * a[1]), (args[1], lambda: g * a[0])]
     if op == "div":
-        return [(args[0], g / a[1]), (args[1], -g * y() / a[1])]
+        return [(args[0], lambda: g / a[1]), (args[1], lambda: -g * y() / a[1])]
     if op == "pow":
-        out = [(args[0], g * a[1] * a[0] ** (a[1] - 1))]
-        if args[1].op != "const":
+        def dbase():
+            return g * a[1] * a[0] ** (a[1] - 1)
+
+        def dexp():
             with np.errstate(divide="ignore", invalid="ignore"):
-                out.append((args[1], np.where(g == 0, 0, g * y() * np.log(a[0]))))
-        return out
+                return np.where(g == 0, 0, g * y() * np.log(a[0]))
+        return [(args[0], dbase)] + ([(args[1], dexp)] if args[1].op != "const" else [])
     if op == "floordiv":
         return []
     if op == "mod":                                   # a − b·floor(a/b)
-        return [(args[0], g), (args[1], -g * np.floor_divide(a[0], a[1]))]
+        return [(args[0], lambda: g), (args[1], lambda: -g * np.floor_divide(a[0], a[1]))]
     if op == "where":
-        return [(args[1], np.where(a[0], g, 0)), (args[2], np.where(a[0], 0, g))]
+        return [(args[1], lambda: np.where(a[0], g, 0)), (args[2], lambda: np.where(a[0], 0, g))]
     if op != "call":
         return []
     f = n.value
     if f in ("minimum", "maximum"):
-        x = a[0]
-        first = (x <= a[1]) if f == "minimum" else (x >= a[1])   # ties: the first
-        return [(args[0], np.where(first, g, 0)), (args[1], np.where(first, 0, g))]
+        def first():                                  # ties: the first
+            return (a[0] <= a[1]) if f == "minimum" else (a[0] >= a[1])
+        return [(args[0], lambda: np.where(first(), g, 0)),
+                (args[1], lambda: np.where(first(), 0, g))]
     if f == "clip":
-        x = a[0]
-        inside = (x >= a[1]) & (x <= a[2])
-        return [(args[0], np.where(inside, g, 0)), (args[1], np.where(x < a[1], g, 0)),
-                (args[2], np.where(x > a[2], g, 0))]
+        return [(args[0], lambda: np.where((a[0] >= a[1]) & (a[0] <= a[2]), g, 0)),
+                (args[1], lambda: np.where(a[0] < a[1], g, 0)),
+                (args[2], lambda: np.where(a[0] > a[2], g, 0))]
     d = {"exp": y, "exp2": lambda: y() * math.log(2), "expm1": lambda: y() + 1,
          "log": lambda: 1 / a[0], "log2": lambda: 1 / (a[0] * math.log(2)),
          "log10": lambda: 1 / (a[0] * math.log(10)), "log1p": lambda: 1 / (1 + a[0]),
@@ -354,5 +357,5 @@ def _rule(n, a, y, g):
          "abs": lambda: np.sign(a[0]), "square": lambda: 2 * a[0]}.get(f)
     if d is None:                                     # floor, ceil, trunc, sign: flat
         return []
-    return [(args[0], g * d())]
+    return [(args[0], lambda: g * d())]
 

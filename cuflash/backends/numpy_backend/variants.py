@@ -243,8 +243,8 @@ class ScoreChain:
     def apply(self, S, bh, a0, c0, pred, shift):
         """S (n, G, rows, cols) = scale·Q Kᵀ of n blocks, block i at rows a0 + i·shift and
         keys c0 + i·shift → (the masked, biased score; tanh(S/softcap), the backward's
-        softcap factor, or None; the score_mod's input, or None). S is overwritten, unless
-        a score_mod keeps it as its input."""
+        softcap factor, or None; the score_mod's evaluation, for its gradients, or None).
+        S is overwritten, unless a score_mod keeps it as its input."""
         index = self.shared_indices(bh, a0, c0, shift, S.shape)
         S, T, R = self.values(S, bh, a0, c0, shift, index=index)
         self.hide(S, bh, a0, c0, pred, shift, index=index)
@@ -267,13 +267,15 @@ class ScoreChain:
         n, _, rows, cols = S.shape
         T = R = None
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
-            R = S
             index = index or self.indices(bh, a0, c0, shift, S.shape)
-            S = self.score_mod.value({**index, "score": R},
-                                     tile=(a0 - c0 - self.var.kv0, rows, cols))
-            if not (S is not R and S.shape == R.shape and S.dtype == self.acc_t
-                    and S.flags.owndata):       # the later steps write the tile in place
-                S = np.array(np.broadcast_to(S, R.shape), self.acc_t)
+            R = self.score_mod.evaluate({**index, "score": S},
+                                        tile=(a0 - c0 - self.var.kv0, rows, cols))
+            root, score = self.score_mod.mod.expr, S
+            S = R(root)
+            R.vals.pop(id(root))                # the later steps write the tile in place
+            if not (S is not score and S.shape == score.shape and S.dtype == self.acc_t
+                    and S.flags.owndata):
+                S = np.array(np.broadcast_to(S, score.shape), self.acc_t)
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(S if over_softcap else np.multiply(S, 1.0 / var.softcap, out=S), out=S)
             S = np.multiply(T, var.softcap * unit, out=np.empty_like(T))
@@ -306,13 +308,11 @@ class ScoreChain:
                                     tile=(a0 - c0 - self.var.kv0, rows, cols))
             np.copyto(S, fill, where=np.logical_not(M))
 
-    def mod_gradients(self, R, dS, bh, a0, c0, shift, into):
-        """dS with respect to the score_mod's input R, of n blocks; with `into`
-        ({buffer name: accumulator}) the buffers' gradients added there too."""
-        n, _, rows, cols = R.shape
-        return self.score_mod.gradients({**self.indices(bh, a0, c0, shift, R.shape),
-                                         "score": R}, dS, into,
-                                        tile=(a0 - c0 - self.var.kv0, rows, cols))
+    def mod_gradients(self, R, dS, into):
+        """dS with respect to the score_mod's input, of the blocks `values` evaluated the
+        score_mod on (R, its evaluation); with `into` ({buffer name: accumulator}) the
+        buffers' gradients added there too."""
+        return self.score_mod.gradients(R.env, dS, into, evaluation=R)
 
     def keep(self, bh, a0, c0, n, shift, rows, cols):
         """keep/(1 − p) for the n blocks of `apply`, (n, G, rows, cols), or None without
@@ -646,7 +646,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
             if T is not None:
                 dS *= 1 - T * T                                      # through the softcap
             if R is not None:                                        # through the score_mod
-                dS = chain.mod_gradients(R, dS, bh, r0, c0, bc, acc.mods)
+                dS = chain.mod_gradients(R, dS, acc.mods)
             dK_j += (dS.transpose(0, 1, 3, 2) @ Q_i).sum(axis=1)    # dK_j += dSᵀ (s_q·Q_i)
             dQ = np.matmul(dS, K_j, out=acc.dQ.get(Q_i.shape))       # dQ_i += dS K_j
             for i in range(n):                                       # (the blocks' rows overlap)
