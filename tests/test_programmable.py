@@ -210,14 +210,19 @@ def _builtin_cases(Nq, Nk, Hq):
     def dense_bias(score, b, h, q_idx, kv_idx):
         return score + bias[b, h, q_idx, kv_idx]
 
+    def tanh(score, b, h, q_idx, kv_idx):   # softcap 1: the derivative reads the mod's value
+        return np.tanh(score)
+
     return [(dict(causal=True), dict(mask_mod=causal)),
             (dict(window=(20, 7)), dict(mask_mod=window)),
             (dict(softcap=cap), dict(score_mod=softcap)),
             (dict(alibi_slopes=slopes), dict(score_mod=alibi)),
-            (dict(bias=bias), dict(score_mod=dense_bias))]
+            (dict(bias=bias), dict(score_mod=dense_bias)),
+            (dict(softcap=1.0), dict(score_mod=tanh))]
 
 
-@pytest.mark.parametrize("case", range(5), ids=["causal", "window", "softcap", "alibi", "bias"])
+@pytest.mark.parametrize("case", range(6),
+                         ids=["causal", "window", "softcap", "alibi", "bias", "tanh"])
 def test_builtins_written_as_mods(case):
     q, k, v, do = attention_inputs(2, 4, 2, 150, 290, 16, np.float64, seed=case)
     builtin, mods = _builtin_cases(150, 290, 4)[case]
