@@ -404,17 +404,17 @@ def forward(q, k, v, causal, scale, config, var):
 
         Scores are in the config's base b, except with a score_mod, whose input is the
         natural score: there the chain runs in natural units and its result is brought
-        into base b before the exponential. The reference m_i: under softcap (without a score_mod), whose scores lie
-        within ±softcap, 0, with Q scaled by 1/softcap for the tanh; otherwise the larger
-        of the row's max over the first `max_sample` keys before and after the chain
-        (ALiBi only lowers scores; a bias or score_mod may move them anywhere), folded
-        into the matmul as in the plain forward ([c·Q_i | −m_i] [K_j | 1]ᵀ), or with a
-        score_mod subtracted after it — or not at all where every |m_i| ≤ _NEAR_ZERO.
-        Exponents are clipped to ±lim, so a score more than ~44 above m_i shows as ℓ >
-        2^64, and every weight is at least b^-lim: ℓ = 0 only where the masks hide every
-        key. None where a row ends with ℓ outside [2^-30, 2^64] (other than 0) or acc is
-        not finite (scores far from the sample's, a NaN, a huge V): the caller runs the
-        running max instead."""
+        into base b before the exponential. The reference m_i: under softcap (without a
+        score_mod), whose scores lie within ±softcap, 0, with Q scaled by 1/softcap for
+        the tanh; otherwise the larger of the row's max before and after the chain
+        (ALiBi only lowers scores; a bias or score_mod may move them anywhere) over the
+        first `max_sample` keys, folded into the matmul as in the plain forward ([c·Q_i |
+        −m_i] [K_j | 1]ᵀ) — with a score_mod over the first step's keys, subtracted after
+        the chain, or not at all where every |m_i| ≤ _NEAR_ZERO. Exponents are clipped
+        to ±lim, so a score more than ~44 above m_i shows as ℓ > 2^64, and every weight
+        is at least b^-lim: ℓ = 0 only where the masks hide every key. None where a row
+        ends with ℓ outside [2^-30, 2^64] (other than 0) or acc is not finite (scores far
+        from the reference's, a NaN, a huge V): the caller runs the running max instead."""
         mod = chain.score_mod is not None
         capped = chain.var.softcap is not None and not mod
         unit = 1.0 if mod else base.log_e
@@ -422,20 +422,19 @@ def forward(q, k, v, causal, scale, config, var):
         Q = np.empty((n, G, br, d + fold), acc_t)
         np.multiply(q_i, s_q * acc_t.type(1 / chain.var.softcap if capped else unit),
                     out=Q[..., :d])
+        m_i = None                               # with a score_mod: from the first step
         if capped:
-            m_i = np.zeros((n, G, br), acc_t)
-        else:                                    # the first keys, the same for every block
+            m_i = np.zeros((n, G * br), acc_t)
+        elif fold:                               # the first keys, the same for every block
             K0 = key_windows(kh, slice(0, min(sample, Nk)), 1, 0, min(sample, Nk), s_k)
             S0 = Q[..., :d] @ K0[:, None].transpose(0, 1, 3, 2)
             m_i = S0.max(axis=-1)
             for i in range(n):
                 np.maximum(m_i[i], chain.values(S0[i:i + 1], bh, r0 + i * br, 0, br,
                                                 unit=unit)[0].max(axis=-1)[0], out=m_i[i])
-        if fold:
             Q[..., d] = -m_i
-        elif mod and np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
-            m_i[...] = 0
-        Q, m_i = Q.reshape(n, G * br, d + fold), m_i.reshape(n, G * br)
+            m_i = m_i.reshape(n, G * br)
+        Q = Q.reshape(n, G * br, d + fold)
         accx = np.zeros((n, G * br, d + 1), acc_t)
         for c0, c1, pred in steps:
             span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
@@ -447,8 +446,13 @@ def forward(q, k, v, causal, scale, config, var):
                 K_j = key_windows(kh, keys, n, br, span, s_k)
             S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span)
             index = chain.shared_indices(bh, r0, c0, br, S.shape)
+            raw = S
             S, _, _ = chain.values(S, bh, r0, c0, br, unit=unit, over_softcap=capped,
                                    index=index)
+            if m_i is None:
+                m_i = np.maximum(raw.max(axis=-1), S.max(axis=-1)).reshape(n, G * br)
+                if np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
+                    m_i[...] = 0
             if not mod:
                 np.clip(S, -lim, lim, out=S)
                 exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
