@@ -175,6 +175,15 @@ def hide_outside_band(S, t, L, R, fill=NEG_INF):
                   where=_outside_band(rows, cols - right, t - right, L, R))
 
 
+def _hide_where_not(S, keep, fill):
+    """S = fill where not `keep` (a bool array broadcast to S). Probabilities (fill 0, S
+    finite or NaN) take one multiply by keep instead of a negation and a masked copy."""
+    if fill == 0:
+        np.multiply(S, keep, out=S)
+    else:
+        np.copyto(S, fill, where=np.logical_not(keep))
+
+
 # The mods' index arrays (ScoreChain.indices): a loop meets the same few over and over, and
 # making them was a tenth of a small mod's time per tile. Cached, read-only.
 @functools.lru_cache(maxsize=1024)
@@ -301,12 +310,13 @@ class ScoreChain:
         if pred and self.banded:                             # causal / window
             hide_outside_band(S, a0 + self.Nk - self.Nq - c0, self.L, self.R, fill)
         if self.mask is not None:                            # / mask (True = may attend)
-            np.copyto(S, fill, where=~diagonal_windows(self.mask[b, hs, a0:, c0:], n,
-                                                       shift, rows, cols))
+            _hide_where_not(S, diagonal_windows(self.mask[b, hs, a0:, c0:], n, shift, rows,
+                                                cols), fill)
         if self.mask_mod is not None and (pred or self.mask_every_tile):   # / mask_mod
-            M = self.mask_mod.value(index or self.indices(bh, a0, c0, shift, S.shape),
-                                    tile=(a0 - c0 - self.var.kv0, rows, cols))
-            np.copyto(S, fill, where=np.logical_not(M))
+            _hide_where_not(S, self.mask_mod.value(index or self.indices(bh, a0, c0, shift,
+                                                                         S.shape),
+                                                   tile=(a0 - c0 - self.var.kv0, rows, cols)),
+                            fill)
 
     def mod_gradients(self, R, dS, into):
         """dS with respect to the score_mod's input, of the blocks `values` evaluated the
