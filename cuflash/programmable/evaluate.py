@@ -10,6 +10,7 @@ paths to what is wanted): the gradient with respect to the score, and the scatte
 the seed times ∂mod/∂buffer into each captured float array's accumulator (`np.bincount`,
 a sum in a fixed order: deterministic).
 """
+import collections
 import math
 
 import numpy as np
@@ -71,6 +72,11 @@ class Bound:
         # the nodes through which the score's and the float buffers' gradients flow
         self.score_path = _reaching(self.order, lambda n: n.op == "arg" and n.kind == FLOAT)
         self.buffer_path = _reaching(self.order, lambda n: n.op == "index" and n.kind == FLOAT)
+        # how many times each node is an argument (one use: its tile may take its consumer's
+        # result, see `evaluate`), the score counted over all its nodes
+        self.uses = collections.Counter(id(a) for n in self.order for a in n.args)
+        self.score_uses = sum(self.uses[id(n)] for n in self.order if n.op == "arg"
+                              and n.kind == FLOAT)
 
     # -- forward --------------------------------------------------------------------
     def value(self, env, tile=None):
@@ -82,11 +88,14 @@ class Bound:
         vector, and read as a Toeplitz view of the tile."""
         return self.evaluate(env, tile)(self.mod.expr)
 
-    def evaluate(self, env, tile=None):
+    def evaluate(self, env, tile=None, reuse=False):
         """The evaluation of the mod for `env` (and `tile`, as in `value`): a function
         giving any node's value, computed on first use and kept — call it with the mod's
-        expression for its value, and hand it to `gradients` to reuse what it computed."""
-        return _Getter(self, env, tile)
+        expression for its value, and hand it to `gradients` to reuse what it computed.
+        With `reuse` (for the value alone: no gradients), a float tile that only one node
+        reads — the score too, with reuse="score" — takes that node's result in place:
+        fewer tiles allocated and passed through the caches."""
+        return _Getter(self, env, tile, reuse)
 
     def _diagonals(self, env, tile):
         """A `_Getter` giving a relative node's values along the tile's rows + keys − 1
@@ -96,7 +105,8 @@ class Bound:
         return _Getter(self, {**env, "q_idx": off + rows - 1 - np.arange(rows + cols - 1),
                               "kv_idx": np.int64(0)})
 
-    def _node(self, n, a, env):
+    def _node(self, n, a, env, out=None):
+        """Node n's value from its arguments' a (into `out` where given: see _Getter)."""
         op, acc = n.op, self.acc_t
         it = self.int_dtype.get(id(n), _INT)
         if op == "arg":
@@ -113,9 +123,9 @@ class Bound:
             if n.kind == INT and op in ("floordiv", "mod") and np.any(np.equal(a[1], 0)):
                 raise ValueError(f"{self.mod.role} {self.mod.name} ({n.where}): integer "
                                  f"division by zero")
-            return _ARITH[op](*a, dtype=acc if n.kind == FLOAT else it)
+            return _ARITH[op](*a, dtype=acc if n.kind == FLOAT else it, out=out)
         if op == "neg":
-            return np.negative(a[0], dtype=it) if n.kind == INT else np.negative(a[0])
+            return np.negative(a[0], dtype=it) if n.kind == INT else np.negative(a[0], out=out)
         if op == "invert":
             return np.logical_not(a[0]) if n.kind == BOOL else np.invert(a[0], dtype=it)
         if op in _BITS_BOOL and n.kind == BOOL:
@@ -129,7 +139,7 @@ class Bound:
         if op == "call":
             if n.kind == INT and n.value != "clip":
                 return _FUNCS[n.value](*a, dtype=it)
-            return _FUNCS[n.value](*a)
+            return _FUNCS[n.value](*a, out=out)
         if op == "index":
             return self._read(n, a)
         raise AssertionError(f"unknown operation {op}")  # pragma: no cover
@@ -268,11 +278,12 @@ class _Getter:
     class rather than a recursive closure: a closure calling itself is a reference
     cycle, which keeps every tile it computed alive until the garbage collector runs."""
 
-    def __init__(self, bound, env, tile=None):
+    def __init__(self, bound, env, tile=None, reuse=False):
         self.bound, self.env, self.tile, self.vals = bound, env, tile, {}
         self.relative = bound.relative if tile is not None else ()
         self.heads = (int(env["b"]), tuple(np.ravel(env["h"]))) if self.relative else None
         self.diagonal = None
+        self.reuse = reuse
 
     def __call__(self, n):
         k = id(n)
@@ -289,9 +300,33 @@ class _Getter:
                     if len(bound.diagonals) < _DIAGONALS_KEPT:
                         bound.diagonals[key] = v
             else:
-                v = bound._node(n, [self(a) for a in n.args], self.env)
+                args = [self(a) for a in n.args]
+                v = bound._node(n, args, self.env, self._spare(n, args) if self.reuse else None)
             self.vals[k] = v
         return v
+
+    def _spare(self, n, args):
+        """A tile among n's arguments that n's float result may overwrite: the argument's
+        only use, of the result's shape and the accumulation dtype, owned and writeable
+        (computed here — or the score where `reuse` is "score" and it has no other use);
+        None if there is none. Only ufuncs take it (not np.where)."""
+        if n.kind != FLOAT or n.op in ("arg", "const", "cast", "index", "where") or \
+                n.op not in _ARITH and n.op not in ("neg", "call"):
+            return None
+        acc = self.bound.acc_t
+        if n.op == "call" and any(isinstance(x, np.ndarray) and x.dtype != acc for x in args):
+            return None                          # the ufunc's own result dtype: kept as is
+        shape = np.broadcast_shapes(*(np.shape(x) for x in args))
+        for a, x in zip(n.args, args):
+            if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == acc
+                    and x.flags.writeable and x.flags.owndata):
+                continue
+            if a.op == "arg":
+                if self.reuse == "score" and self.bound.score_uses == 1:
+                    return x
+            elif a.op != "const" and id(a) not in self.relative and self.bound.uses[id(a)] == 1:
+                return x
+        return None
 
 
 class _Values:

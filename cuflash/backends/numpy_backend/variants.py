@@ -249,13 +249,14 @@ class ScoreChain:
         return {"b": np.int64(b + self.var.batch0), "h": _heads(hs.start, hs.stop),
                 **_positions(a0, self.var.kv0 + c0, shift, *shape[:1], *shape[2:])}
 
-    def apply(self, S, bh, a0, c0, pred, shift):
+    def apply(self, S, bh, a0, c0, pred, shift, reuse=False):
         """S (n, G, rows, cols) = scale·Q Kᵀ of n blocks, block i at rows a0 + i·shift and
         keys c0 + i·shift → (the masked, biased score; tanh(S/softcap), the backward's
         softcap factor, or None; the score_mod's evaluation, for its gradients, or None).
-        S is overwritten, unless a score_mod keeps it as its input."""
+        S is overwritten, unless a score_mod keeps it as its input; `reuse` as in
+        `values`."""
         index = self.shared_indices(bh, a0, c0, shift, S.shape)
-        S, T, R = self.values(S, bh, a0, c0, shift, index=index)
+        S, T, R = self.values(S, bh, a0, c0, shift, index=index, reuse=reuse)
         self.hide(S, bh, a0, c0, pred, shift, index=index)
         return S, T, R
 
@@ -266,11 +267,14 @@ class ScoreChain:
             return None
         return self.indices(bh, a0, c0, shift, shape)
 
-    def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False, index=None):
+    def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False, index=None,
+               reuse=False):
         """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
         the natural one (log_b(e) for scores in base b; the score_mod's only in natural
         units); with `over_softcap`, S is already scale·Q Kᵀ/softcap; `index`, the
-        tile's `indices` if made already. Returns (S, T, R) as `apply`."""
+        tile's `indices` if made already; with `reuse` (no gradients wanted), the
+        score_mod may compute in place, S included (`Bound.evaluate`). Returns (S, T, R)
+        as `apply`."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
@@ -278,12 +282,13 @@ class ScoreChain:
         if self.score_mod is not None:                      # score_mod(score, b, h, i, j)
             index = index or self.indices(bh, a0, c0, shift, S.shape)
             R = self.score_mod.evaluate({**index, "score": S},
-                                        tile=(a0 - c0 - self.var.kv0, rows, cols))
+                                        tile=(a0 - c0 - self.var.kv0, rows, cols),
+                                        reuse="score" if reuse else False)
             root, score = self.score_mod.mod.expr, S
             S = R(root)
             R.vals.pop(id(root))                # the later steps write the tile in place
-            if not (S is not score and S.shape == score.shape and S.dtype == self.acc_t
-                    and S.flags.owndata):
+            if not ((S is not score or reuse) and S.shape == score.shape
+                    and S.dtype == self.acc_t and S.flags.owndata and S.flags.writeable):
                 S = np.array(np.broadcast_to(S, score.shape), self.acc_t)
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(S if over_softcap else np.multiply(S, 1.0 / var.softcap, out=S), out=S)
@@ -456,11 +461,11 @@ def forward(q, k, v, causal, scale, config, var):
                 K_j = key_windows(kh, keys, n, br, span, s_k)
             S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span)
             index = chain.shared_indices(bh, r0, c0, br, S.shape)
-            raw = S
+            raw_max = S.max(axis=-1) if m_i is None else None
             S, _, _ = chain.values(S, bh, r0, c0, br, unit=unit, over_softcap=capped,
-                                   index=index)
+                                   index=index, reuse=True)
             if m_i is None:
-                m_i = np.maximum(raw.max(axis=-1), S.max(axis=-1)).reshape(n, G * br)
+                m_i = np.maximum(raw_max, S.max(axis=-1)).reshape(n, G * br)
                 if np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
                     m_i[...] = 0
             if not mod:
@@ -493,7 +498,7 @@ def forward(q, k, v, causal, scale, config, var):
             V_j = key_windows(vh, keys, n, br, span, 1 if shift is None else shift)
             # -- compute qk, then the chain: S = softcap(scale·Q Kᵀ) + ALiBi + bias, masked
             S, _, _ = chain.apply((Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span), bh,
-                                  r0, c0, pred, br)
+                                  r0, c0, pred, br, reuse=True)
             S = S.reshape(n, G * br, span)
             # -- update m_i and l_i (the guard: −inf − (−inf) would be NaN)
             m_new = S.max(axis=-1) if m_i is None else np.maximum(m_i, S.max(axis=-1))
