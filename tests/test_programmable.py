@@ -739,3 +739,21 @@ def test_evaluating_a_mod_leaves_no_garbage_cycles():
             assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def shared_reads(score, b, h, q_idx, kv_idx):
+    x = score * 0.5 + kv_idx * 0.01     # a tile two nodes read
+    return np.tanh(x) + x + np.tanh(score) * score    # the score read twice as well
+
+
+def test_tiles_read_twice_are_not_overwritten():
+    """The forward computes a score_mod in place where a tile has one reader; a tile read
+    by two nodes (here x, and the score) keeps its value for the second."""
+    q, k, v, do = attention_inputs(1, 2, 1, 70, 300, 16, np.float64, seed=13)
+    o, lse = cuflash.flash_attention(q, k, v, score_mod=shared_reads, return_lse=True)
+    ref_o, ref_lse = reference(q, k, v, scale=16 ** -0.5, score_mod=shared_reads)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    *grads, = cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=shared_reads)
+    for g, r in zip(grads, reference(q, k, v, do, scale=16 ** -0.5, score_mod=shared_reads)[2:]):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-8)
