@@ -307,8 +307,8 @@ class _Getter:
 
     def _spare(self, n, args):
         """A tile among n's arguments that n's float result may overwrite: the argument's
-        only use, of the result's shape and the accumulation dtype, owned and writeable
-        (computed here — or the score where `reuse` is "score" and it has no other use);
+        only use, of the result's shape and the accumulation dtype, writeable and computed
+        here (owned) — or the score where `reuse` is "score" and it has no other use;
         None if there is none. Only ufuncs take it (not np.where)."""
         if n.kind != FLOAT or n.op in ("arg", "const", "cast", "index", "where") or \
                 n.op not in _ARITH and n.op not in ("neg", "call"):
@@ -319,12 +319,13 @@ class _Getter:
         shape = np.broadcast_shapes(*(np.shape(x) for x in args))
         for a, x in zip(n.args, args):
             if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == acc
-                    and x.flags.writeable and x.flags.owndata):
+                    and x.flags.writeable):
                 continue
-            if a.op == "arg":
+            if a.op == "arg":                    # the caller's tile, given up by its word
                 if self.reuse == "score" and self.bound.score_uses == 1:
                     return x
-            elif a.op != "const" and id(a) not in self.relative and self.bound.uses[id(a)] == 1:
+            elif (a.op != "const" and id(a) not in self.relative and x.flags.owndata
+                  and self.bound.uses[id(a)] == 1):
                 return x
         return None
 
