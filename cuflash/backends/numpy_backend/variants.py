@@ -287,8 +287,9 @@ class ScoreChain:
             root, score = self.score_mod.mod.expr, S
             S = R(root)
             R.vals.pop(id(root))                # the later steps write the tile in place
-            if not ((S is not score or reuse) and S.shape == score.shape
-                    and S.dtype == self.acc_t and S.flags.owndata and S.flags.writeable):
+            mine = S.flags.owndata if S is not score else reuse   # the score: given up?
+            if not (mine and S.shape == score.shape and S.dtype == self.acc_t
+                    and S.flags.writeable):
                 S = np.array(np.broadcast_to(S, score.shape), self.acc_t)
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(S if over_softcap else np.multiply(S, 1.0 / var.softcap, out=S), out=S)
