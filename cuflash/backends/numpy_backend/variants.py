@@ -31,7 +31,6 @@ the same from call to call.
 """
 import functools
 import math
-import threading
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -42,7 +41,7 @@ from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
 from ...programmable.evaluate import Bound
 from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
-from .expbase import exp_limit
+from .expbase import BASE_E, exp_limit
 from .forward_tiles import _L_MAX, _L_MIN
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF
@@ -235,7 +234,6 @@ class ScoreChain:
         # Without a block mask every tile may hold masked entries; with one, a step's
         # `pred` says so (block_mask_schedule).
         self.mask_every_tile = var.block_mask is None
-        self.local = threading.local()   # each worker's scratch (the scaled bias)
 
     def heads(self, bh):
         """(batch index, slice of the G query heads) of K/V head bh."""
@@ -270,8 +268,8 @@ class ScoreChain:
     def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False, index=None,
                reuse=False):
         """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
-        the natural one (log_b(e) for scores in base b; the score_mod's only in natural
-        units); with `over_softcap`, S is already scale·Q Kᵀ/softcap; `index`, the
+        the natural one (log_b(e) for scores in base b; the score_mod's and the bias's
+        only in natural units); with `over_softcap`, S is already scale·Q Kᵀ/softcap; `index`, the
         tile's `indices` if made already; with `reuse` (no gradients wanted), the
         score_mod may compute in place, S included (`Bound.evaluate`). Returns (S, T, R)
         as `apply`."""
@@ -298,14 +296,9 @@ class ScoreChain:
         if self.alibi is not None:                           # − slope·|i + Nk − Nq − j|
             slopes = (self.alibi[b, hs] * unit).astype(self.acc_t)[:, None, None]
             S -= slopes * _distance(rows, cols, t, self.acc_t)
-        if self.bias is not None:                            # + bias
-            bias = diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
-            if unit != 1:
-                if not hasattr(self.local, "bias"):
-                    self.local.bias = Scratch(self.acc_t)
-                bias = np.multiply(bias, unit, out=self.local.bias.get(S.shape),
-                                   dtype=self.acc_t)
-            S += bias
+        if self.bias is not None:                            # + bias (natural units only)
+            assert unit == 1, "a bias is added to natural scores"
+            S += diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
         return S, T, R
 
     def hide(self, S, bh, a0, c0, pred, shift, fill=NEG_INF, index=None):
@@ -398,7 +391,7 @@ def forward(q, k, v, causal, scale, config, var):
     # scores are natural and unbounded), no dropout (ℓ is summed before the mask).
     frozen = config.frozen_max and not var.dropout_p
     base, sample = config.base, config.max_sample
-    exp, lim = base.exp, exp_limit(acc_t, base)
+    exp, lim, lim_e = base.exp, exp_limit(acc_t, base), exp_limit(acc_t, BASE_E)
 
     def run(task):
         bh, batch = task
@@ -418,9 +411,9 @@ def forward(q, k, v, causal, scale, config, var):
         and P̃ [V_j | 1] (ℓ from the column of ones), the masks zeroing probabilities
         after the exponential; no max, rescale or row sum.
 
-        Scores are in the config's base b, except with a score_mod, whose input is the
-        natural score: there the chain runs in natural units and its result is brought
-        into base b before the exponential. The reference m_i: under softcap (without a
+        Scores are in the config's base b, except with a bias (natural units: the bias is
+        read once, not scaled, and np.exp takes them) or a score_mod, whose input is the
+        natural score (its result is brought into base b before the exponential). The reference m_i: under softcap (without a
         score_mod), whose scores lie within ±softcap, 0, with Q scaled by 1/softcap for
         the tanh; otherwise the larger of the row's max before and after the chain
         (ALiBi only lowers scores; a bias or score_mod may move them anywhere) over the
@@ -433,7 +426,9 @@ def forward(q, k, v, causal, scale, config, var):
         from the reference's, a NaN, a huge V): the caller runs the running max instead."""
         mod = chain.score_mod is not None
         capped = chain.var.softcap is not None and not mod
-        unit = 1.0 if mod else base.log_e
+        # natural units under a score_mod (its input is) or a bias (read once, not scaled)
+        natural = mod or chain.bias is not None
+        unit = 1.0 if natural else base.log_e
         fold = not (mod or capped)
         Q = np.empty((n, G, br, d + fold), acc_t)
         np.multiply(q_i, s_q * acc_t.type(1 / chain.var.softcap if capped else unit),
@@ -469,14 +464,15 @@ def forward(q, k, v, causal, scale, config, var):
                 m_i = np.maximum(raw_max, S.max(axis=-1)).reshape(n, G * br)
                 if np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
                     m_i[...] = 0
-            if not mod:
-                np.clip(S, -lim, lim, out=S)
-                exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
-            else:                                # natural units: into the base, then as above
+            if mod:                              # the reference, then into the base
                 if m_i.any():
                     np.subtract(S, m_i.reshape(n, G, br, 1), out=S)
                 if base.log_e != 1:
                     np.multiply(S, base.log_e, out=S)
+            if natural and not mod:              # a bias's scores: np.exp, fast anywhere
+                np.clip(S, -lim_e, lim_e, out=S)
+                np.exp(S, out=S)                                     # P̃ = e^(S − m)
+            else:
                 np.clip(S, -lim, lim, out=S)
                 exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
             chain.hide(S, bh, r0, c0, pred, br, fill=0, index=index)
@@ -488,7 +484,7 @@ def forward(q, k, v, causal, scale, config, var):
         if not (math.isfinite(accx.sum()) and (not seen.size or (
                 seen.min() >= _L_MIN and seen.max() <= _L_MAX))):
             return None
-        return accx[..., :d], l_i, m_i if mod else m_i * acc_t.type(base.ln)
+        return accx[..., :d], l_i, m_i if natural else m_i * acc_t.type(base.ln)
 
     def online_steps(Q, kh, vh, bh, r0, br, n, steps, shift):
         """(acc, ℓ, m) of the tile with FlashAttention-2's running max, in natural units."""
