@@ -281,7 +281,9 @@ class _Getter:
     def __init__(self, bound, env, tile=None, reuse=False):
         self.bound, self.env, self.tile, self.vals = bound, env, tile, {}
         self.relative = bound.relative if tile is not None else ()
-        self.heads = (int(env["b"]), tuple(np.ravel(env["h"]))) if self.relative else None
+        self.heads = None
+        if self.relative:   # the caller's key for its batch row and heads, else worked out
+            self.heads = env.get("heads") or (int(env["b"]), tuple(np.ravel(env["h"])))
         self.diagonal = None
         self.reuse = reuse
 
@@ -316,10 +318,9 @@ class _Getter:
         acc = self.bound.acc_t
         if n.op == "call" and any(isinstance(x, np.ndarray) and x.dtype != acc for x in args):
             return None                          # the ufunc's own result dtype: kept as is
-        shape = np.broadcast_shapes(*(np.shape(x) for x in args))
         for a, x in zip(n.args, args):
-            if not (isinstance(x, np.ndarray) and x.shape == shape and x.dtype == acc
-                    and x.flags.writeable):
+            if not (isinstance(x, np.ndarray) and x.dtype == acc and x.flags.writeable
+                    and all(_broadcasts_into(np.shape(y), x.shape) for y in args)):
                 continue
             if a.op == "arg":                    # the caller's tile, given up by its word
                 if self.reuse == "score" and self.bound.score_uses == 1:
@@ -328,6 +329,12 @@ class _Getter:
                   and self.bound.uses[id(a)] == 1):
                 return x
         return None
+
+
+def _broadcasts_into(shape, into):
+    """Whether an array of `shape` broadcasts to `into` (np.broadcast_shapes costs µs)."""
+    return len(shape) <= len(into) and all(
+        s == 1 or s == t for s, t in zip(reversed(shape), reversed(into)))
 
 
 class _Values:

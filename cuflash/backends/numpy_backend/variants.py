@@ -242,9 +242,12 @@ class ScoreChain:
 
     def indices(self, bh, a0, c0, shift, shape):
         """The mods' index arguments for `apply`'s n blocks, broadcastable to
-        shape = (n, G, rows, cols): b, the query heads h, q_idx and kv_idx."""
+        shape = (n, G, rows, cols): b, the query heads h, q_idx and kv_idx (and "heads",
+        a key for b and h)."""
         b, hs = self.heads(bh)
-        return {"b": np.int64(b + self.var.batch0), "h": _heads(hs.start, hs.stop),
+        b += self.var.batch0
+        return {"b": np.int64(b), "h": _heads(hs.start, hs.stop),
+                "heads": (b, hs.start, hs.stop),   # their key for the evaluator's caches
                 **_positions(a0, self.var.kv0 + c0, shift, *shape[:1], *shape[2:])}
 
     def apply(self, S, bh, a0, c0, pred, shift, reuse=False):
@@ -402,7 +405,7 @@ def forward(q, k, v, causal, scale, config, var):
         """The n blocks' keys of x (K or V of one head) as (n, span, d) windows, in the
         accumulation dtype, times `factor` (a number or V's column shift)."""
         x = as_dtype(x[keys], acc_t)
-        return windows(x if isinstance(factor, int) and factor == 1 else x * factor,
+        return windows(x if np.ndim(factor) == 0 and factor == 1 else x * factor,
                        n, br, span)
 
     def frozen_steps(q_i, kh, vh, bh, r0, br, n, steps):
