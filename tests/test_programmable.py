@@ -757,3 +757,27 @@ def test_tiles_read_twice_are_not_overwritten():
     *grads, = cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=shared_reads)
     for g, r in zip(grads, reference(q, k, v, do, scale=16 ** -0.5, score_mod=shared_reads)[2:]):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-8)
+
+
+def test_relative_parts_follow_their_arrays_across_calls():
+    """The relative parts are kept from call to call, by the values of the arrays they read:
+    an array changed in place (a training step) is read anew, and equal values give the
+    same result."""
+    from cuflash.programmable import evaluate
+    q, k, v, _ = attention_inputs(1, 4, 2, 200, 300, 16, np.float64, seed=14)
+    saved = rel_table.copy()
+    try:
+        first = cuflash.flash_attention(q, k, v, score_mod=relative)
+        assert any(key[0] is not None for key in evaluate._KEPT_DIAGONALS)
+        rel_table[1, :5] += 3.0                      # in place, as an optimizer step would
+        i, j = np.arange(200)[:, None], np.arange(300)[None, :]
+        dense = rel_table[:, np.minimum(np.abs(i - j) // 16, 63)][None]
+        second = cuflash.flash_attention(q, k, v, score_mod=relative)
+        np.testing.assert_allclose(second, cuflash.flash_attention(q, k, v, bias=dense),
+                                   rtol=1e-12, atol=1e-12)
+        assert not np.allclose(first, second)
+        rel_table[...] = saved
+        np.testing.assert_array_equal(cuflash.flash_attention(q, k, v, score_mod=relative),
+                                      first)
+    finally:
+        rel_table[...] = saved

@@ -11,6 +11,7 @@ the seed times ∂mod/∂buffer into each captured float array's accumulator (`n
 a sum in a fixed order: deterministic).
 """
 import collections
+import hashlib
 import math
 
 import numpy as np
@@ -68,7 +69,22 @@ class Bound:
             if fits_int32(r):
                 self.arrays[name] = self.arrays[name].astype(_INT32)
         self.relative = _relative_roots(self.order)
-        self.diagonals = {}   # the relative parts' tiles, as views of their diagonals
+        # The relative parts' tiles, as views of their diagonals (`_Getter`), keyed by the
+        # part (its place in the walk), the tile and the heads — and, where the arrays the
+        # parts read are small, by what identifies their values across calls (the mod's
+        # key and those arrays' bytes): then kept from call to call, as a loop repeats.
+        self.node_index = {id(n): i for i, n in enumerate(self.order)}
+        self.diagonals, self.values_key = {}, None
+        read = {n.value for r in self.order if id(r) in self.relative
+                for n in r.walk() if n.op == "index"}
+        if self.relative and sum(self.arrays[name].nbytes for name in read) <= _DIGESTED_BYTES:
+            digest = hashlib.blake2b(digest_size=16)
+            for name in sorted(read):
+                a = self.arrays[name]
+                digest.update(f"{name}{a.dtype.str}{a.shape}".encode())
+                digest.update(a.tobytes())
+            self.values_key = (mod.key(), self.acc_t.str, digest.hexdigest())
+            self.diagonals = _KEPT_DIAGONALS
         # the nodes through which the score's and the float buffers' gradients flow
         self.score_path = _reaching(self.order, lambda n: n.op == "arg" and n.kind == FLOAT)
         self.buffer_path = _reaching(self.order, lambda n: n.op == "index" and n.kind == FLOAT)
@@ -194,8 +210,12 @@ class Bound:
         return np.broadcast_to(dscore, seed.shape)
 
 
-# Relative parts one Bound keeps (`_lazy`): a vector of rows + keys − 1 values each.
+# Relative parts kept (`_Getter`), a vector of rows + keys − 1 values each, by one Bound
+# or, across calls, by all (_KEPT_DIAGONALS: Bound.values_key): cleared when full.
 _DIAGONALS_KEPT = 4096
+_KEPT_DIAGONALS = {}
+# Arrays read by relative parts up to this size are hashed to keep their parts across calls.
+_DIGESTED_BYTES = 1 << 20
 
 
 def _toeplitz(v, tile):
@@ -293,14 +313,15 @@ class _Getter:
         if v is None:
             bound = self.bound
             if k in self.relative:
-                key = (k, self.tile, self.heads)
+                key = (bound.values_key, bound.node_index[k], self.tile, self.heads)
                 v = bound.diagonals.get(key)
                 if v is None:
                     if self.diagonal is None:
                         self.diagonal = bound._diagonals(self.env, self.tile)
                     v = _toeplitz(self.diagonal(n), self.tile)
-                    if len(bound.diagonals) < _DIAGONALS_KEPT:
-                        bound.diagonals[key] = v
+                    if len(bound.diagonals) >= _DIAGONALS_KEPT:
+                        bound.diagonals.clear()
+                    bound.diagonals[key] = v
             else:
                 args = [self(a) for a in n.args]
                 v = bound._node(n, args, self.env, self._spare(n, args) if self.reuse else None)
