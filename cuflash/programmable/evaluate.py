@@ -69,6 +69,22 @@ class Bound:
             if fits_int32(r):
                 self.arrays[name] = self.arrays[name].astype(_INT32)
         self.relative = _relative_roots(self.order)
+        # how many times each node is an argument (one use: its tile may take its consumer's
+        # result, see `evaluate`), the score counted over all its nodes
+        self.uses = collections.Counter(id(a) for n in self.order for a in n.args)
+        self.score_uses = sum(self.uses[id(n)] for n in self.order if n.op == "arg"
+                              and n.kind == FLOAT)
+        # the float ufunc nodes' arguments whose tile their result may take (`evaluate`'s
+        # reuse): (position, whether it is the score), the argument's only use
+        self.spares = {id(n): tuple(
+            (i, a.op == "arg") for i, a in enumerate(n.args)
+            if (a.op == "arg" and a.kind == FLOAT and self.score_uses == 1)
+            or (a.op not in ("arg", "const") and id(a) not in self.relative
+                and self.uses[id(a)] == 1))
+            for n in self.order if n.kind == FLOAT and (n.op in _ARITH or n.op in ("neg", "call"))}
+        self.consts = {id(n): {FLOAT: self.acc_t.type, INT: self.int_dtype.get(id(n), _INT).type,
+                               BOOL: np.bool_}[n.kind](n.value)
+                       for n in self.order if n.op == "const"}
         # The relative parts' tiles, as views of their diagonals (`_Getter`), keyed by the
         # part (its place in the walk), the tile and the heads — and, where the arrays the
         # parts read are small, by what identifies their values across calls (the mod's
@@ -88,11 +104,6 @@ class Bound:
         # the nodes through which the score's and the float buffers' gradients flow
         self.score_path = _reaching(self.order, lambda n: n.op == "arg" and n.kind == FLOAT)
         self.buffer_path = _reaching(self.order, lambda n: n.op == "index" and n.kind == FLOAT)
-        # how many times each node is an argument (one use: its tile may take its consumer's
-        # result, see `evaluate`), the score counted over all its nodes
-        self.uses = collections.Counter(id(a) for n in self.order for a in n.args)
-        self.score_uses = sum(self.uses[id(n)] for n in self.order if n.op == "arg"
-                              and n.kind == FLOAT)
 
     # -- forward --------------------------------------------------------------------
     def value(self, env, tile=None):
@@ -128,7 +139,7 @@ class Bound:
         if op == "arg":
             return env[n.value] if n.kind == FLOAT else np.asarray(env[n.value], it)
         if op == "const":
-            return {FLOAT: acc.type, INT: it.type, BOOL: np.bool_}[n.kind](n.value)
+            return self.consts[id(n)]
         if op == "cast":
             if n.kind == BOOL:
                 return np.not_equal(a[0], 0)
@@ -322,6 +333,8 @@ class _Getter:
                     if len(bound.diagonals) >= _DIAGONALS_KEPT:
                         bound.diagonals.clear()
                     bound.diagonals[key] = v
+            elif not n.args:                     # an argument or a constant
+                v = bound._node(n, (), self.env)
             else:
                 args = [self(a) for a in n.args]
                 v = bound._node(n, args, self.env, self._spare(n, args) if self.reuse else None)
@@ -329,25 +342,20 @@ class _Getter:
         return v
 
     def _spare(self, n, args):
-        """A tile among n's arguments that n's float result may overwrite: the argument's
-        only use, of the result's shape and the accumulation dtype, writeable and computed
-        here (owned) — or the score where `reuse` is "score" and it has no other use;
-        None if there is none. Only ufuncs take it (not np.where)."""
-        if n.kind != FLOAT or n.op in ("arg", "const", "cast", "index", "where") or \
-                n.op not in _ARITH and n.op not in ("neg", "call"):
-            return None
+        """A tile among n's arguments that n's float result may overwrite (the candidates
+        `Bound.spares` names): of the result's shape and the accumulation dtype,
+        writeable, computed here (owned) — or the score where `reuse` is "score"; None if
+        there is none."""
         acc = self.bound.acc_t
-        if n.op == "call" and any(isinstance(x, np.ndarray) and x.dtype != acc for x in args):
-            return None                          # the ufunc's own result dtype: kept as is
-        for a, x in zip(n.args, args):
-            if not (isinstance(x, np.ndarray) and x.dtype == acc and x.flags.writeable
-                    and all(_broadcasts_into(np.shape(y), x.shape) for y in args)):
+        for i, score in self.bound.spares.get(id(n), ()):
+            x = args[i]
+            if not (type(x) is np.ndarray and x.dtype == acc and x.flags.writeable
+                    and (self.reuse == "score" if score else x.flags.owndata)):
                 continue
-            if a.op == "arg":                    # the caller's tile, given up by its word
-                if self.reuse == "score" and self.bound.score_uses == 1:
-                    return x
-            elif (a.op != "const" and id(a) not in self.relative and x.flags.owndata
-                  and self.bound.uses[id(a)] == 1):
+            if n.op == "call" and any(type(y) is np.ndarray and y.dtype != acc for y in args):
+                return None                      # the ufunc's own result dtype: kept as is
+            if all(y is x or np.ndim(y) == 0 or _broadcasts_into(np.shape(y), x.shape)
+                   for y in args):
                 return x
         return None
 
