@@ -229,16 +229,22 @@ _KEPT_DIAGONALS = {}
 _DIGESTED_BYTES = 1 << 20
 
 
-def _toeplitz(v, tile):
-    """The tile (…, rows, keys) of a relative node from its values v (…, 1, L) along the
-    tile's L = rows + keys − 1 diagonals (`Bound._diagonals`): entry (x, y) is v[…, rows −
-    1 − x + y], a read-only strided view (rows step back one element, keys forward one)."""
-    _, rows, cols = tile
-    v = np.asarray(v)
-    v = np.ascontiguousarray(v.reshape(v.shape[:-2] + v.shape[-1:]) if v.ndim > 1 else v)
+def toeplitz(v, rows, cols):
+    """The (…, rows, cols) tile whose entry (x, y) is v[…, rows − 1 − x + y], from v (…,
+    rows + cols − 1): a read-only strided view (rows step back one element, columns
+    forward one) of a function of y − x — a relative position's value on a tile."""
+    v = np.ascontiguousarray(v)
     step = v.strides[-1]
     return as_strided(v[..., rows - 1:], v.shape[:-1] + (rows, cols),
                       v.strides[:-1] + (-step, step), writeable=False)
+
+
+def _toeplitz(v, tile):
+    """The tile of a relative node from its values v (…, 1, L) along the tile's diagonals
+    (`Bound._diagonals`)."""
+    _, rows, cols = tile
+    v = np.asarray(v)
+    return toeplitz(v.reshape(v.shape[:-2] + v.shape[-1:]) if v.ndim > 1 else v, rows, cols)
 
 
 def _relative_roots(order):

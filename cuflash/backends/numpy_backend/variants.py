@@ -38,7 +38,7 @@ import numpy as np
 from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
 from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
-from ...programmable.evaluate import Bound
+from ...programmable.evaluate import Bound, toeplitz
 from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
 from .expbase import BASE_E, exp_limit
@@ -205,12 +205,11 @@ def _heads(h0, h1):
     return h
 
 
-@functools.lru_cache(maxsize=512)
-def _distance(rows, cols, t, dtype):
-    """|i + Nk − Nq − j| over the block: |t + x − y|."""
-    d = np.abs(t + np.arange(rows)[:, None] - np.arange(cols)[None, :]).astype(dtype)
-    d.flags.writeable = False
-    return d
+def _alibi(slopes, rows, cols, t):
+    """slope·|i + Nk − Nq − j| over a block of each head's slope (G,), (G, rows, cols): a
+    Toeplitz view (evaluate.toeplitz) of its rows + cols − 1 diagonals, |t + x − y|."""
+    d = np.abs(t + rows - 1 - np.arange(rows + cols - 1)).astype(slopes.dtype)
+    return toeplitz(slopes[:, None] * d, rows, cols)
 
 
 class ScoreChain:
@@ -297,8 +296,7 @@ class ScoreChain:
             S = np.multiply(T, var.softcap * unit, out=np.empty_like(T))
         t = a0 + self.Nk - self.Nq - c0  # key c0 + y sits t + x − y from row a0 + x's diagonal
         if self.alibi is not None:                           # − slope·|i + Nk − Nq − j|
-            slopes = (self.alibi[b, hs] * unit).astype(self.acc_t)[:, None, None]
-            S -= slopes * _distance(rows, cols, t, self.acc_t)
+            S -= _alibi((self.alibi[b, hs] * unit).astype(self.acc_t), rows, cols, t)
         if self.bias is not None:                            # + bias (natural units only)
             assert unit == 1, "a bias is added to natural scores"
             S += diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
