@@ -201,24 +201,56 @@ class Bound:
         values (env and tile are then its own)."""
         want = self.score_path | (self.buffer_path if into is not None else set())
         val = evaluation or self.evaluate(env, tile)   # only the values the rules ask for
-        adj = {id(self.mod.expr): seed}
+        # adjoints as (tile, factor): a constant factor (a product with or a quotient by
+        # a constant, a negation) is carried along, not multiplied into the tile, until a
+        # rule or a sum needs it
+        adj = {id(self.mod.expr): (seed, 1.0)}
+
+        def add(key, g, f):
+            if key in adj:
+                g0, f0 = adj[key]
+                g, f = _scaled(g0, f0) + _scaled(g, f), 1.0
+            adj[key] = (g, f)
+
         dscore = None
         for n in reversed(self.order):
-            g = adj.pop(id(n), None)
+            g, f = adj.pop(id(n), (None, 1.0))
             if g is None or n.kind != FLOAT:
                 continue
             if n.op == "arg":                        # the score
-                dscore = g if dscore is None else dscore + g
+                dscore = _scaled(g, f) if dscore is None else dscore + _scaled(g, f)
             elif n.op == "index":                    # scatter-add into the buffer
-                _scatter(into[n.value], [val(i) for i in n.args], g)
+                _scatter(into[n.value], [val(i) for i in n.args], _scaled(g, f))
+            elif (c := self._constant_factor(n)) is not None:
+                for arg in n.args:
+                    if id(arg) in want:
+                        add(id(arg), g, f * c[id(arg)])
             else:
+                g = _scaled(g, f)
                 for arg, adjoint in _rule(n, _Values(val, n.args), lambda n=n: val(n), g):
                     if id(arg) in want:
-                        key, ga = id(arg), adjoint()
-                        adj[key] = ga if key not in adj else adj[key] + ga
+                        add(id(arg), adjoint(), 1.0)
         if dscore is None:
             dscore = np.zeros_like(seed)
         return np.broadcast_to(dscore, seed.shape)
+
+    def _constant_factor(self, n):
+        """{argument id: its constant factor} where node n is linear in its arguments with
+        constant coefficients (a sum, a difference, a negation, a product with or a
+        quotient by a constant), else None."""
+        consts = self.consts
+        if n.op == "neg":
+            return {id(n.args[0]): -1.0}
+        if n.op in ("add", "sub"):
+            a, b = n.args
+            return {id(a): 1.0, id(b): -1.0 if n.op == "sub" else 1.0} if a is not b else None
+        if n.op == "mul" and n.args[0].op == "const":
+            return {id(n.args[1]): float(consts[id(n.args[0])])}
+        if n.op == "mul" and n.args[1].op == "const":
+            return {id(n.args[0]): float(consts[id(n.args[1])])}
+        if n.op == "div" and n.args[1].op == "const" and consts[id(n.args[1])] != 0:
+            return {id(n.args[0]): 1.0 / float(consts[id(n.args[1])])}
+        return None
 
 
 # Relative parts kept (`_Getter`), a vector of rows + keys − 1 values each, by one Bound
@@ -366,6 +398,19 @@ class _Getter:
         return None
 
 
+def _times(g, d):
+    """g · d, into d where d is a tile of g's shape and dtype made for this product alone."""
+    if type(d) is np.ndarray and d.flags.owndata and d.shape == np.shape(g) and \
+            d.dtype == np.result_type(g, d):
+        return np.multiply(g, d, out=d)
+    return g * d
+
+
+def _scaled(g, f):
+    """The adjoint tile g times its carried constant factor f."""
+    return g if f == 1.0 else g * f
+
+
 def _broadcasts_into(shape, into):
     """Whether an array of `shape` broadcasts to `into` (np.broadcast_shapes costs µs)."""
     return len(shape) <= len(into) and all(
@@ -435,5 +480,7 @@ def _rule(n, a, y, g):
          "abs": lambda: np.sign(a[0]), "square": lambda: 2 * a[0]}.get(f)
     if d is None:                                     # floor, ceil, trunc, sign: flat
         return []
-    return [(args[0], lambda: g * d())]
+    if f == "exp":                                    # d() is the node's own value: kept
+        return [(args[0], lambda: g * d())]
+    return [(args[0], lambda: _times(g, d()))]
 
