@@ -399,7 +399,9 @@ class _Getter:
 
 
 def _times(g, d):
-    """g · d, into d where d is a tile of g's shape and dtype made for this product alone."""
+    """g · d, into d where d is a tile of g's shape and dtype: made for this product, or
+    (exp's derivative) the node's own value, which no rule reads after its own (the
+    reverse pass visits a node after every node that reads it)."""
     if type(d) is np.ndarray and d.flags.owndata and d.shape == np.shape(g) and \
             d.dtype == np.result_type(g, d):
         return np.multiply(g, d, out=d)
@@ -480,7 +482,5 @@ def _rule(n, a, y, g):
          "abs": lambda: np.sign(a[0]), "square": lambda: 2 * a[0]}.get(f)
     if d is None:                                     # floor, ceil, trunc, sign: flat
         return []
-    if f == "exp":                                    # d() is the node's own value: kept
-        return [(args[0], lambda: g * d())]
     return [(args[0], lambda: _times(g, d()))]
 
