@@ -271,10 +271,10 @@ class ScoreChain:
                reuse=False):
         """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
         the natural one (log_b(e) for scores in base b; the score_mod's and the bias's
-        only in natural units); with `over_softcap`, S is already scale·Q Kᵀ/softcap; `index`, the
-        tile's `indices` if made already; with `reuse` (no gradients wanted), the
-        score_mod may compute in place, S included (`Bound.evaluate`). Returns (S, T, R)
-        as `apply`."""
+        only in natural units); with `over_softcap`, S is already scale·Q Kᵀ/softcap;
+        `index`, the tile's `indices` if made already; with `reuse` (no gradients
+        wanted), the score_mod may compute in place, S included (`Bound.evaluate`).
+        Returns (S, T, R) as `apply`."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
@@ -388,8 +388,8 @@ def forward(q, k, v, causal, scale, config, var):
     tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "q")
     # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
     s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
-    # The frozen reference (frozen_steps) where the chain allows it: no score_mod (its
-    # scores are natural and unbounded), no dropout (ℓ is summed before the mask).
+    # The frozen reference (frozen_steps) but under dropout, whose ℓ is summed before
+    # the mask: ℓ cannot come from P̃ [V_j | 1] there.
     frozen = config.frozen_max and not var.dropout_p
     base, sample = config.base, config.max_sample
     exp, lim, lim_e = base.exp, exp_limit(acc_t, base), exp_limit(acc_t, BASE_E)
@@ -414,17 +414,19 @@ def forward(q, k, v, causal, scale, config, var):
 
         Scores are in the config's base b, except with a bias (natural units: the bias is
         read once, not scaled, and np.exp takes them) or a score_mod, whose input is the
-        natural score (its result is brought into base b before the exponential). The reference m_i: under softcap (without a
-        score_mod), whose scores lie within ±softcap, 0, with Q scaled by 1/softcap for
-        the tanh; otherwise the larger of the row's max before and after the chain
-        (ALiBi only lowers scores; a bias or score_mod may move them anywhere) over the
-        first `max_sample` keys, folded into the matmul as in the plain forward ([c·Q_i |
-        −m_i] [K_j | 1]ᵀ) — with a score_mod over the first step's keys, subtracted after
-        the chain, or not at all where every |m_i| ≤ _NEAR_ZERO. Exponents are clipped
-        to ±lim, so a score more than ~44 above m_i shows as ℓ > 2^64, and every weight
-        is at least b^-lim: ℓ = 0 only where the masks hide every key. None where a row
-        ends with ℓ outside [2^-30, 2^64] (other than 0) or acc is not finite (scores far
-        from the reference's, a NaN, a huge V): the caller runs the running max instead."""
+        natural score (its result is brought into base b before the exponential).
+
+        The reference m_i: under softcap (without a score_mod), whose scores lie within
+        ±softcap, 0, with Q scaled by 1/softcap for the tanh; otherwise the larger of the
+        row's max before and after the chain (ALiBi only lowers scores; a bias or score_mod
+        may move them anywhere) over the first `max_sample` keys, folded into the matmul as
+        in the plain forward ([c·Q_i | −m_i] [K_j | 1]ᵀ) — with a score_mod over the first
+        step's keys, subtracted after the chain, or not at all where every |m_i| ≤
+        _NEAR_ZERO. Exponents are clipped to ±lim, so a score more than ~44 above m_i shows
+        as ℓ > 2^64, and every weight is at least b^-lim: ℓ = 0 only where the masks hide
+        every key. None where a row ends with ℓ outside [2^-30, 2^64] (other than 0) or acc
+        is not finite (scores far from the reference's, a NaN, a huge V): the caller runs
+        the running max instead."""
         mod = chain.score_mod is not None
         capped = chain.var.softcap is not None and not mod
         # natural units under a score_mod (its input is) or a bias (read once, not scaled)
@@ -528,7 +530,9 @@ def forward(q, k, v, causal, scale, config, var):
         # Q (n, G·br, d): each block's G heads stacked, one matmul's rows.
         q_i = q[b, hs, r0:r1].reshape(G, n, br, d).transpose(1, 0, 2, 3)
         kh, vh = k[b, hkv], v[b, hkv]
-        state = frozen_steps(q_i, kh, vh, bh, r0, br, n, steps) if frozen and shift is None else None
+        state = None
+        if frozen and shift is None:
+            state = frozen_steps(q_i, kh, vh, bh, r0, br, n, steps)
         if state is None:
             Q = np.multiply(q_i, s_q, dtype=acc_t).reshape(n, G * br, d)
             state = online_steps(Q, kh, vh, bh, r0, br, n, steps, shift)
