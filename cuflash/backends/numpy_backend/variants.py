@@ -534,7 +534,9 @@ def forward(q, k, v, causal, scale, config, var):
         if frozen and shift is None:
             state = frozen_steps(q_i, kh, vh, bh, r0, br, n, steps)
         if state is None:
-            Q = np.multiply(q_i, s_q, dtype=acc_t).reshape(n, G * br, d)
+            Q = np.empty((n, G, br, d), acc_t)
+            np.multiply(q_i, s_q, out=Q)
+            Q = Q.reshape(n, G * br, d)
             state = online_steps(Q, kh, vh, bh, r0, br, n, steps, shift)
         acc, l_i, m_i = state
         if shift is None and not math.isfinite(acc.sum()):
