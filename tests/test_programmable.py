@@ -781,3 +781,61 @@ def test_relative_parts_follow_their_arrays_across_calls():
                                       first)
     finally:
         rel_table[...] = saved
+
+
+sweep_table = rng.standard_normal((4, 40)).astype(np.float32)
+
+
+def sweep_relative(score, b, h, q_idx, kv_idx):
+    return score + sweep_table[h, min(abs(q_idx - kv_idx) // 8, 39)]
+
+
+def sweep_capped(score, b, h, q_idx, kv_idx):
+    return 3.0 * np.tanh(score / 3.0)
+
+
+def sweep_mask(b, h, q_idx, kv_idx):
+    return (q_idx + kv_idx) % 3 != 0
+
+
+def test_variant_forward_frozen_reference_random_combinations(monkeypatch):
+    """Random sizes, GQA, dtypes and combinations of every option and mod: the frozen
+    reference's forward (whichever tiles it serves) gives the running max's result."""
+    import dataclasses
+    from cuflash.backends import numpy_backend as nb
+    base = nb.BACKEND.config
+    r = np.random.default_rng(123)
+    for trial in range(40):
+        dtype = (np.float16, np.float32, np.float64)[trial % 3]
+        Hq = int(r.choice([1, 2, 4]))
+        Hkv = int(r.choice([h for h in (1, 2, 4) if Hq % h == 0]))
+        Nq, Nk, d = int(r.integers(1, 300)), int(r.integers(1, 300)), int(r.choice([8, 40]))
+        q = (r.standard_normal((1, Hq, Nq, d)) * r.choice([0.5, 2, 5])).astype(dtype)
+        k, v = (r.standard_normal((1, Hkv, Nk, d)).astype(dtype) for _ in range(2))
+        kw = {}
+        if r.random() < 0.4:
+            kw["causal"] = True
+        if r.random() < 0.3:
+            kw["window"] = (int(r.integers(0, 50)), int(r.integers(-1, 50)))
+        if r.random() < 0.3:
+            kw["softcap"] = float(r.choice([1.0, 5.0, 30.0]))
+        if r.random() < 0.3:
+            kw["alibi_slopes"] = r.uniform(0.01, 2, Hq)
+        if r.random() < 0.3:
+            kw["bias"] = (r.standard_normal((1, Hq, Nq, Nk)) * r.choice([1, 10])).astype(np.float32)
+        if r.random() < 0.2:
+            kw["mask"] = r.random((Nq, Nk)) > 0.3
+        kw["score_mod"] = (sweep_relative, sweep_capped, None, None, None)[int(r.integers(5))]
+        kw["mask_mod"] = sweep_mask if r.random() < 0.2 else None
+        monkeypatch.setattr(nb.BACKEND, "config", base)
+        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+        monkeypatch.setattr(nb.BACKEND, "config", dataclasses.replace(base, frozen_max=False))
+        o_ref, lse_ref = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+        tol = {np.float16: 2e-3, np.float32: 3e-5, np.float64: 1e-12}[dtype]
+        where = f"trial {trial}: {dtype.__name__}, {(Hq, Hkv, Nq, Nk, d)}, {sorted(kw)}"
+        np.testing.assert_allclose(o.astype(np.float64), o_ref.astype(np.float64), rtol=tol,
+                                   atol=tol * max(1.0, float(np.abs(o_ref).max(initial=0))),
+                                   err_msg=where)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref), err_msg=where)
+        ok = np.isfinite(lse_ref)
+        np.testing.assert_allclose(lse[ok], lse_ref[ok], rtol=tol, atol=10 * tol, err_msg=where)
