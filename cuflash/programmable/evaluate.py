@@ -74,10 +74,28 @@ class Bound:
         self.uses = collections.Counter(id(a) for n in self.order for a in n.args)
         self.score_uses = sum(self.uses[id(n)] for n in self.order if n.op == "arg"
                               and n.kind == FLOAT)
+        # a score read once, as score·c or score / c with c > 0: (that node, its factor);
+        # a caller that computes the scores times the factor saves the mod that pass
+        # (`evaluate`'s `prescaled`)
+        self.score_factor = None
+        if self.score_uses == 1:
+            readers = [n for n in self.order
+                       if any(a.op == "arg" and a.kind == FLOAT for a in n.args)]
+            p = readers[0] if len(readers) == 1 else None
+            c = next((a for a in p.args if a.op == "const"), None) if p else None
+            f = float(c.value) if c is not None and c.kind == FLOAT else 0.0
+            if f > 0 and p.op == "mul":
+                self.score_factor = (id(p), f)
+            elif f > 0 and p.op == "div" and p.args[1] is c:
+                self.score_factor = (id(p), 1.0 / f)
         # the float ufunc nodes' arguments whose tile their result may take (`evaluate`'s
-        # reuse): (position, whether it is the score), the argument's only use
+        # reuse): (position, whether it holds the caller's score tile), the argument's
+        # only use
+        scored = {id(n) for n in self.order if n.op == "arg" and n.kind == FLOAT}
+        if self.score_factor:
+            scored.add(self.score_factor[0])
         self.spares = {id(n): tuple(
-            (i, a.op == "arg") for i, a in enumerate(n.args)
+            (i, id(a) in scored) for i, a in enumerate(n.args)
             if (a.op == "arg" and a.kind == FLOAT and self.score_uses == 1)
             or (a.op not in ("arg", "const") and id(a) not in self.relative
                 and self.uses[id(a)] == 1))
@@ -115,14 +133,16 @@ class Bound:
         vector, and read as a Toeplitz view of the tile."""
         return self.evaluate(env, tile)(self.mod.expr)
 
-    def evaluate(self, env, tile=None, reuse=False):
+    def evaluate(self, env, tile=None, reuse=False, prescaled=False):
         """The evaluation of the mod for `env` (and `tile`, as in `value`): a function
         giving any node's value, computed on first use and kept — call it with the mod's
         expression for its value, and hand it to `gradients` to reuse what it computed.
         With `reuse` (for the value alone: no gradients), a float tile that only one node
         reads — the score too, with reuse="score" — takes that node's result in place:
-        fewer tiles allocated and passed through the caches."""
-        return _Getter(self, env, tile, reuse)
+        fewer tiles allocated and passed through the caches. With `prescaled`, env's
+        "score" is the score times `score_factor` already: the value of the node that
+        multiplied it."""
+        return _Getter(self, env, tile, reuse, prescaled)
 
     def _diagonals(self, env, tile):
         """A `_Getter` giving a relative node's values along the tile's rows + keys − 1
@@ -347,7 +367,7 @@ class _Getter:
     class rather than a recursive closure: a closure calling itself is a reference
     cycle, which keeps every tile it computed alive until the garbage collector runs."""
 
-    def __init__(self, bound, env, tile=None, reuse=False):
+    def __init__(self, bound, env, tile=None, reuse=False, prescaled=False):
         self.bound, self.env, self.tile, self.vals = bound, env, tile, {}
         self.relative = bound.relative if tile is not None else ()
         self.heads = None
@@ -355,6 +375,8 @@ class _Getter:
             self.heads = env.get("heads") or (int(env["b"]), tuple(np.ravel(env["h"])))
         self.diagonal = None
         self.reuse = reuse
+        if prescaled:                            # the scaled score: that node's value
+            self.vals[bound.score_factor[0]] = env["score"]
 
     def __call__(self, n):
         k = id(n)

@@ -268,13 +268,14 @@ class ScoreChain:
         return self.indices(bh, a0, c0, shift, shape)
 
     def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False, index=None,
-               reuse=False):
+               reuse=False, prescaled=False):
         """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
         the natural one (log_b(e) for scores in base b; the score_mod's and the bias's
         only in natural units); with `over_softcap`, S is already scale·Q Kᵀ/softcap;
         `index`, the tile's `indices` if made already; with `reuse` (no gradients
-        wanted), the score_mod may compute in place, S included (`Bound.evaluate`).
-        Returns (S, T, R) as `apply`."""
+        wanted), the score_mod may compute in place, S included, and with `prescaled` S is
+        the score times the score_mod's `score_factor` (`Bound.evaluate`). Returns (S, T,
+        R) as `apply`."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
@@ -283,7 +284,8 @@ class ScoreChain:
             index = index or self.indices(bh, a0, c0, shift, S.shape)
             R = self.score_mod.evaluate({**index, "score": S},
                                         tile=(a0 - c0 - self.var.kv0, rows, cols),
-                                        reuse="score" if reuse else False)
+                                        reuse="score" if reuse else False,
+                                        prescaled=prescaled)
             root, score = self.score_mod.mod.expr, S
             S = R(root)
             R.vals.pop(id(root))                # the later steps write the tile in place
@@ -433,8 +435,10 @@ def forward(q, k, v, causal, scale, config, var):
         natural = mod or chain.bias is not None
         unit = 1.0 if natural else base.log_e
         fold = not (mod or capped)
+        # a score_mod that reads the score once, times a constant: Q takes the constant
+        pre = chain.score_mod.score_factor[1] if mod and chain.score_mod.score_factor else 1.0
         Q = np.empty((n, G, br, d + fold), acc_t)
-        np.multiply(q_i, s_q * acc_t.type(1 / chain.var.softcap if capped else unit),
+        np.multiply(q_i, s_q * acc_t.type(1 / chain.var.softcap if capped else unit * pre),
                     out=Q[..., :d])
         m_i = None                               # with a score_mod: from the first step
         if capped:
@@ -460,9 +464,9 @@ def forward(q, k, v, causal, scale, config, var):
                 K_j = key_windows(kh, keys, n, br, span, s_k)
             S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span)
             index = chain.shared_indices(bh, r0, c0, br, S.shape)
-            raw_max = S.max(axis=-1) if m_i is None else None
+            raw_max = S.max(axis=-1) / acc_t.type(pre) if m_i is None else None
             S, _, _ = chain.values(S, bh, r0, c0, br, unit=unit, over_softcap=capped,
-                                   index=index, reuse=True)
+                                   index=index, reuse=True, prescaled=pre != 1.0)
             if m_i is None:
                 m_i = np.maximum(raw_max, S.max(axis=-1)).reshape(n, G * br)
                 if np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
