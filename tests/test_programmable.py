@@ -794,6 +794,10 @@ def sweep_capped(score, b, h, q_idx, kv_idx):
     return 3.0 * np.tanh(score / 3.0)
 
 
+def sweep_scaled(score, b, h, q_idx, kv_idx):   # the score read once, and the result, scaled
+    return 1.5 * score
+
+
 def sweep_mask(b, h, q_idx, kv_idx):
     return (q_idx + kv_idx) % 3 != 0
 
@@ -825,7 +829,8 @@ def test_variant_forward_frozen_reference_random_combinations(monkeypatch):
             kw["bias"] = (r.standard_normal((1, Hq, Nq, Nk)) * r.choice([1, 10])).astype(np.float32)
         if r.random() < 0.2:
             kw["mask"] = r.random((Nq, Nk)) > 0.3
-        kw["score_mod"] = (sweep_relative, sweep_capped, None, None, None)[int(r.integers(5))]
+        kw["score_mod"] = (sweep_relative, sweep_capped, sweep_scaled, None, None,
+                           None)[int(r.integers(6))]
         kw["mask_mod"] = sweep_mask if r.random() < 0.2 else None
         monkeypatch.setattr(nb.BACKEND, "config", base)
         o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)

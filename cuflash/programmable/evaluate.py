@@ -88,6 +88,15 @@ class Bound:
                 self.score_factor = (id(p), f)
             elif f > 0 and p.op == "div" and p.args[1] is c:
                 self.score_factor = (id(p), 1.0 / f)
+        # a mod that ends in a product with (a quotient by) a constant: (the other factor,
+        # the constant), for a caller that scales the result anyway (one pass for both)
+        root, self.root_factor = self.mod.expr, None
+        if root.op in ("mul", "div") and root.kind == FLOAT:
+            a, b = root.args
+            if b.op == "const" and b.kind == FLOAT and b.value and a.kind == FLOAT:
+                self.root_factor = (a, float(b.value) if root.op == "mul" else 1.0 / b.value)
+            elif root.op == "mul" and a.op == "const" and a.kind == FLOAT and b.kind == FLOAT:
+                self.root_factor = (b, float(a.value))
         # the float ufunc nodes' arguments whose tile their result may take (`evaluate`'s
         # reuse): (position, whether it holds the caller's score tile), the argument's
         # only use

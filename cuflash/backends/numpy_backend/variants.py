@@ -268,14 +268,15 @@ class ScoreChain:
         return self.indices(bh, a0, c0, shift, shape)
 
     def values(self, S, bh, a0, c0, shift, unit=1.0, over_softcap=False, index=None,
-               reuse=False, prescaled=False):
+               reuse=False, prescaled=False, scale_out=1.0):
         """The chain up to the masks: score_mod, softcap, ALiBi and bias, in `unit`s of
         the natural one (log_b(e) for scores in base b; the score_mod's and the bias's
         only in natural units); with `over_softcap`, S is already scale·Q Kᵀ/softcap;
         `index`, the tile's `indices` if made already; with `reuse` (no gradients
         wanted), the score_mod may compute in place, S included, and with `prescaled` S is
-        the score times the score_mod's `score_factor` (`Bound.evaluate`). Returns (S, T,
-        R) as `apply`."""
+        the score times the score_mod's `score_factor` (`Bound.evaluate`); the result
+        times `scale_out` (with a score_mod that ends in a constant factor and nothing
+        after it, one multiply for both). Returns (S, T, R) as `apply`."""
         var = self.var
         b, hs = self.heads(bh)
         n, _, rows, cols = S.shape
@@ -286,13 +287,21 @@ class ScoreChain:
                                         tile=(a0 - c0 - self.var.kv0, rows, cols),
                                         reuse="score" if reuse else False,
                                         prescaled=prescaled)
-            root, score = self.score_mod.mod.expr, S
-            S = R(root)
-            R.vals.pop(id(root))                # the later steps write the tile in place
+            mod, last = self.score_mod, var.softcap is None and self.alibi is None and \
+                self.bias is None
+            # (not where the prescaled score is the mod's result itself: its factor is in)
+            outer = mod.root_factor if scale_out != 1 and last and not (
+                prescaled and mod.score_factor[0] == id(mod.mod.expr)) else None
+            node, score = self.score_mod.mod.expr if outer is None else outer[0], S
+            S = R(node)
+            R.vals.pop(id(node))                # the later steps write the tile in place
             mine = S.flags.owndata if S is not score else reuse   # the score: given up?
             if not (mine and S.shape == score.shape and S.dtype == self.acc_t
                     and S.flags.writeable):
                 S = np.array(np.broadcast_to(S, score.shape), self.acc_t)
+            if outer is not None:               # the mod's own factor and scale_out at once
+                np.multiply(S, outer[1] * scale_out, out=S)
+                scale_out = 1.0
         if var.softcap is not None:                          # softcap·tanh(s/softcap)
             T = np.tanh(S if over_softcap else np.multiply(S, 1.0 / var.softcap, out=S), out=S)
             S = np.multiply(T, var.softcap * unit, out=np.empty_like(T))
@@ -302,6 +311,8 @@ class ScoreChain:
         if self.bias is not None:                            # + bias (natural units only)
             assert unit == 1, "a bias is added to natural scores"
             S += diagonal_windows(self.bias[b, hs, a0:, c0:], n, shift, rows, cols)
+        if scale_out != 1:
+            np.multiply(S, scale_out, out=S)
         return S, T, R
 
     def hide(self, S, bh, a0, c0, pred, shift, fill=NEG_INF, index=None):
@@ -464,18 +475,17 @@ def forward(q, k, v, causal, scale, config, var):
                 K_j = key_windows(kh, keys, n, br, span, s_k)
             S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span)
             index = chain.shared_indices(bh, r0, c0, br, S.shape)
-            raw_max = S.max(axis=-1) / acc_t.type(pre) if m_i is None else None
+            raw_max = S.max(axis=-1) * acc_t.type(base.log_e / pre) if m_i is None else None
+            # a score_mod's result brought into the base here (its input is natural)
             S, _, _ = chain.values(S, bh, r0, c0, br, unit=unit, over_softcap=capped,
-                                   index=index, reuse=True, prescaled=pre != 1.0)
+                                   index=index, reuse=True, prescaled=pre != 1.0,
+                                   scale_out=base.log_e if mod else 1.0)
             if m_i is None:
                 m_i = np.maximum(raw_max, S.max(axis=-1)).reshape(n, G * br)
-                if np.abs(m_i).max() <= _NEAR_ZERO:   # e^S stays in range: no subtraction
-                    m_i[...] = 0
-            if mod:                              # the reference, then into the base
-                if m_i.any():
-                    np.subtract(S, m_i.reshape(n, G, br, 1), out=S)
-                if base.log_e != 1:
-                    np.multiply(S, base.log_e, out=S)
+                if np.abs(m_i).max() <= _NEAR_ZERO * base.log_e:   # e^S stays in range:
+                    m_i[...] = 0                                      # no subtraction
+            if mod and m_i.any():                # the reference, in the base's units
+                np.subtract(S, m_i.reshape(n, G, br, 1), out=S)
             if natural and not mod:              # a bias's scores: np.exp, fast anywhere
                 np.clip(S, -lim_e, lim_e, out=S)
                 np.exp(S, out=S)                                     # P̃ = e^(S − m)
@@ -491,7 +501,7 @@ def forward(q, k, v, causal, scale, config, var):
         if not (math.isfinite(accx.sum()) and (not seen.size or (
                 seen.min() >= _L_MIN and seen.max() <= _L_MAX))):
             return None
-        return accx[..., :d], l_i, m_i if natural else m_i * acc_t.type(base.ln)
+        return accx[..., :d], l_i, m_i if natural and not mod else m_i * acc_t.type(base.ln)
 
     def online_steps(Q, kh, vh, bh, r0, br, n, steps, shift):
         """(acc, ℓ, m) of the tile with FlashAttention-2's running max, in natural units."""
