@@ -4,11 +4,15 @@
 integers as int64). `Bound.value(env)` evaluates the expression for broadcastable index
 arrays and a score tile: one NumPy call per node, integers in int32 where the node's range
 (`ranges.int_ranges`, from the call's sizes) fits it, and an index checked against its
-array only where its range does not prove it inside. `Bound.gradients(env, seed, into)` runs the
-expression forward, then back (reverse mode, one rule per operation below, along the
-paths to what is wanted): the gradient with respect to the score, and the scatter-add of
-the seed times ∂mod/∂buffer into each captured float array's accumulator (`np.bincount`,
-a sum in a fixed order: deterministic).
+array only where its range does not prove it inside; the parts that depend on the
+positions only through q_idx − kv_idx once per diagonal, read as a Toeplitz view
+(`toeplitz`). `Bound.evaluate` keeps the values it computed (`_Getter`), in place where a
+tile has one reader. `Bound.gradients(env, seed, into)` runs the expression forward (or
+takes the forward's evaluation), then back (reverse mode, one rule per operation below,
+along the paths to what is wanted, constant factors carried as scalars): the gradient
+with respect to the score, and the scatter-add of the seed times ∂mod/∂buffer into each
+captured float array's accumulator (`np.bincount`, a sum in a fixed order:
+deterministic).
 """
 import collections
 import hashlib
