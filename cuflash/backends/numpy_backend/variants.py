@@ -249,14 +249,15 @@ class ScoreChain:
                 "heads": (b, hs.start, hs.stop),   # their key for the evaluator's caches
                 **_positions(a0, self.var.kv0 + c0, shift, *shape[:1], *shape[2:])}
 
-    def apply(self, S, bh, a0, c0, pred, shift, reuse=False):
+    def apply(self, S, bh, a0, c0, pred, shift, reuse=False, prescaled=False):
         """S (n, G, rows, cols) = scale·Q Kᵀ of n blocks, block i at rows a0 + i·shift and
         keys c0 + i·shift → (the masked, biased score; tanh(S/softcap), the backward's
         softcap factor, or None; the score_mod's evaluation, for its gradients, or None).
-        S is overwritten, unless a score_mod keeps it as its input; `reuse` as in
-        `values`."""
+        S is overwritten, unless a score_mod keeps it as its input; `reuse` and
+        `prescaled` as in `values`."""
         index = self.shared_indices(bh, a0, c0, shift, S.shape)
-        S, T, R = self.values(S, bh, a0, c0, shift, index=index, reuse=reuse)
+        S, T, R = self.values(S, bh, a0, c0, shift, index=index, reuse=reuse,
+                              prescaled=prescaled)
         self.hide(S, bh, a0, c0, pred, shift, index=index)
         return S, T, R
 
@@ -611,6 +612,8 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
     dk = np.zeros((B, Hkv, Nk, d), k.dtype)
     dv = np.zeros((B, Hkv, Nk, d), v.dtype)
     tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "k")
+    factor = chain.score_mod.score_factor if chain.score_mod is not None else None
+    pre = factor[1] if factor else 1.0
     # dbias sums over its broadcast axes; where such a sum crosses tasks (other batch
     # rows, other K/V heads, other key tiles) each lane keeps its own dbias, else the
     # tasks write disjoint entries of one.
@@ -658,6 +661,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
         K_j = as_dtype(k[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
         if s_k != 1:
             K_j = K_j * s_k
+        # a score_mod reading the score once times a constant takes it from the product
+        # (its gradient carries the constant: no value of the score is read)
+        K_s = K_j if pre == 1.0 else K_j * acc_t.type(pre)
         V_j = as_dtype(v[b, hkv, c0:c1], acc_t).reshape(n, 1, bc, d)
         dK_j = np.zeros((n, bc, d), acc_t)
         dV_j = np.zeros((n, bc, d), acc_t)
@@ -665,7 +671,8 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
             h, rows = r1 - r0, slice(r0, r0 + (n - 1) * bc + r1 - r0)   # the n blocks' rows
             Q_i = windows(np.multiply(q[b, hs, rows], s_q, dtype=acc_t), n, bc, h, axis=1)
             dO_i = windows(as_dtype(do[b, hs, rows], acc_t), n, bc, h, axis=1)  # (n, G, h, d)
-            S, T, R = chain.apply(Q_i @ K_j.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc)
+            S, T, R = chain.apply(Q_i @ K_s.transpose(0, 1, 3, 2), bh, r0, c0, pred, bc,
+                                  prescaled=pre != 1.0)
             Ls_i = windows(Ls[b, hs, rows], n, bc, h, axis=1)
             P = np.exp(np.subtract(S, Ls_i[..., None], out=S), out=S)  # P = exp(S − lse), in place
             Z = chain.keep(bh, r0, c0, n, bc, h, bc)
