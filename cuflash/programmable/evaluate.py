@@ -94,8 +94,10 @@ class Bound:
                 self.score_factor = (id(p), 1.0 / f)
         # a mod that ends in a product with (a quotient by) a constant: (the other factor,
         # the constant), for a caller that scales the result anyway (one pass for both)
+        # (none where the root is the score's own reader: a prescaled score has it already)
         root, self.root_factor = self.mod.expr, None
-        if root.op in ("mul", "div") and root.kind == FLOAT:
+        if root.op in ("mul", "div") and root.kind == FLOAT and not (
+                self.score_factor and self.score_factor[0] == id(root)):
             a, b = root.args
             if b.op == "const" and b.kind == FLOAT and b.value and a.kind == FLOAT:
                 self.root_factor = (a, float(b.value) if root.op == "mul" else 1.0 / b.value)

@@ -17,6 +17,14 @@ from .schedule import NEG_INF, mask_block
 _L_MIN, _L_MAX = 2.0 ** -30, 2.0 ** 64
 
 
+def reference_served(l_seen, acc):
+    """Whether a tile's frozen reference served: every ℓ_i of `l_seen` (the rows that see
+    a key) within [2^-30, 2^64] and `acc` finite. min/max are NaN for a NaN row, which
+    fails both comparisons; the sum is finite only if acc is."""
+    return (not l_seen.size or (l_seen.min() >= _L_MIN and l_seen.max() <= _L_MAX)) \
+        and math.isfinite(acc.sum())
+
+
 def _strip(X, G, br, a0, a1):
     """Rows [a0, a1) of each of the G heads stacked in X (nh, G·br, …): X itself when
     that is all rows (one matmul over the stacked heads), else a (nh, G, a1 − a0, …) view."""
@@ -116,11 +124,6 @@ def frozen_max_tile(Qx, Kx, Vx, kv, *, r0, br, G, first, clip, exp, lim, scratch
         PV = np.matmul(S, V if S.ndim == 3 else V[:, None],
                        out=scratch.PV.get(S.shape[:-1] + (d1,)))
         _strip(accx, G, br, a0, a1)[...] += PV           # acc += P̃_ij V_j; ℓ_i += rowsum(P̃_ij)
-    # Rows before `first` see no key: ℓ = 0 there by the mask. min/max are NaN for
-    # a NaN row, which fails both comparisons; the sum is finite only if acc is.
-    l_seen = accx.reshape(nh, G, br, d1)[:, :, first:, -1]
-    if l_seen.size and not (l_seen.min() >= _L_MIN and l_seen.max() <= _L_MAX):
-        return None
-    if not math.isfinite(accx.sum()):
-        return None
-    return accx
+    # Rows before `first` see no key: ℓ = 0 there by the mask.
+    return accx if reference_served(accx.reshape(nh, G, br, d1)[:, :, first:, -1], accx) \
+        else None

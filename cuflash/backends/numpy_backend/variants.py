@@ -42,7 +42,7 @@ from ...programmable.evaluate import Bound, toeplitz
 from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
 from .expbase import BASE_E, exp_limit
-from .forward_tiles import _L_MAX, _L_MIN
+from .forward_tiles import reference_served
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF
 
@@ -288,11 +288,8 @@ class ScoreChain:
                                         tile=(a0 - c0 - self.var.kv0, rows, cols),
                                         reuse="score" if reuse else False,
                                         prescaled=prescaled)
-            mod, last = self.score_mod, var.softcap is None and self.alibi is None and \
-                self.bias is None
-            # (not where the prescaled score is the mod's result itself: its factor is in)
-            outer = mod.root_factor if scale_out != 1 and last and not (
-                prescaled and mod.score_factor[0] == id(mod.mod.expr)) else None
+            last = var.softcap is None and self.alibi is None and self.bias is None
+            outer = self.score_mod.root_factor if scale_out != 1 and last else None
             node, score = self.score_mod.mod.expr if outer is None else outer[0], S
             S = R(node)
             R.vals.pop(id(node))                # the later steps write the tile in place
@@ -498,9 +495,7 @@ def forward(q, k, v, causal, scale, config, var):
             with_ones(vh[keys], V_j)
             accx += S.reshape(n, G * br, span) @ windows(V_j, n, br, span)  # acc += P̃ [V_j | 1]
         l_i = accx[..., d]
-        seen = l_i[l_i > 0]
-        if not (math.isfinite(accx.sum()) and (not seen.size or (
-                seen.min() >= _L_MIN and seen.max() <= _L_MAX))):
+        if not reference_served(l_i[l_i > 0], accx):   # ℓ = 0: a row every key is hidden from
             return None
         return accx[..., :d], l_i, m_i if natural and not mod else m_i * acc_t.type(base.ln)
 
