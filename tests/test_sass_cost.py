@@ -318,14 +318,14 @@ CASES = [(k, D, a) for k in KERNELS for D in (64, 128) for a in ARCHS]
 CEILING = {
     ("flash_fwd_tc", 64, "sm_80"): 570 / 128, ("flash_fwd_tc", 64, "sm_90"): 568 / 128,
     ("flash_fwd_tc", 128, "sm_80"): 487 / 128, ("flash_fwd_tc", 128, "sm_90"): 501 / 128,
-    ("flash_bwd_dkdv_tc", 64, "sm_80"): 661 / 128, ("flash_bwd_dkdv_tc", 64, "sm_90"): 674 / 128,
-    ("flash_bwd_dkdv_tc", 128, "sm_80"): 376 / 64, ("flash_bwd_dkdv_tc", 128, "sm_90"): 392 / 64,
+    ("flash_bwd_dkdv_tc", 64, "sm_80"): 510 / 128, ("flash_bwd_dkdv_tc", 64, "sm_90"): 499 / 128,
+    ("flash_bwd_dkdv_tc", 128, "sm_80"): 292 / 64, ("flash_bwd_dkdv_tc", 128, "sm_90"): 286 / 64,
     ("flash_bwd_dq_tc", 64, "sm_80"): 449 / 96, ("flash_bwd_dq_tc", 64, "sm_90"): 470 / 96,
     ("flash_bwd_dq_tc", 128, "sm_80"): 402 / 96, ("flash_bwd_dq_tc", 128, "sm_90"): 409 / 96,
-    ("flash_bwd_dkdv_tc+dq", 64, "sm_80"): 930 / 160,
-    ("flash_bwd_dkdv_tc+dq", 64, "sm_90"): 823 / 160,
-    ("flash_bwd_dkdv_tc+dq", 128, "sm_80"): 523 / 80,    # 128 × 16 (CUDA 13.5 spills 128 × 32)
-    ("flash_bwd_dkdv_tc+dq", 128, "sm_90"): 728 / 160,
+    ("flash_bwd_dkdv_tc+dq", 64, "sm_80"): 630 / 160,
+    ("flash_bwd_dkdv_tc+dq", 64, "sm_90"): 621 / 160,
+    ("flash_bwd_dkdv_tc+dq", 128, "sm_80"): 546 / 160,
+    ("flash_bwd_dkdv_tc+dq", 128, "sm_90"): 539 / 160,
 }
 
 

@@ -3,17 +3,18 @@
 `backward(backend, do, q, k, v, o, lse, *, causal, scale)` runs three launches on the
 backend's array module (CuPy on "cuda", NumPy on "emulator"):
 
-1. `flash_bwd_preprocess_kernel`: D = rowsum(dO ∘ O), one warp per row;
+1. `flash_bwd_preprocess_kernel`: D = rowsum(dO ∘ O) and (lse · log2 e, D), one warp per row;
 2. `flash_bwd_dkdv_kernel`: one thread block per (K/V block, K/V head, batch), Q tiles
    streamed; dK, dV, summed over the query heads of the GQA group inside the block;
 3. `flash_bwd_dq_kernel`: one thread block per (Q block, query head, batch), K/V tiles
    streamed; dQ.
 
-The default 16-bit tensor-core backward (d <= 128, no dbias) has five GEMMs instead of
-seven: `flash_bwd_dkdv_tc_kernel` with DQ_PARTS runs W workers per (batch, K/V head)
-(`tiling.dq_workers`), each walking key blocks w, w + W, ... and adding dS K_j into its own
-float32 partial of dQ, and launch 3 is `flash_bwd_dq_sum_kernel`, which adds the W partials
-in order (flash_bwd_tc.cu). The partials take W float32 copies of dq.
+The default 16-bit tensor-core backward (d <= 128, plain scores: causal and the window,
+no other option) has five GEMMs instead of seven: `flash_bwd_dkdv_tc_kernel` with
+DQ_PARTS runs W workers per (batch, K/V head) (`tiling.dq_workers`), each walking key
+blocks w, w + W, ... and adding dS K_j into its own float32 partial of dQ, and launch 3 is
+`flash_bwd_dq_sum_kernel`, which adds the W partials in order (flash_bwd_tc.cu). The
+partials take W float32 copies of dq, padded to whole tiles (`TcBwdPlan.dq_part_shape`).
 
 Head dims above the largest bucket (d > 256) run the chunked specializations, one block
 per (row block, 256-wide head-dim chunk). Every output element, and every element of a dQ
@@ -43,7 +44,7 @@ import numpy as np
 from .. import _dtypes, tiling
 from . import kernel_backward_sm90, kernel_forward, kernel_forward_sm90
 from .kernel_forward import loads_16b_aligned
-from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
+from .kernel_variants import dbias_from_cols, dbias_launch, score_plain, variant_args
 from .marshal import (LAYOUT, STRIDES, check_grid_yz, dkdv_args, dq_args, dq_sum_args, i32,
                       prepare, preprocess_args, record, strides)
 
@@ -59,17 +60,21 @@ def backward_plans(backend, do, q, k, v, *, allow_tf32=False, dq_parts=True, pla
 
 
 def preprocess(backend, do, o, lse):
-    """D = rowsum(dO ∘ O) (flash_bwd_preprocess), in lse's shape and dtype (the
-    accumulation dtype), for dO and O (B, H, rows, d)."""
+    """D = rowsum(dO ∘ O) in lse's shape and dtype (the accumulation dtype, lse
+    contiguous), and stats: the pairs (lse · log2 e, D) (+inf where lse = −inf: a row that
+    saw no key), (*lse.shape, 2) (flash_bwd_preprocess), for dO and O (B, H, rows, d). The
+    tensor-core dK/dV kernel reads stats: per column of its transposed scores, one copy per
+    row and no conversion per score."""
     _, H, rows_q, d = o.shape
     pre = tiling.bwd_preprocess_plan(o.dtype)
     rows = i32(lse.size, "batch x heads x Nq")
     Dvec = backend.xp.empty(lse.shape, dtype=lse.dtype)
+    stats = backend.xp.empty((*lse.shape, 2), dtype=lse.dtype)
     backend.get_function(pre)((-(-rows // pre.rows_per_block),), (pre.num_threads,),
-                              preprocess_args(do, o, Dvec, heads=i32(H, "query heads"),
+                              preprocess_args(do, o, lse, Dvec, stats, heads=i32(H, "query heads"),
                                               rows=rows_q, d=i32(d, "d")),
                               shared_mem=pre.dynamic_smem_bytes)
-    return Dvec
+    return Dvec, stats
 
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
@@ -99,16 +104,15 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     Nk = Nk if segments is None else segments.max_k
     acc = _dtypes.accum_dtype(q.dtype)
     # the Hopper pair for a plain call; else the 5-GEMM backward (16-bit, one head-dim
-    # chunk) with W workers, unless dbias is wanted (the dQ kernel writes it) or the model
-    # prefers two kernels (W = 0)
+    # chunk) with W workers for plain scores (its kernel has no variants' loop), unless the
+    # model prefers two kernels (W = 0)
     plain = dq_workers is None and kernel_forward.plain_call(scale) and not return_mod_grads
     (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
-                                          dq_parts=not (return_dbias or return_mod_grads)
-                                          and dq_workers != 0,
+                                          dq_parts=score_plain(variants) and dq_workers != 0,
                                           plain=plain)
     if isinstance(p_dkdv, tiling.Sm90BwdPlan):   # 1. D, 2. dK, dV, 3. dQ
         lse = xp.ascontiguousarray(lse, dtype=acc)
-        Dvec = preprocess(backend, do, o, lse)
+        Dvec, _ = preprocess(backend, do, o, lse)
         return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
                                                   causal=causal, scale=scale,
                                                   variants=variants, segments=segments,
@@ -166,15 +170,19 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     else:
         dq_launches = [(heads_per_block, batch_per_block)]
 
-    Dvec = preprocess(backend, do, o, lse)   # 1. D = rowsum(dO ∘ O)
+    Dvec, stats = preprocess(backend, do, o, lse)   # 1. D = rowsum(dO ∘ O), (lse · log2 e, D)
     # dQ's float32 partials, one per worker (zeroed: a worker adds only the rows its key
-    # blocks see), as (W, *q.shape) contiguous; else a dummy
-    parts = xp.zeros((workers, *q.shape) if workers else 1, dtype=acc)
+    # blocks see), padded as the plan says (whole tiles), contiguous; else a dummy
+    parts = xp.zeros((workers, *p_dkdv.dq_part_shape(*q.shape[:3], packed=segments is not None))
+                     if workers else 1, dtype=acc)
+    if workers:   # the kernel's row index within a batch row: query heads x padded rows
+        i32(parts.shape[2] * parts.shape[3], "query heads x rows of dQ's partial")
     dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
                 (parts, record(STRIDES, 0, 0, 0), 0))
     # 2. dK, dV (and dQ's partials)
     backend.get_function(p_dkdv, mods)((grid_kv, Hkv, B), (p_dkdv.num_threads,),
-                                 dkdv_args(p_dkdv, q, k, v, do, lse, Dvec, dk, dv,
+                                 dkdv_args(p_dkdv, q, k, v, do, (stats,) if tc else (lse, Dvec),
+                                           dk, dv,
                                            strides=(*strides_in, s3(dk), s3(dv)),
                                            dbias_cols=cols, want_dbias_cols=by_cols,
                                            dq_parts=dq_parts, variants=vflags(p_dkdv), **common),
@@ -183,7 +191,7 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     if workers:
         threads = p_dq.num_threads * p_dq.elements_per_thread
         backend.get_function(p_dq)((-(-dq.size // threads),), (p_dq.num_threads,),
-                                   dq_sum_args(parts, dq, scale=acc.type(scale)))
+                                   dq_sum_args(parts, dq, d=d, scale=acc.type(scale)))
         dq_launches = []
     else:
         chunks_q = p_dq.num_d_chunks(d) if tc else num_d_chunks

@@ -18,6 +18,12 @@ def _strides4(a):
     return tuple(np.int64(0 if n == 1 else s // a.itemsize) for n, s in zip(a.shape, a.strides))
 
 
+def score_plain(variants) -> bool:
+    """Whether a call's scores are plain for the kernels (`!var.scores() && !var.dropout()`
+    in kernels/variants.cuh): no option but the window, a mask the plain loops apply."""
+    return set((variants or PLAIN).active()) <= {"window"}
+
+
 def variant_args(xp, variants, acc, mods=None, plan=None, grad_part=None) -> tuple:
     """The arguments after a kernel's own: flags, softcap, ALiBi slopes, bias, mask,
     dropout's threshold and key, 1/(1 − p), window, and with `mods` (KernelMods, the

@@ -95,32 +95,38 @@ def fa1_forward_args(q, k, v, o, lse, o_acc, l_buf, m_buf, *, batch, sizes, stri
             scale, np.int32(bool(causal)), np.int32(num_d_chunks), *variants)
 
 
-def preprocess_args(do, o, delta, *, heads, rows, d) -> tuple:
-    """The backward's D = rowsum(dO ∘ O) (flash_bwd_preprocess_kernel) over (B, H, rows, d)
-    dO and O."""
+def preprocess_args(do, o, lse, delta, stats, *, heads, rows, d) -> tuple:
+    """The backward's D = rowsum(dO ∘ O) and stats = (lse · log2 e, D) pairs
+    (flash_bwd_preprocess_kernel) over (B, H, rows, d) dO and O."""
     total = i32(delta.size, "batch x heads x Nq")
-    return (do, o, delta, heads, i32(rows, "rows"), d, np.int64(total), strides(do),
+    return (do, o, lse, delta, stats, heads, i32(rows, "rows"), d, np.int64(total), strides(do),
             strides(o))
 
 
-def dkdv_args(plan, q, k, v, do, lse, delta, dk, dv, *, sizes, strides, scale, causal,
+def dkdv_args(plan, q, k, v, do, row_stats, dk, dv, *, sizes, strides, scale, causal,
               num_d_chunks, dbias_cols, want_dbias_cols, dq_parts, varlen, variants) -> tuple:
     """dK, dV (flash_bwd_dkdv_kernel or flash_bwd_dkdv_tc_kernel): only the SIMT kernel
     takes a head-dim chunk count (a tensor-core plan counts its chunks from d), only the
     tensor-core kernel `dq_parts`: the float32 partials of dQ (a dummy unless
-    plan.dq_parts), one partial's Strides record and the elements between two."""
+    plan.dq_parts), one partial's Strides record and the elements between two.
+    `row_stats`: (lse, D) for the SIMT kernel, (stats,) for the tensor-core kernel
+    (kernel_backward.preprocess's (lse · log2 e, D) pairs)."""
     tc = plan.kernel == FLASH_BWD_DKDV_TC.name
     chunks = () if tc else (np.int32(num_d_chunks),)
     parts = (dq_parts[0], dq_parts[1], np.int64(dq_parts[2])) if tc else ()
-    return (q, k, v, do, lse, delta, dk, dv, *sizes, *strides, scale,
+    return (q, k, v, do, *row_stats, dk, dv, *sizes, *strides, scale,
             np.int32(bool(causal)), *chunks, dbias_cols, np.int32(want_dbias_cols), *parts,
             *varlen, *variants)
 
 
-def dq_sum_args(parts, dq, *, scale) -> tuple:
-    """dQ = scale · Σ_w parts[w] (flash_bwd_dq_sum_kernel): parts (W, *dq.shape) float32,
-    dq contiguous."""
-    return (parts, dq, np.int64(dq.size), i32(parts.shape[0], "dQ workers"), scale)
+def dq_sum_args(parts, dq, *, d, scale) -> tuple:
+    """dQ = scale · Σ_w parts[w] (flash_bwd_dq_sum_kernel): parts (W, batch, heads,
+    rows_pad, head_dim) float32 (`TcBwdPlan.dq_part_shape`), dq (batch, heads, rows, d)
+    contiguous."""
+    rows_pad, head_dim = parts.shape[-2:]
+    return (parts, dq, np.int64(dq.size), i32(parts.shape[0], "dQ workers"), scale,
+            i32(d, "d"), i32(dq.shape[-2], "rows"), i32(rows_pad, "rows"),
+            i32(head_dim, "head dim"), np.int64(parts[0].size))
 
 
 def dq_args(plan, q, k, v, do, lse, delta, dq, *, sizes, strides, scale, causal,

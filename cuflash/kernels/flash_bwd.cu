@@ -65,19 +65,24 @@ constexpr int bwd_min_blocks() {
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────
-// Preprocess: D_i = rowsum(dO_i ∘ O_i), one warp per query row.
+// Preprocess: D_i = rowsum(dO_i ∘ O_i), one warp per query row; and the pairs (lse_i ·
+// log2 e, D_i) (+inf for a row that saw no key: P = 0), which the tensor-core dK/dV kernel
+// reads per column, one 8-byte copy per row.
 // ─────────────────────────────────────────────────────────────────────────────────────
 template <typename T, int ROWS_PER_BLOCK>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
 flash_bwd_preprocess_kernel(const T* __restrict__ dO, const T* __restrict__ o,
-                            accum_t<T>* __restrict__ Delta,
-                            int Hq, int Nq, int d, long long rows,
+                            const accum_t<T>* __restrict__ lse, accum_t<T>* __restrict__ Delta,
+                            accum_t<T>* __restrict__ stats, int Hq, int Nq, int d, long long rows,
                             __grid_constant__ const Strides do_st,
                             __grid_constant__ const Strides o_st) {
     using A = accum_t<T>;
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
     if (row >= rows) return;  // whole warp leaves together: the shuffles below stay full
+    // lse and D are contiguous (B, Hq, Nq), stats (B, Hq, Nq, 2); stats[row, 0] written
+    // first: lse's pointer is dead before the divisions below
+    if (lane == 0) stats[2 * row] = lse_log2(lse[row]);
     const long long i = row % Nq;
     const long long h = (row / Nq) % Hq;
     const long long b = row / ((long long)Nq * Hq);
@@ -86,7 +91,7 @@ flash_bwd_preprocess_kernel(const T* __restrict__ dO, const T* __restrict__ o,
     A acc = A(0);
     for (int c = lane; c < d; c += 32) acc = fma(to_float(do_row[c]), to_float(o_row[c]), acc);
     acc = warp_reduce_sum<32>(acc);
-    if (lane == 0) Delta[row] = acc;  // D is contiguous (B, Hq, Nq)
+    if (lane == 0) Delta[row] = stats[2 * row + 1] = acc;
 }
 
 // ─────────────────────────────────────────────────────────────────────────────────────

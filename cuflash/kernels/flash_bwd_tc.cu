@@ -11,20 +11,21 @@
 //     dQ  = dS K · scale                   DQ_PARTS: the same blocks, then flash_bwd_dq_sum
 //                                          else flash_bwd_dq_tc_kernel
 // Two ways to dQ, both bitwise reproducible (every sum in a fixed order):
-//   5 GEMMs (DQ_PARTS, 16-bit, d ≤ 128; the default): every key block adds to every dQ
+//   5 GEMMs (DQ_PARTS, 16-bit, d ≤ 128, no score variant or dropout: the window and
+//     causal masks only; the default): every key block adds to every dQ
 //     row, so FlashAttention-2's deterministic scheme: W workers per (batch, K/V head),
 //     worker w the dK/dV block of key blocks w, w + W, … in turn, each adding dQ_i += dS K_j
 //     into its own float32 partial of dQ (one thread per element: its additions in program
 //     order); flash_bwd_dq_sum then adds the W partials in order. Per tile: Sᵀ, dPᵀ, dV,
 //     dK and dQ, five GEMMs.
-//   7 GEMMs (float32, d > 128, dbias, or too few workers to fill the GPU): a dQ kernel of
+//   7 GEMMs (float32, d > 128, variants, or too few workers to fill the GPU): a dQ kernel of
 //     its own recomputes S, dP and dS beside dQ_i += dS K_j; one writer per element.
 //
 //   dK/dV: one block per (K/V block of BLOCK_ROWS keys, head-dim chunk, K/V head, batch);
 //   DQ_PARTS: per (worker, K/V head, batch), each of its key blocks in turn as below
 //     prologue   K_j, V_j → shared (cp.async) → A fragments in registers (OWN_IN_REGS;
 //                else they stay in shared memory, e.g. beside D = 128's 128 accumulators)
-//                start copying the first STAGES − 1 (Q_i, dO_i, lse_i, D_i) tiles
+//                start copying the first STAGES − 1 (Q_i, dO_i, (lse_i · log2 e, D_i)) tiles
 //     main loop  for each query head of the GQA group, each Q_i tile below the diagonal
 //                  wait for tile i; barrier; start copying tile i + STAGES − 1
 //                  Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ          (keys as rows: tc_bwd_tile.cuh)
@@ -81,7 +82,7 @@ using namespace cuflash;
 template <class Tr, typename T>
 __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ dO, const float* __restrict__ lse, const float* __restrict__ Delta,
+    const T* __restrict__ dO, const float* __restrict__ stats,
     T* __restrict__ dk, T* __restrict__ dv, int Hq, int group, int Nq, int Nk, int d,
     Strides q_st, Strides k_st, Strides v_st, Strides do_st,
     Strides dk_st, Strides dv_st, float scale, int causal,
@@ -99,22 +100,21 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const int col0 = (blockIdx.x % n_chunks) * Tr::kChunkCols;
     const int h_kv = blockIdx.y;
     const long long b = blockIdx.z;
+    const int Nk_grid = Nk;  // (the grid's: a parameter, read again by the epilogue)
     Nq = seq.len_q(b, Nq);  // from here on, batch row b's own lengths (seqlens.cuh)
     Nk = seq.len_k(b, Nk);
-    // The sequence's first rows as row offsets (an int through the loop), not in pointers
-    // that would have to be kept: q + b·q_st.b + h·q_st.h is free to recompute.
-    const int q_row0 = seq.start_q(b), k_row0 = seq.start_k(b);
-    const T* k_bh = k + b * k_st.b + h_kv * k_st.h + (long long)k_row0 * k_st.r;
-    const T* v_bh = v + b * v_st.b + h_kv * v_st.h + (long long)k_row0 * v_st.r;
+    // The sequence's first query row as a row offset (an int through the loop), not in
+    // pointers that would have to be kept: q + b·q_st.b + h·q_st.h is free to recompute.
+    // (Its first key: read where it is used, at each key block's start and end.)
+    const int q_row0 = seq.start_q(b);
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + Tr::kSmemOwn;
     T* sQ = sV + Tr::kSmemOwn;
     T* sdO = sQ + Tr::kSmemRing;
-    float* sL = reinterpret_cast<float*>(sdO + Tr::kSmemRing);  // lse_i (raw, natural log)
-    float* sD = sL + Tr::kSmemStats;                             // D_i
-    T* sdS = reinterpret_cast<T*>(sD + Tr::kSmemStats);          // dSᵀ (DQ_PARTS)
+    float* sS = reinterpret_cast<float*>(sdO + Tr::kSmemRing);  // (lse_i · log2 e, D_i)
+    T* sdS = reinterpret_cast<T*>(sS + 2 * Tr::kSmemStats);      // dSᵀ (DQ_PARTS)
     constexpr int kSlot = BM * Tr::kHeadDim;  // elements of one ring slot
     // The products: 16-bit tiles' ldmatrix addressed once (BwdFragAddrs); float32's
     // tc_gemm.cuh products, addressed per tile.
@@ -125,6 +125,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const int g = lane >> 2, t = lane % 4;
     const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
     const bool plain = !var.scores() && !var.dropout();
+    if (Tr::kDqParts && !plain) __trap();  // never launched so (kernel_backward.py)
     const float scale_log2 = softmax_scale_log2(scale);
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
     // the shared tiles as addresses: the warp's own rows of K_j, V_j; the rings' first slots
@@ -134,6 +135,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const unsigned s_v = from_k(sV) + warp_row0 * kRowBytes;
     const unsigned s_q = from_k(sQ), s_do = from_k(sdO);
     const BwdFragAddrs<Tr> ad(lane);
+    const DqPartAddrs<Tr> dq_at(sdS, lane);  // (DQ_PARTS)
 
     // -- key block n0: dK_j, dV_j (and dQ's partial) of keys n0 .. n0 + BN − 1
     auto key_block = [&](const int n0) {
@@ -144,11 +146,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         const int m_end = mask.row_end(min(n0 + BN, Nk));
         const int m_tiles = m_end > m_begin ? (m_end - m_begin + BM - 1) / BM : 0;
         const int h_end = m_tiles > 0 ? (h_kv + 1) * group : h_kv * group;  // none: no head
-        // Tile i as (query head h, first row m0), walked one step at a time rather than
-        // divided out of i: the next tile's rows, or the next head's first.
+        // Tile i as (query head h, first row m0, slot i % STAGES), walked one step at a
+        // time rather than divided out of i: the next tile's rows, or the next head's first.
         auto next = [&](Tile x) {
             x.m0 += BM;
             if (x.m0 >= m_end) x.m0 = m_begin, ++x.h;
+            x.slot = x.slot + 1 == STAGES ? 0 : x.slot + 1;
             return x;
         };
         auto ahead = [&](Tile x) {  // the tile STAGES − 1 after x
@@ -156,30 +159,67 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             for (int st = 0; st < STAGES - 1; ++st) x = next(x);
             return x;
         };
-        // tile x's index in the walk: (head, row tile) in order (BM a power of two)
-        auto index = [&](Tile x) { return (x.h - h_kv * group) * m_tiles + (x.m0 - m_begin) / BM; };
+        // The copies. 16-bit tiles (kLeanCopy): `cp`, the next tile to copy (STAGES − 1
+        // ahead of the one computed), and each thread's pointers into its rows of Q_i, dO_i
+        // (TileCopy), stepped one tile at a time and found anew only at a new head. float32
+        // tiles: each tile's rows from its head and first row (no state kept: their
+        // kernels are at the register limit).
+        using RowCopy = TileCopy<Tr, BM, T>;
+        constexpr bool kLeanCopy = RowCopy::kFits && !Tr::kTf32;
+        const Tile first{h_kv * group, m_begin, 0};
+        Tile cp = first;
+        const RowCopy q_copy(q_st.r, d), do_copy(do_st.r, d);
+        auto rows_of = [&](const T* x, const Strides& st, Tile at) {
+            return x + b * st.b + at.h * st.h + (long long)(q_row0 + at.m0) * st.r;
+        };
+        const T* q_next = kLeanCopy ? q_copy.thread_rows(rows_of(q, q_st, cp)) : q;
+        const T* do_next = kLeanCopy ? do_copy.thread_rows(rows_of(dO, do_st, cp)) : dO;
         auto issue = [&](Tile x) {  // copy tile x into its ring slot (one commit group per tile)
             // (not a block mask's empty tile: its slot is never read)
             if (x.h < h_end &&
                 var.template tile_kind<BM, BN>((int)b, x.h, x.m0, n0) != kTileEmpty) {
-                const int i = index(x);
-                const int h = x.h, m0 = x.m0;
-                const int slot = i % STAGES;
-                copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_st.b + h * q_st.h, q_st.r,
-                                             q_row0 + m0, q_row0 + Nq, d);
-                copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_st.b + h * do_st.h, do_st.r,
-                                             q_row0 + m0, q_row0 + Nq, d);
-                const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // lse, D: as lse's layout
-                copy_row_stats_async<Tr>(sL + slot * BM, lse + row_bh, Delta + row_bh, m0, Nq);
+                const int h = x.h, m0 = x.m0, slot = x.slot;
+                if constexpr (kLeanCopy) {
+                    constexpr unsigned kSlotBytes = kSlot * sizeof(T);
+                    const unsigned sq = s_q + slot * kSlotBytes, sdo = s_do + slot * kSlotBytes;
+                    if (m0 + BM <= Nq) {
+                        q_copy.full(sq, q_next);
+                        do_copy.full(sdo, do_next);
+                    } else {
+                        q_copy.edge(sq, q_next, Nq - m0, q);
+                        do_copy.edge(sdo, do_next, Nq - m0, dO);
+                    }
+                } else {
+                    copy_tile_async<Tr, BM>(sQ + slot * kSlot, q + b * q_st.b + h * q_st.h,
+                                            q_st.r, q_row0 + m0, q_row0 + Nq, d);
+                    copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_st.b + h * do_st.h,
+                                            do_st.r, q_row0 + m0, q_row0 + Nq, d);
+                }
+                const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // as lse's layout
+                copy_row_stats_async<Tr>(sS + 2 * slot * BM, stats + 2 * row_bh, m0, Nq);
             }
             cp_async_commit();
+            if constexpr (kLeanCopy) {  // x is cp: step to the next
+                cp = next(x);
+                if (cp.h == x.h) {
+                    q_next += BM * q_st.r;
+                    do_next += BM * do_st.r;
+                } else {
+                    q_next = q_copy.thread_rows(rows_of(q, q_st, cp));
+                    do_next = do_copy.thread_rows(rows_of(dO, do_st, cp));
+                }
+            }
         };
 
         // -- prologue: K_j, V_j (group 0), then tiles 0 .. STAGES − 2
-        copy_tile_async<Tr, BN>(sK, k_bh, k_st.r, n0, Nk, d);
-        copy_tile_async<Tr, BN>(sV, v_bh, v_st.r, n0, Nk, d);
+        // (addressed anew at each key block: nothing of it held through the main loop)
+        const int bf = fresh((int)b), hf = fresh(h_kv), tid = fresh(threadIdx.x);
+        const int k_row0 = seq.start_k(bf);
+        copy_tile_async<Tr, BN>(sK, k + bf * k_st.b + hf * k_st.h, k_st.r, k_row0 + n0,
+                                k_row0 + Nk, d, tid);
+        copy_tile_async<Tr, BN>(sV, v + bf * v_st.b + hf * v_st.h, v_st.r, k_row0 + n0,
+                                k_row0 + Nk, d, tid);
         cp_async_commit();
-        const Tile first{h_kv * group, m_begin};
         Tile x = first;
 #pragma unroll
         for (int st = 0; st < STAGES - 1; ++st) issue(x), x = next(x);
@@ -201,15 +241,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         auto iteration = [&](Tile tile, auto plain) {
             cp_async_wait<STAGES - 2>();  // tile i has landed (this thread's copies)
             __syncthreads();              // ... everyone's; and everyone is done with tile i − 1
-            issue(ahead(tile));           // tile i + STAGES − 1, into the slot tile i − 1 used
+            issue(kLeanCopy ? cp : ahead(tile));  // tile i + STAGES − 1, into tile i − 1's slot
             const int kind = var.template tile_kind<BM, BN>((int)b, tile.h, tile.m0, n0);
             if (kind == kTileEmpty) return;  // a block mask's empty tile
             var.enter_tile(kind);
-            const int slot = index(tile) % STAGES;
+            const int slot = tile.slot;
             const T* sQi = sQ + slot * kSlot;
             const T* sdOi = sdO + slot * kSlot;
-            const float* sLi = sL + slot * BM;
-            const float* sDi = sD + slot * BM;
+            const float* sSi = sS + 2 * slot * BM;  // row i: (lse_i · log2 e, D_i)
             const int m0 = tile.m0;
 
             // -- Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ (rows: the warp's 16 keys; columns: queries)
@@ -228,6 +267,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 gemm_own_rows<Tr>(dp, vf, sV, warp_row0, sdOi, lane);
             }
 
+            // -- k step kk of dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i (16-bit): the tile's queries
+            // 16kk .. 16kk + 15, Pᵀ and dSᵀ of n-tiles 2kk, 2kk + 1 as A fragments in
+            // registers, times the block's chunk of the columns of dO_i, Q_i (a whole swizzle
+            // period on); with DQ_PARTS dSᵀ also into sdS
+            auto products = [&](auto kk) {  // (generic: instantiated for 16-bit T only)
+                const FragA pa = p_fragment<T>(s[2 * kk], s[2 * kk + 1]);
+                const FragA dsa = p_fragment<T>(dp[2 * kk], dp[2 * kk + 1]);
+                if constexpr (Tr::kDqParts) store_ds_step<Tr>(sdS, dsa, kk, warp_row0, lane);
+                gemm_c_step<Tr>(dv_acc, pa, s_do + slot * kSlotBytes + col0 * sizeof(T), ad, kk);
+                gemm_c_step<Tr>(dk_acc, dsa, s_q + slot * kSlotBytes + col0 * sizeof(T), ad, kk);
+            };
+
             // -- Pᵀ = exp2(Sᵀ·scale·log2 e − lse_i·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D_i); lse_i and
             // D_i are per column (query), from the tile's row statistics
             const int key_top = n0 + warp_row0 + g, key_bottom = key_top + 8;
@@ -240,8 +291,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                     const int c = (e >> 2) * 8 + 2 * t + (e & 1);
                     qi = m0 + c;
                     kj = (e & 2) ? key_bottom : key_top;
-                    lse2 = lse_log2(sLi[c]);
-                    Di = sDi[c];
+                    lse2 = sSi[2 * c];
+                    Di = sSi[2 * c + 1];
                     hidden = qi >= Nq || mask.masked(qi, kj);
                 }, [&](int e, int, int, float ds_biased, float) {
                     (e & 2 ? sum_bottom : sum_top) += ds_biased;
@@ -264,36 +315,60 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 // with chunks (swapped, fp16 D = 64 spilled on sm_75 and split D = 256 on sm_100).
                 constexpr bool kInline = !Tr::kPlainLoop;
                 const bool needs_mask = mask.tile_needs_mask(m0, n0, BN) || m0 + BM > Nq;
-                const Seen top = queries_seeing(mask, key_top);
-                const Seen bottom = queries_seeing(mask, key_bottom);
-#pragma unroll
-                for (int j = 0; j < Tr::kSTiles; ++j) {
-                    const int c = j * 8 + 2 * t;  // the thread's columns c, c + 1 of the tile
-                    const float l0 = lse_log2(sLi[c]), l1 = lse_log2(sLi[c + 1]);
-                    const float d0 = sDi[c], d1 = sDi[c + 1];
+                // n-tile j (the thread's columns c, c + 1), unmasked or with the keys' Seen
+                auto p_ds_tile = [&](int j, bool inline_mask, const Seen& top, const Seen& bottom) {
+                    const int c = j * 8 + 2 * t;
+                    // rows c, c + 1: (lse · log2 e, D) twice, one 16-byte load
+                    const float4 st = *reinterpret_cast<const float4*>(sSi + 2 * c);
+                    const float l0 = st.x, d0 = st.y, l1 = st.z, d1 = st.w;
                     const int i0 = m0 + c, i1 = i0 + 1;  // their query rows
-                    const bool inline_mask = kInline && needs_mask;
                     p_ds(s[j].c0, dp[j].c0, scale_log2, l0, d0, inline_mask && top.hides(i0));
                     p_ds(s[j].c1, dp[j].c1, scale_log2, l1, d1, inline_mask && top.hides(i1));
                     p_ds(s[j].c2, dp[j].c2, scale_log2, l0, d0, inline_mask && bottom.hides(i0));
                     p_ds(s[j].c3, dp[j].c3, scale_log2, l1, d1, inline_mask && bottom.hides(i1));
-                }
-                if (!kInline && needs_mask) {
+                };
+                if constexpr (kFragProducts) {
+                    // each k step's products once its P, dS are; a tile that needs no mask
+                    // (the steady state) has a path of its own without tests, and the masked
+                    // one finds its keys' bounds from the thread index read anew (none of
+                    // it kept through the loop)
+                    auto steps = [&](auto masked) {
+                        Seen top{0, 0}, bottom{0, 0};
+                        if constexpr (decltype(masked)::value) {
+                            const int key = n0 + warp_row0 + (fresh(threadIdx.x) % 32) / 4;
+                            top = queries_seeing(mask, key);
+                            bottom = queries_seeing(mask, key + 8);
+                        }
 #pragma unroll
-                    for (int j = 0; j < Tr::kSTiles; ++j)
-                        hide(s[j], dp[j], top, bottom, m0 + j * 8 + 2 * t);
+                        for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
+#pragma unroll
+                            for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
+                                p_ds_tile(j, false, top, bottom);
+                                if constexpr (decltype(masked)::value)
+                                    hide(s[j], dp[j], top, bottom, m0 + j * 8 + 2 * t);
+                            }
+                            products(kk);
+                        }
+                    };
+                    if (needs_mask) steps(Bool<true>{});
+                    else steps(Bool<false>{});
+                } else {
+                    const Seen top = queries_seeing(mask, key_top);
+                    const Seen bottom = queries_seeing(mask, key_bottom);
+#pragma unroll
+                    for (int j = 0; j < Tr::kSTiles; ++j) {
+                        p_ds_tile(j, kInline && needs_mask, top, bottom);
+                        if (!kInline && needs_mask) hide(s[j], dp[j], top, bottom, m0 + j * 8 + 2 * t);
+                    }
                 }
             }
 
-            // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (Pᵀ, dSᵀ as A fragments in registers; the
-            // block's chunk of the columns of dO_i, Q_i)
-            if constexpr (kFragProducts) {  // the chunk's columns: a whole swizzle period on
-                FragA pa[Tr::kPVSteps], dsa[Tr::kPVSteps];
-                pack_a<Tr>(pa, s);
-                pack_a<Tr>(dsa, dp);
-                if constexpr (Tr::kDqParts) store_ds_t<Tr>(sdS, dsa, warp_row0, lane);
-                gemm_c_tile<Tr>(dv_acc, pa, s_do + slot * kSlotBytes + col0 * sizeof(T), ad);
-                gemm_c_tile<Tr>(dk_acc, dsa, s_q + slot * kSlotBytes + col0 * sizeof(T), ad);
+            // -- dV_j += Pᵀ dO_i,  dK_j += dSᵀ Q_i  (the variants' P, dS; float32: both)
+            if constexpr (kFragProducts) {
+                if (!is_plain(plain)) {
+#pragma unroll
+                    for (int kk = 0; kk < Tr::kPVSteps; ++kk) products(kk);
+                }
             } else {
                 gemm_c_tile<Tr>(dv_acc, s, sdOi, lane, col0);
                 gemm_c_tile<Tr>(dk_acc, dp, sQi, lane, col0);
@@ -302,16 +377,20 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             // -- dQ_i += dS K_j into the worker's partial of dQ (5-GEMM backward)
             if constexpr (Tr::kDqParts) {
                 __syncthreads();  // every warp's dSᵀ is in sdS (the next barrier: all have read it)
-                const int h = tile.h;
-                add_dq_part<Tr>(dq_parts + worker * dqp_w + b * dqp_st.b + h * dqp_st.h +
-                                    (long long)(q_row0 + m0) * dqp_st.r,
-                                dqp_st.r, sdS, sK, Nq - m0, d, lane);
+                // the tile's rows of the partial: rows of HEAD_DIM, a head's rows_pad apart
+                const int rows_pad = (int)(dqp_st.h / Tr::kHeadDim);
+                add_dq_part<Tr>(dq_parts + worker * dqp_w + b * dqp_st.b +
+                                    (long long)(tile.h * rows_pad + q_row0 + m0) * Tr::kHeadDim,
+                                smem_addr(sK), dq_at);
             }
         };
 
         // -- main loop over the group's query heads and their Q_i, dO_i tiles; a plain call's
-        // loop of its own: no test of the variants in its iterations
-        if constexpr (!Tr::kPlainLoop)
+        // loop of its own: no test of the variants in its iterations (DQ_PARTS: the only
+        // loop; a call with variants takes the two-kernel backward)
+        if constexpr (Tr::kDqParts)
+            for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, Bool<true>{});
+        else if constexpr (!Tr::kPlainLoop)
             for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, plain);
         else if (plain)
             for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, Bool<true>{});
@@ -319,14 +398,26 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
             for (Tile x = first; x.h < h_end; x = next(x)) iteration(x, Bool<false>{});
 
         // -- epilogue: the chunk of dK_j = (Σ dSᵀ Q_i) · scale and dV_j, through the warp's own
-        // rows of sK, sV
-        // (the sequence's first key read again here, not held in a register through the loop)
+        // rows of sK, sV. 16-bit tiles address it anew, as the prologue: nothing of it held
+        // through the main loop (float32's, at the register limit too, spill that way)
         if constexpr (Tr::kDqParts) __syncthreads();  // every warp's dS K_j read all of sK
-        const long long k_out0 = seq.start_k(b);
-        store_rows_16b<Tr>(dk + b * dk_st.b + h_kv * dk_st.h + k_out0 * dk_st.r, dk_st.r, dk_acc,
-                           scale, sK, warp_row0, n0, col0, Nk, d, lane);
-        store_rows_16b<Tr>(dv + b * dv_st.b + h_kv * dv_st.h + k_out0 * dv_st.r, dv_st.r, dv_acc,
-                           1.f, sV, warp_row0, n0, col0, Nk, d, lane);
+        auto store = [&](int be, int he, int row0, int keys0, int cols, int n_keys, int ln) {
+            const long long k_out0 = seq.start_k(be);
+            store_rows_16b<Tr>(dk + be * dk_st.b + he * dk_st.h + k_out0 * dk_st.r, dk_st.r,
+                               dk_acc, scale, sK, row0, keys0, cols, n_keys, d, ln);
+            store_rows_16b<Tr>(dv + be * dv_st.b + he * dv_st.h + k_out0 * dv_st.r, dv_st.r,
+                               dv_acc, 1.f, sV, row0, keys0, cols, n_keys, d, ln);
+        };
+        if constexpr (!Tr::kTf32) {
+            const int be = fresh((int)b), te = fresh(threadIdx.x), bx = fresh(blockIdx.x);
+            const int chunks = Tr::kChunked ? (fresh(d) + Tr::kChunkCols - 1) / Tr::kChunkCols : 1;
+            store(be, fresh(h_kv), (te / 32) * Tr::kWarpRows,
+                  Tr::kDqParts ? n0 : bx / chunks * BN,  // n0
+                  (bx % chunks) * Tr::kChunkCols,        // col0
+                  seq.len_k(be, Nk_grid), te % 32);
+        } else {
+            store(fresh((int)b), fresh(h_kv), warp_row0, n0, col0, Nk, lane);
+        }
     };
 
     // The worker's key blocks (past this sequence's keys none: the grid fits the longest).
@@ -540,7 +631,7 @@ template <typename T, int HEAD_DIM, int BLOCK_ROWS, int TILE_ROWS, int NUM_WARPS
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, const T* __restrict__ dO,
-                         const float* __restrict__ lse, const float* __restrict__ Delta,
+                         const float* __restrict__ stats,
                          T* __restrict__ dk, T* __restrict__ dv,
                          int Hq, int group, int Nq, int Nk, int d,
                          Strides q_st, Strides k_st, Strides v_st, Strides do_st,
@@ -551,7 +642,7 @@ flash_bwd_dkdv_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
     using Tr = TcBwdTraits<T, HEAD_DIM, BLOCK_ROWS, TILE_ROWS, NUM_WARPS, STAGES, OWN_IN_REGS,
                            CHUNK_COLS, /*ROW_STATS=*/true, SPLIT, DQ_PARTS>;
     if constexpr (TensorCores<T>::value) {
-        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, lse, Delta, dk, dv, Hq, group, Nq, Nk, d, q_st,
+        flash_bwd_dkdv_tc<Tr>(q, k, v, dO, stats, dk, dv, Hq, group, Nq, Nk, d, q_st,
                               k_st, v_st, do_st, dk_st, dv_st, scale, causal, dbias_cols,
                               want_dbias_cols, dq_parts, dqp_st, dqp_w, CUFLASH_VARIANTS(T),
                               CUFLASH_VARLEN);
@@ -591,18 +682,24 @@ flash_bwd_dq_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
     }
 }
 
-// dQ of the 5-GEMM backward: dq[e] = scale · Σ_w parts[w][e], the workers' float32 partials
-// summed in order w = 0, 1, …: one fixed sum per element, the same bits on every run. Four
-// elements per thread (n, a multiple of the head dim d, is a multiple of 8); 16-bit T.
+// dQ of the 5-GEMM backward: dq[e] = scale · Σ_w parts[w][e'], the workers' float32
+// partials summed in order w = 0, 1, …: one fixed sum per element, the same bits on every
+// run. dq is contiguous (…, rows, d); a partial holds each row in head_dim ≥ d floats and
+// each (batch, head) in rows_pad ≥ rows rows (padded so that the dK/dV kernel adds whole
+// tiles), workers part_w floats apart. Four elements per thread (d is a multiple of 8);
+// 16-bit T.
 template <typename T>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_sum_kernel(const float* __restrict__ parts, T* __restrict__ dq, long long n,
-                        int workers, float scale) {
+                        int workers, float scale, int d, int rows, int rows_pad, int head_dim,
+                        long long part_w) {
     const long long e = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
     if (e >= n) return;
+    const long long row = e / d, bh = row / rows;
+    const float* p = parts + (bh * rows_pad + row % rows) * head_dim + e % d;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int w = 0; w < workers; ++w) {
-        const float4 x = *reinterpret_cast<const float4*>(parts + w * n + e);
+        const float4 x = *reinterpret_cast<const float4*>(p + w * part_w);
         acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
     }
     *reinterpret_cast<uint2*>(dq + e) =

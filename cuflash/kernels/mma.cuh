@@ -176,15 +176,16 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
     cp_async_16(smem_addr(smem_dst), gmem_src, valid ? 16u : 0u);
 }
 
-// 4 bytes global → shared (a float of the backward's row statistics, whose rows are not
+// 8 bytes global → shared (a pair of the backward's row statistics, whose rows are not
 // 16-byte aligned): .ca, the variant that has sizes below 16; `valid` false zero-fills.
 // Below sm_80 a plain synchronous copy.
-__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src, bool valid) {
 #if CUFLASH_ARCH >= 800
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(valid ? 4u : 0u) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(valid ? 8u : 0u) : "memory");
 #else
-    *reinterpret_cast<unsigned*>(smem_dst) = valid ? *reinterpret_cast<const unsigned*>(gmem_src) : 0u;
+    *reinterpret_cast<uint2*>(smem_dst) =
+        valid ? *reinterpret_cast<const uint2*>(gmem_src) : make_uint2(0u, 0u);
 #endif
 }
 

@@ -19,8 +19,8 @@
 // in C fragments whose rows are the warp's keys, which are exactly the A fragments that
 // dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i need — no transpose through shared memory, no second
 // copy of P. The price is that lse_i and D_i belong to the fragment's *columns*: they come
-// with each Q_i tile into shared memory (cp.async, 4 bytes each) and every thread reads
-// those of its columns 8j + 2t, 8j + 2t + 1.
+// with each Q_i tile into shared memory as (lse_i · log2 e, D_i) pairs (cp.async, 8 bytes
+// per row) and every thread reads those of its columns 8j + 2t, 8j + 2t + 1 (16 bytes).
 //
 // Every product is one of tc_gemm.cuh's two shapes: gemm_own_rows (own A fragments × the
 // rows of a streamed tile: the forward's Q Kᵀ) and gemm_c_tile (C fragments as A × a
@@ -35,7 +35,7 @@
 //   own pair     2 x [BLOCK_ROWS][D]            K_j, V_j  |  Q_i, dO_i   (then: the
 //                                               epilogue's staging of dK_j, dV_j | dQ_i)
 //   ring pair    2 x [STAGES][TILE_ROWS][D]     Q_i, dO_i |  K_j, V_j
-//   row stats    2 x [STAGES][TILE_ROWS] float  lse_i, D_i (dK/dV kernel only)
+//   row stats    [STAGES][TILE_ROWS] x 2 float  (lse_i · log2 e, D_i) (dK/dV kernel only)
 //   dSᵀ          [BLOCK_ROWS][TILE_ROWS + 8]    the tile's dSᵀ for dQ_i += dS K_j (dK/dV
 //                                               kernel with DQ_PARTS only; rows padded by
 //                                               16 bytes: its stores and ldmatrix.trans
@@ -91,7 +91,7 @@ struct TcBwdTraits {
     using OwnFrag = typename OwnFragment<T>::type;
     static constexpr int kSmemOwn = BLOCK_ROWS * HEAD_DIM;           // elements, each of 2
     static constexpr int kSmemRing = STAGES * TILE_ROWS * HEAD_DIM;  // elements, each of 2
-    static constexpr int kSmemStats = ROW_STATS ? STAGES * TILE_ROWS : 0;  // floats, each of 2
+    static constexpr int kSmemStats = ROW_STATS ? STAGES * TILE_ROWS : 0;  // rows, 2 floats each
     static constexpr bool kDqParts = DQ_PARTS;
     static constexpr int kDsStride = TILE_ROWS + 8;                  // dSᵀ row, in elements
     static constexpr int kSmemDs = DQ_PARTS ? BLOCK_ROWS * kDsStride : 0;  // elements
@@ -180,8 +180,8 @@ __device__ __forceinline__ void gemm_own_rows(FragC (&c)[Tr::kSTiles], const Fra
     }
 }
 
-// C fragments (Pᵀ, dSᵀ, dS) as the A fragments of every k16 step of a product (16-bit):
-// packed once, for the product and, for dSᵀ, its copy to shared memory (store_ds_t).
+// C fragments (dS of the dQ kernel) as the A fragments of every k16 step of a product
+// (16-bit).
 template <class Tr>
 __device__ __forceinline__ void pack_a(FragA (&a)[Tr::kPVSteps], const FragC (&c)[Tr::kSTiles]) {
     pack_p<Tr>(one_row_tile(a), one_row_tile(c));
@@ -195,27 +195,41 @@ __device__ __forceinline__ void gemm_c_tile(FragC (&acc)[Tr::kOTiles], const Fra
     gemm_pv_fwd<Tr>(one_row_tile(acc), one_row_tile(a), s_tile, ad.cols());
 }
 
-// A streamed tile of the dK/dV kernel: query head h, rows m0 .. m0 + TILE_ROWS − 1.
+// acc += a · rows 16kk .. 16kk + 15 of the streamed tile at s_tile (16-bit): one k step of
+// gemm_c_tile, for a product that takes its A fragments one k step at a time.
+template <class Tr>
+__device__ __forceinline__ void gemm_c_step(FragC (&acc)[Tr::kOTiles], const FragA& a,
+                                            unsigned s_tile, const BwdFragAddrs<Tr>& ad, int kk) {
+    using T = typename Tr::Elem;
+    const auto at = ad.cols();
+#pragma unroll
+    for (int np = 0; np < Tr::kOTiles / 2; ++np) {
+        FragB b_lo, b_hi;
+        ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1, at.at(s_tile, kk, np));
+        mma_k16<T>(acc[2 * np], a, b_lo);
+        mma_k16<T>(acc[2 * np + 1], a, b_hi);
+    }
+}
+
+// A streamed tile of the dK/dV kernel: query head h, rows m0 .. m0 + TILE_ROWS − 1, and
+// the ring slot it is copied into (the walk's tiles take the slots in turn).
 struct Tile {
-    int h, m0;
+    int h, m0, slot;
 };
 
-// The row statistics of the streamed tile's rows [row0, row0 + TILE_ROWS) of one head —
-// lse into sL, D into sL + kSmemStats (that ring slot of sD) — by 4-byte cp.async (the
-// rows are not 16-byte aligned), one element per thread of the first 2 · TILE_ROWS; rows
-// >= n_rows are zero-filled. One predicated copy per thread, no loop.
+// The row statistics of the streamed tile's rows [row0, row0 + TILE_ROWS) of one head:
+// (lse · log2 e, D) pairs (kernel_backward.preprocess's `stats`) into sS, by 8-byte
+// cp.async, one row per thread of the first TILE_ROWS; rows >= n_rows are zero-filled.
+// One predicated copy per thread, no loop.
 template <class Tr>
-__device__ __forceinline__ void copy_row_stats_async(float* __restrict__ sL,
-                                                     const float* __restrict__ lse,
-                                                     const float* __restrict__ delta, int row0,
+__device__ __forceinline__ void copy_row_stats_async(float* __restrict__ sS,
+                                                     const float* __restrict__ stats, int row0,
                                                      int n_rows) {
-    static_assert(2 * Tr::kTileRows <= Tr::kThreads, "one thread per statistic of the tile");
-    const int i = threadIdx.x % Tr::kTileRows;
-    const bool is_d = threadIdx.x >= Tr::kTileRows;
-    if (threadIdx.x < 2 * Tr::kTileRows) {
+    static_assert(Tr::kTileRows <= Tr::kThreads, "one thread per row of the tile");
+    const int i = threadIdx.x;
+    if (i < Tr::kTileRows) {
         const bool valid = row0 + i < n_rows;
-        const float* g = is_d ? delta : lse;
-        cp_async_4(sL + (is_d ? Tr::kSmemStats : 0) + i, valid ? g + row0 + i : g, valid);
+        cp_async_8(sS + 2 * i, valid ? stats + 2 * (row0 + i) : stats, valid);
     }
 }
 
@@ -298,67 +312,88 @@ __device__ __forceinline__ void p_ds_variants(FragC (&s)[N], FragC (&dp)[N], flo
     }
 }
 
-// The warp's dSᵀ (rows its 16 keys, columns the tile's queries) into sdS, from pack_a's
-// fragments: the A fragment of k16 step kk holds rows g, g + 8 at columns 16kk + 2t
-// (a0, a1) and 8 on (a2, a3).
+// k step kk of the warp's dSᵀ (rows its 16 keys, columns the tile's queries 16kk ..
+// 16kk + 15) into sdS, from its A fragment: rows g, g + 8 at columns 16kk + 2t (a0, a1)
+// and 8 on (a2, a3).
 template <class Tr, typename T>
-__device__ __forceinline__ void store_ds_t(T* sdS, const FragA (&ds)[Tr::kPVSteps], int warp_row0,
-                                           int lane) {
+__device__ __forceinline__ void store_ds_step(T* sdS, const FragA& ds, int kk, int warp_row0,
+                                              int lane) {
     unsigned* top = reinterpret_cast<unsigned*>(sdS + (warp_row0 + (lane >> 2)) * Tr::kDsStride +
                                                 2 * (lane % 4));
     unsigned* bottom = top + 8 * Tr::kDsStride / 2;
-#pragma unroll
-    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
-        top[8 * kk] = ds[kk].a0;
-        bottom[8 * kk] = ds[kk].a1;
-        top[8 * kk + 4] = ds[kk].a2;
-        bottom[8 * kk + 4] = ds[kk].a3;
-    }
+    top[8 * kk] = ds.a0;
+    bottom[8 * kk] = ds.a1;
+    top[8 * kk + 4] = ds.a2;
+    bottom[8 * kk + 4] = ds.a3;
 }
 
-// part[r, c] += (dS K_j)[r, c] for the tile's rows r < rows and columns c < d (row stride
-// sr): dS (TILE_ROWS queries x BLOCK_ROWS keys) read from sdS's dSᵀ by ldmatrix.trans, K_j
-// (keys x D) from sK by ldmatrix.trans as V_j in P̃ V_j. The warp takes one 16-row group
-// and kDqCols columns; its thread adds its own elements, the same ones at every tile, so
-// each element of the partial has one writer and its additions happen in program order.
-template <class Tr, typename T>
-__device__ __forceinline__ void add_dq_part(float* __restrict__ part, long long sr, const T* sdS,
-                                            const T* sK, int rows, int d, int lane) {
+// The addressing of add_dq_part, fixed before the main loop: the warp takes one 16-row
+// group of dQ_i (r0) and kDqCols columns (c0) — both functions of the warp alone — so
+// each of its ldmatrix addresses is one per-thread register plus immediates, and its
+// thread's elements of a tile of the partial one offset plus immediates.
+template <class Tr> struct DqPartAddrs {
+    using T = typename Tr::Elem;
+    static constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
+    static constexpr int kColSteps = Tr::kDqCols / 16;  // 16-column steps of the warp
+    static_assert(!Tr::kDqParts || (kColSteps & (kColSteps - 1)) == 0,
+                  "a warp's 16-column steps a power of two: its first step's swizzle bits "
+                  "and its step index are disjoint, so the XOR splits (BwdFragAddrs::at)");
+    unsigned ds;    // sdS: the lane's row of dSᵀ for k step 0 (bytes)
+    unsigned k;     // K_j: the `cols` pattern at the warp's first column step (bytes from sK)
+    int part;       // the partial: the thread's top-row element of a tile (elements)
+    __device__ __forceinline__ DqPartAddrs(const T* sdS, int lane) {
+        if constexpr (Tr::kDqParts) {  // (else kDqRowGroups may be 0: nothing to address)
+            const int warp = threadIdx.x / 32;
+            const int r0 = (warp % Tr::kDqRowGroups) * 16;
+            const int c0 = (warp / Tr::kDqRowGroups) * Tr::kDqCols;
+            // matrices (keys, queries): (0, 0), (0, 8), (8, 0), (8, 8) → a0 .. a3
+            ds = smem_addr(sdS) + ((lane % 8 + (lane / 16) * 8) * Tr::kDsStride + r0 +
+                                   ((lane / 8) % 2) * 8) * (unsigned)sizeof(T);
+            const int step = c0 / 16;
+            k = (BwdFragAddrs<Tr>(lane).cols0 ^ ((step % 4) << 5)) + (step / 4) * 128;
+            part = (r0 + (lane >> 2)) * Tr::kHeadDim + c0 + 2 * (lane % 4);
+        }
+    }
+};
+
+// part[r, c] += (dS K_j)[r, c] for the tile's TILE_ROWS rows and HEAD_DIM columns at
+// `part` (rows of HEAD_DIM floats; K_j at s_k; the partial is padded so that every tile is whole:
+// padding queries have dS = 0 and padding columns of K_j are zero, so what lands there
+// is zero): dS (TILE_ROWS queries x BLOCK_ROWS keys) read from sdS's dSᵀ by
+// ldmatrix.trans, K_j (keys x D) from sK by ldmatrix.trans as V_j in P̃ V_j. The warp
+// takes one 16-row group and kDqCols columns; its thread adds its own elements, the same
+// ones at every tile, so each element of the partial has one writer and its additions
+// happen in program order.
+template <class Tr>
+__device__ __forceinline__ void add_dq_part(float* __restrict__ part, unsigned s_k,
+                                            const DqPartAddrs<Tr>& at) {
+    using T = typename Tr::Elem;
     constexpr int NT = Tr::kDqCols / 8;
-    const int warp = threadIdx.x / 32;
-    const int r0 = (warp % Tr::kDqRowGroups) * 16, c0 = (warp / Tr::kDqRowGroups) * Tr::kDqCols;
     FragC acc[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j] = FragC{0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockRows / 16; ++kk) {
-        FragA a;  // matrices (keys, queries): (0, 0), (0, 8), (8, 0), (8, 8) → a0 .. a3
-        ldmatrix_x4_trans(a.a0, a.a1, a.a2, a.a3,
-                          sdS + (kk * 16 + lane % 8 + (lane / 16) * 8) * Tr::kDsStride + r0 +
-                              ((lane / 8) % 2) * 8);
+        FragA a;
+        ldmatrix_x4_trans(a.a0, a.a1, a.a2, a.a3, at.ds + kk * 16 * Tr::kDsStride * sizeof(T));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             FragB b_lo, b_hi;
             ldmatrix_x4_trans(b_lo.b0, b_lo.b1, b_hi.b0, b_hi.b1,
-                              sK + tile_offset<Tr>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                   c0 + np * 16 + (lane / 16) * 8));
+                              s_k + (at.k ^ ((np % 4) << 5)) + (np / 4) * 128 +
+                                  kk * 16 * DqPartAddrs<Tr>::kRowBytes);
             mma_k16<T>(acc[2 * np], a, b_lo);
             mma_k16<T>(acc[2 * np + 1], a, b_hi);
         }
     }
-    const int top = r0 + (lane >> 2), bottom = top + 8;
+    float* top = part + at.part;
+    float* bottom = top + 8 * Tr::kHeadDim;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        const int c = c0 + j * 8 + 2 * (lane % 4);
-        if (c >= d) continue;  // d is a multiple of 8: c + 1 < d too
-        if (top < rows) {
-            atomicAdd(part + top * sr + c, acc[j].c0);
-            atomicAdd(part + top * sr + c + 1, acc[j].c1);
-        }
-        if (bottom < rows) {
-            atomicAdd(part + bottom * sr + c, acc[j].c2);
-            atomicAdd(part + bottom * sr + c + 1, acc[j].c3);
-        }
+        atomicAdd(top + j * 8, acc[j].c0);
+        atomicAdd(top + j * 8 + 1, acc[j].c1);
+        atomicAdd(bottom + j * 8, acc[j].c2);
+        atomicAdd(bottom + j * 8 + 1, acc[j].c3);
     }
 }
 

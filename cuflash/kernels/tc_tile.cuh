@@ -107,6 +107,15 @@ template <class Tr> __device__ __forceinline__ int k_tile_offset(int row, int co
     return row * Tr::kHeadDim + swizzle(row, chunk) * C + col % C;
 }
 
+// x as a value the compiler cannot carry over from where it was computed: what is derived
+// from it is computed anew where it is used, not hoisted out of a loop and held in a
+// register through it (addresses worth recomputing once per key block, say, where the
+// main loop needs every register).
+__device__ __forceinline__ int fresh(int x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
+
 // Rows [row0, row0 + ROWS) x columns [0, D) of a (rows x d) matrix with row stride `ld`
 // (16-byte aligned rows) into the swizzled tile s, by cp.async in 16-byte chunks:
 // consecutive threads take consecutive chunks of a row (coalesced). Rows >= n_rows and
@@ -116,10 +125,11 @@ template <class Tr> __device__ __forceinline__ int k_tile_offset(int row, int co
 // hoists every chunk's addresses out of the main loop (they are loop-invariant but for the
 // tile's row offset) and keeps them in registers, which spilled with 8–32 chunks per
 // thread (1–2 warps, 256-wide or float tiles). K_LAYOUT: the forward's K_j layout
-// (k_tile_offset), for FragAddrs' ldmatrix.
+// (k_tile_offset), for FragAddrs' ldmatrix. `tid`: the thread's index (e.g. fresh).
 template <class Tr, int ROWS, bool K_LAYOUT = false, typename T>
 __device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __restrict__ g,
-                                                long long ld, int row0, int n_rows, int d) {
+                                                long long ld, int row0, int n_rows, int d,
+                                                int tid = threadIdx.x) {
     constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems;
     constexpr int kChunks = ROWS * CPR, NT = Tr::kThreads;
     auto copy_chunk = [&](int i) {
@@ -133,12 +143,12 @@ __device__ __forceinline__ void copy_tile_async(T* __restrict__ s, const T* __re
     if constexpr (kChunks <= 4 * NT) {
 #pragma unroll
         for (int it = 0; it < (kChunks + NT - 1) / NT; ++it) {
-            const int i = threadIdx.x + it * NT;
+            const int i = tid + it * NT;
             if (kChunks % NT == 0 || i < kChunks) copy_chunk(i);
         }
     } else {
 #pragma unroll 1
-        for (int i = threadIdx.x; i < kChunks; i += NT) copy_chunk(i);
+        for (int i = tid; i < kChunks; i += NT) copy_chunk(i);
     }
 }
 
@@ -154,7 +164,7 @@ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 // copy_tile_async does).
 template <class Tr, int ROWS, typename T, bool K_LAYOUT = false> struct TileCopy {
     static constexpr int CPR = Tr::kChunksPerRow, C = Tr::kChunkElems, NT = Tr::kThreads;
-    static constexpr int kRowStep = NT / CPR;
+    static constexpr int kRowStep = NT >= CPR ? NT / CPR : 1;  // (fewer threads: !kFits)
     static constexpr int kIters = ROWS / kRowStep;
     // rows after which a thread's shared offsets repeat: the swizzle's 8 (K_LAYOUT: 16)
     static constexpr int kRepeat = K_LAYOUT ? 16 : 8;

@@ -63,14 +63,14 @@ _TC_BWD_BY_ARCH = {7: _TC_BWD_CANDIDATES_SM75}
 # so K_j, V_j stay in shared memory. 8 warps and 128 keys per block halve the dQ partials'
 # red.add per product and the barriers per HMMA against 4 warps and 64 keys (which spill
 # 4–52 bytes at D = 128, 12 at D = 64 under CUDA 13.5). D = 128's 32-row Q tiles need
-# 107 KB, so the 99 KB GPUs take 16-row ones, as do sm_80, sm_86 and sm_89, where CUDA
-# 13.5's ptxas spills the 32-row tile (12 bytes). Turing keeps its 32-row Q tiles with
-# K_j, V_j in registers (249 registers); its D = 128 spills (108 bytes) and runs the
-# two-kernel backward. ptxas registers (sm_80 / sm_90, CUDA 12.9): 255, 0 spills.
+# 107 KB, so the 99 KB GPUs (sm_86, sm_89) take 16-row ones. Turing keeps its 32-row Q
+# tiles with K_j, V_j in registers; its D = 128 spills (108 bytes) and runs the two-kernel
+# backward. ptxas registers (sm_80 / sm_90, CUDA 12.9): D = 64 243 / 244, D = 128 254 /
+# 248, 0 spills (the kernel has no variants' loop: kernel_backward sends those calls to
+# the two kernels).
 _TC_BWD_DQ_PARTS = {64: ((128, 64, 8, 2, False, 64),),
                     128: ((128, 32, 8, 2, False, 128), (128, 16, 8, 2, False, 128))}
-_TC_BWD_DQ_PARTS_BY_ARCH = {7: {64: ((64, 32, 4, 2, True, 64),), 128: ()},
-                            8: {128: ((128, 16, 8, 2, False, 128),)}}
+_TC_BWD_DQ_PARTS_BY_ARCH = {7: {64: ((64, 32, 4, 2, True, 64),), 128: ()}}
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
 # float32: twice the bytes per tile and, split, hi/lo temporaries beside every mma: the
@@ -128,7 +128,7 @@ def tc_bwd_smem_bytes(kernel: str, elem_bytes: int, head_dim: int, block_rows: i
     own pair    2 · block_rows · D            K_j, V_j (dK/dV) | Q_i, dO_i (dQ), in T
     ring pair   2 · stages · tile_rows · D    Q_i, dO_i (dK/dV) | K_j, V_j (dQ), in T
     dSᵀ         block_rows · (tile_rows + 8)  the tile's dSᵀ, in T (dK/dV with dq_parts)
-    row stats   2 · stages · tile_rows        lse_i, D_i in float32 (dK/dV only)
+    row stats   2 · stages · tile_rows        (lse_i · log2 e, D_i) in float32 (dK/dV only)
     """
     ds = block_rows * (tile_rows + 8) if dq_parts else 0
     tiles = (2 * block_rows * head_dim + 2 * stages * tile_rows * head_dim + ds) * elem_bytes
@@ -185,6 +185,14 @@ class TcBwdPlan(Plan):
     def smem_bytes(self) -> int:
         return tc_bwd_smem_bytes(self.kernel, self.element.bytes, self.head_dim,
                                  self.block_rows, self.tile_rows, self.stages, self.dq_parts)
+
+    def dq_part_shape(self, batch: int, heads: int, rows: int, *, packed: bool) -> tuple:
+        """One worker's float32 partial of dQ (DQ_PARTS) for q (batch, heads, rows, d): rows
+        of HEAD_DIM floats, and rows padded so that every tile the kernel adds is whole
+        (add_dq_part, kernels/tc_bwd_tile.cuh): to a multiple of TILE_ROWS, or — packed
+        sequences, whose tiles start anywhere — TILE_ROWS past the last."""
+        t = self.tile_rows
+        return (batch, heads, rows + t if packed else -(-rows // t) * t, self.head_dim)
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} rows={self.block_rows} "
