@@ -322,10 +322,10 @@ CEILING = {
     ("flash_bwd_dkdv_tc", 128, "sm_80"): 292 / 64, ("flash_bwd_dkdv_tc", 128, "sm_90"): 286 / 64,
     ("flash_bwd_dq_tc", 64, "sm_80"): 449 / 96, ("flash_bwd_dq_tc", 64, "sm_90"): 470 / 96,
     ("flash_bwd_dq_tc", 128, "sm_80"): 402 / 96, ("flash_bwd_dq_tc", 128, "sm_90"): 409 / 96,
-    ("flash_bwd_dkdv_tc+dq", 64, "sm_80"): 630 / 160,
-    ("flash_bwd_dkdv_tc+dq", 64, "sm_90"): 621 / 160,
-    ("flash_bwd_dkdv_tc+dq", 128, "sm_80"): 546 / 160,
-    ("flash_bwd_dkdv_tc+dq", 128, "sm_90"): 539 / 160,
+    ("flash_bwd_dkdv_tc+dq", 64, "sm_80"): 616 / 160,
+    ("flash_bwd_dkdv_tc+dq", 64, "sm_90"): 609 / 160,
+    ("flash_bwd_dkdv_tc+dq", 128, "sm_80"): 532 / 160,
+    ("flash_bwd_dkdv_tc+dq", 128, "sm_90"): 527 / 160,
 }
 
 

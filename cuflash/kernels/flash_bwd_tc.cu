@@ -169,11 +169,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
         const Tile first{h_kv * group, m_begin, 0};
         Tile cp = first;
         const RowCopy q_copy(q_st.r, d), do_copy(do_st.r, d);
-        auto rows_of = [&](const T* x, const Strides& st, Tile at) {
-            return x + b * st.b + at.h * st.h + (long long)(q_row0 + at.m0) * st.r;
+        auto rows_of = [&](const T* x, const Strides& st, Tile at) {  // (b read anew)
+            return x + fresh((int)b) * st.b + at.h * st.h + (long long)(q_row0 + at.m0) * st.r;
         };
         const T* q_next = kLeanCopy ? q_copy.thread_rows(rows_of(q, q_st, cp)) : q;
         const T* do_next = kLeanCopy ? do_copy.thread_rows(rows_of(dO, do_st, cp)) : dO;
+        // DQ_PARTS: the statistics' pointer stepped with them (the two-kernel dK/dV kernel
+        // finds it per tile: a register less there, where CUDA 13.5 spilled on sm_90)
+        constexpr bool kStatsCursor = kLeanCopy && Tr::kDqParts;
+        auto stats_of = [&](Tile at) {
+            return stats + 2 * (seq.lse_row(0, (int)b, at.h, 0) + at.m0);
+        };
+        const float* stats_next = kStatsCursor ? stats_of(cp) : stats;
         auto issue = [&](Tile x) {  // copy tile x into its ring slot (one commit group per tile)
             // (not a block mask's empty tile: its slot is never read)
             if (x.h < h_end &&
@@ -195,8 +202,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                     copy_tile_async<Tr, BM>(sdO + slot * kSlot, dO + b * do_st.b + h * do_st.h,
                                             do_st.r, q_row0 + m0, q_row0 + Nq, d);
                 }
-                const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // as lse's layout
-                copy_row_stats_async<Tr>(sS + 2 * slot * BM, stats + 2 * row_bh, m0, Nq);
+                if constexpr (kStatsCursor) {
+                    copy_row_stats_async<Tr>(sS + 2 * slot * BM, stats_next, 0, Nq - m0);
+                } else {
+                    const long long row_bh = seq.lse_row(0, (int)b, h, 0);  // as lse's layout
+                    copy_row_stats_async<Tr>(sS + 2 * slot * BM, stats + 2 * row_bh, m0, Nq);
+                }
             }
             cp_async_commit();
             if constexpr (kLeanCopy) {  // x is cp: step to the next
@@ -204,9 +215,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 if (cp.h == x.h) {
                     q_next += BM * q_st.r;
                     do_next += BM * do_st.r;
+                    if constexpr (kStatsCursor) stats_next += 2 * BM;
                 } else {
                     q_next = q_copy.thread_rows(rows_of(q, q_st, cp));
                     do_next = do_copy.thread_rows(rows_of(dO, do_st, cp));
+                    if constexpr (kStatsCursor) stats_next = stats_of(cp);
                 }
             }
         };
