@@ -176,8 +176,10 @@ def test_cheapest_path_skips_the_mask_and_keeps_the_copy():
     assert cost.per_hmma == 7.0
 
 
-def test_main_loop_inside_a_walk_and_its_reductions():
-    cost = sass_cost.loop_cost(WALKED)
+@pytest.mark.parametrize("red", ["RED.E.ADD", "REDG.E.ADD"], ids=["sm_80", "sm_90"])
+def test_main_loop_inside_a_walk_and_its_reductions(red):
+    # (sm_90's ptxas spells the global reduction REDG, with a descriptor)
+    cost = sass_cost.loop_cost(WALKED.replace("RED.E.ADD", red))
     # the inner loop: 0x30 (4) → 0x70, the red.add (2) → 0x90 (3); not the outer loop's
     # 3 HMMA, and not the cheaper path around the red.add
     assert (cost.found, cost.loop_blocks, cost.path_blocks, cost.total) == (True, 3, 3, 9)
