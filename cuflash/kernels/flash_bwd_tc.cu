@@ -129,9 +129,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
     const float scale_log2 = softmax_scale_log2(scale);
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T);
     // the shared tiles as addresses: the warp's own rows of K_j, V_j; the rings' first slots
-    // (each a fixed offset from sK, so that they become immediates in the ldmatrix)
-    auto from_k = [&](const T* tile) { return smem_addr(sK) + unsigned(tile - sK) * sizeof(T); };
-    const unsigned s_k = smem_addr(sK) + warp_row0 * kRowBytes;
+    // (each a fixed offset from sK, so that they become immediates in the ldmatrix). Their
+    // base is held: ptxas would rebuild it at every use (from the CTA id on sm_90); sm_100's
+    // K_j rows take it anew (held, they spill 20 bytes at D = 128).
+    const unsigned s_base = fresh(smem_addr(sK));
+    auto from_k = [&](const T* tile) { return s_base + unsigned(tile - sK) * sizeof(T); };
+    const unsigned s_k = (CUFLASH_ARCH >= 1000 ? smem_addr(sK) : s_base) + warp_row0 * kRowBytes;
     const unsigned s_v = from_k(sV) + warp_row0 * kRowBytes;
     const unsigned s_q = from_k(sQ), s_do = from_k(sdO);
     const BwdFragAddrs<Tr> ad(lane);
@@ -394,7 +397,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_tc(
                 const int rows_pad = (int)(dqp_st.h / Tr::kHeadDim);
                 add_dq_part<Tr>(dq_parts + worker * dqp_w + b * dqp_st.b +
                                     (long long)(tile.h * rows_pad + q_row0 + m0) * Tr::kHeadDim,
-                                smem_addr(sK), dq_at);
+                                s_base, dq_at);
             }
         };
 

@@ -139,7 +139,9 @@ __device__ __forceinline__ void flash_fwd_tc(
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + Tr::kSmemQ;
     T* sV = sK + Tr::kSmemK;
-    const unsigned s_k = smem_addr(sK), s_v = smem_addr(sV);  // the rings, as addresses
+    // the rings, as addresses; their base held (sm_90 finds it from the cluster's CTA id:
+    // ptxas would rebuild it at every use)
+    const unsigned s_k = fresh(smem_addr(sK)), s_v = s_k + Tr::kSmemK * sizeof(T);
     constexpr unsigned kSlotBytes = BN * Tr::kHeadDim * sizeof(T);  // one ring slot
 
     const int lane = threadIdx.x % 32;

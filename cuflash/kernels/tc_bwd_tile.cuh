@@ -364,6 +364,17 @@ template <class Tr> struct DqPartAddrs {
 // takes one 16-row group and kDqCols columns; its thread adds its own elements, the same
 // ones at every tile, so each element of the partial has one writer and its additions
 // happen in program order.
+// *p += (x, y) in global memory: one vector reduction where the GPU has it (sm_90+), else
+// two (from one base address); each element's additions in program order either way.
+__device__ __forceinline__ void add_pair(float2* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(p, make_float2(x, y));
+#else
+    atomicAdd(&p->x, x);
+    atomicAdd(&p->y, y);
+#endif
+}
+
 template <class Tr>
 __device__ __forceinline__ void add_dq_part(float* __restrict__ part, unsigned s_k,
                                             const DqPartAddrs<Tr>& at) {
@@ -386,14 +397,12 @@ __device__ __forceinline__ void add_dq_part(float* __restrict__ part, unsigned s
             mma_k16<T>(acc[2 * np + 1], a, b_hi);
         }
     }
-    float* top = part + at.part;
-    float* bottom = top + 8 * Tr::kHeadDim;
+    float2* top = reinterpret_cast<float2*>(part + at.part);  // the thread's column pairs
+    float2* bottom = top + 4 * Tr::kHeadDim;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        atomicAdd(top + j * 8, acc[j].c0);
-        atomicAdd(top + j * 8 + 1, acc[j].c1);
-        atomicAdd(bottom + j * 8, acc[j].c2);
-        atomicAdd(bottom + j * 8 + 1, acc[j].c3);
+        add_pair(top + j * 4, acc[j].c0, acc[j].c1);
+        add_pair(bottom + j * 4, acc[j].c2, acc[j].c3);
     }
 }
 

@@ -496,6 +496,7 @@ __EMU_ATOMIC_FN(atomicAdd, __half, __float2half(__half2float(o) + __half2float(v
 __EMU_ATOMIC_FN(atomicAdd, __nv_bfloat16, __float2bfloat16(__bfloat162float(o) + __bfloat162float(v)))
 __EMU_ATOMIC_FN(atomicAdd, __half2, __hadd2(o, v))
 __EMU_ATOMIC_FN(atomicAdd, __nv_bfloat162, __hadd2(o, v))
+__EMU_ATOMIC_FN(atomicAdd, float2, make_float2(o.x + v.x, o.y + v.y))  // sm_90+
 __EMU_ATOMIC_FN(atomicSub, int, o - v)
 __EMU_ATOMIC_FN(atomicSub, unsigned, o - v)
 __EMU_ATOMIC_ALL_INT(atomicMax, o > v ? o : v)
