@@ -78,6 +78,7 @@ def _plans(dtype, D, arch, max_smem=None, dq_parts=True):
 SM75_SMEM = 64 * 1024  # on an sm_80+ arch: the tiles sized for sm_75's limit
 SPECS = [(F16, 64, "sm_75", None), (F16, 128, "sm_75", None), (F16, 64, "sm_80", None),
          (F16, 128, "sm_89", None), (BF16, 64, "sm_86", None), (BF16, 128, "sm_90", None),
+         (F16, 64, "sm_89", None),
          (F16, 128, "sm_80", None), (BF16, 128, "sm_86", None), (BF16, 64, "sm_90", None),
          (F16, 128, "sm_90", None),
          # Blackwell runs the mma.sync kernels: sm_100 the 227 KB tiles, sm_120 the 99 KB ones

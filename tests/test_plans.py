@@ -53,11 +53,11 @@ SMEM_CASES = {
         lambda: _find(tiling.all_tc_bwd_plans((8, 0)), kernel="flash_bwd_dkdv_tc",
                       dtype="float16", head_dim=64, dq_parts=False),
         (2 * 64 * 64 + 2 * 2 * 64 * 64) * 2 + 2 * 2 * 64 * 4),
-    # with DQ_PARTS (5-GEMM backward): and dSᵀ [128 keys][32 + 8 queries] in float16
+    # with DQ_PARTS (5-GEMM backward): and dSᵀ [128 keys][64 + 8 queries] in float16
     "TcBwdTraits-dkdv-dq-parts": (
         lambda: _find(tiling.all_tc_bwd_plans((9, 0)), kernel="flash_bwd_dkdv_tc",
-                      dtype="float16", head_dim=128, dq_parts=True, tile_rows=32),
-        (2 * 128 * 128 + 2 * 2 * 32 * 128 + 128 * 40) * 2 + 2 * 2 * 32 * 4),
+                      dtype="float16", head_dim=128, dq_parts=True, tile_rows=64),
+        (2 * 128 * 128 + 2 * 2 * 64 * 128 + 128 * 72) * 2 + 2 * 2 * 64 * 4),
     "TcBwdTraits-dq": (
         lambda: _find(tiling.all_tc_bwd_plans(), kernel="flash_bwd_dq_tc", dtype="float16",
                       head_dim=128),

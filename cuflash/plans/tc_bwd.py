@@ -20,7 +20,7 @@ import functools
 
 from ..families import FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_SUM, FLASH_BWD_DQ_TC
 from .base import Plan, backward_score_tile, flag
-from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, tf32_mode
+from .tc_fwd import TC_DTYPES, TF32_DTYPE, TF32_HEAD_DIMS, shared_100kb, tf32_mode
 
 TC_BWD_HEAD_DIMS = (64, 128, 256)   # HEAD_DIM buckets; d a multiple of 8 up to 256 runs in one
 
@@ -61,15 +61,20 @@ _TC_BWD_BY_ARCH = {7: _TC_BWD_CANDIDATES_SM75}
 # The 5-GEMM backward's dK/dV tiles (DQ_PARTS: 16-bit, one head-dim chunk), per HEAD_DIM,
 # best first: dQ_i's accumulators (TILE_ROWS · D / threads) and the dSᵀ tile come on top,
 # so K_j, V_j stay in shared memory. 8 warps and 128 keys per block halve the dQ partials'
-# red.add per product and the barriers per HMMA against 4 warps and 64 keys (which spill
-# 4–52 bytes at D = 128, 12 at D = 64 under CUDA 13.5). D = 128's 32-row Q tiles need
-# 107 KB, so the 99 KB GPUs (sm_86, sm_89) take 16-row ones. Turing keeps its 32-row Q
-# tiles with K_j, V_j in registers; its D = 128 spills (108 bytes) and runs the two-kernel
-# backward. ptxas registers (sm_80 / sm_90, CUDA 12.9): D = 64 243 / 244, D = 128 254 /
-# 248, 0 spills (the kernel has no variants' loop: kernel_backward sends those calls to
-# the two kernels).
-_TC_BWD_DQ_PARTS = {64: ((128, 64, 8, 2, False, 64),),
-                    128: ((128, 32, 8, 2, False, 128), (128, 16, 8, 2, False, 128))}
+# reductions per product and the barriers per HMMA against 4 warps and 64 keys (which spill
+# 4–52 bytes at D = 128, 12 at D = 64 under CUDA 13.5). The tall Q tiles — 128 × 128 at
+# D = 64 (132 KB), 128 × 64 at D = 128 (147 KB), FlashAttention-2's blocks — spread each
+# iteration's walk, barriers and addressing over twice the products of the next ones
+# (instructions per HMMA on sm_80 / sm_90: D = 64 3.38 / 3.27 against 3.74 / 3.64 in
+# 64-row tiles, D = 128 2.81 / 2.73 against 3.22 / 3.17 in 32-row ones), one block per
+# SM. The 100 KB GPUs (sm_86, sm_89, sm_120) take 64-row tiles at D = 64 and 16-row ones at
+# D = 128 (32-row ones would need 107 KB), the others too where the tall ones do not fit.
+# Turing keeps its 32-row Q tiles with K_j, V_j in registers; its D = 128 spills (108
+# bytes) and runs the two-kernel backward. All at 255 registers on sm_80 and sm_90 with
+# 0 spills under CUDA 12.9 and 13.5 (the kernel has no variants' loop: kernel_backward
+# sends those calls to the two kernels).
+_TC_BWD_DQ_PARTS = {64: ((128, 128, 8, 2, False, 64),), 128: ((128, 64, 8, 2, False, 128),)}
+_TC_BWD_DQ_PARTS_100KB = {64: ((128, 64, 8, 2, False, 64),), 128: ((128, 16, 8, 2, False, 128),)}
 _TC_BWD_DQ_PARTS_BY_ARCH = {7: {64: ((64, 32, 4, 2, True, 64),), 128: ()}}
 TC_BWD_KERNELS = (FLASH_BWD_DKDV_TC.name, FLASH_BWD_DQ_TC.name)
 
@@ -261,11 +266,13 @@ def tc_bwd_candidates(kernel: str, dtype: str, head_dim: int, *, split: bool,
 def dq_parts_tiles(dtype: str, head_dim: int, cc=None) -> list[TcBwdPlan]:
     """The 5-GEMM backward's dK/dV tiles (DQ_PARTS) for a 16-bit `dtype` and HEAD_DIM on
     compute capability `cc`, best first; none for float32, D = 256 and Turing's D = 128."""
-    table = {**_TC_BWD_DQ_PARTS, **_TC_BWD_DQ_PARTS_BY_ARCH.get(cc and cc[0], {})}
     if dtype not in TC_DTYPES:
         return []
+    tall = () if shared_100kb(cc) else _TC_BWD_DQ_PARTS.get(head_dim, ())
+    tiles = _TC_BWD_DQ_PARTS_BY_ARCH.get(cc and cc[0], {}).get(
+        head_dim, tall + _TC_BWD_DQ_PARTS_100KB.get(head_dim, ()))
     return [TcBwdPlan(FLASH_BWD_DKDV_TC.name, dtype, head_dim, *c, dq_parts=True)
-            for c in table.get(head_dim, ())]
+            for c in tiles]
 
 
 @functools.cache
