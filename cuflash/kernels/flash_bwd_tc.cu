@@ -536,9 +536,11 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     // The products (as the dK/dV kernel's): 16-bit tiles' ldmatrix addressed once
     constexpr bool kFragProducts = !Tr::kTf32;
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T), kSlotBytes = kSlot * sizeof(T);
-    const unsigned s_q = smem_addr(sQ) + warp_row0 * kRowBytes;
-    const unsigned s_do = smem_addr(sdO) + warp_row0 * kRowBytes;
-    const unsigned s_k = smem_addr(sK), s_v = smem_addr(sV);
+    const unsigned s_base = fresh(smem_addr(sQ));  // held, as the dK/dV kernel's
+    const unsigned s_q = s_base + warp_row0 * kRowBytes;
+    const unsigned s_do = s_base + Tr::kSmemOwn * sizeof(T) + warp_row0 * kRowBytes;
+    const unsigned s_k = s_base + 2 * Tr::kSmemOwn * sizeof(T);
+    const unsigned s_v = s_k + Tr::kSmemRing * sizeof(T);
     const BwdFragAddrs<Tr> ad(lane);
 
     // -- one iteration of the main loop, on tile j: plain or with the variants' chain
