@@ -386,6 +386,16 @@ __device__ __forceinline__ void flash_fwd_tc(
     }
 
     // -- epilogue: O_i = acc / ℓ_i (ℓ = 0: a row that saw no key gets 0), lse_i
+    // The block's split, head and batch row: 16-bit tiles find them anew rather than hold
+    // them through the loop (4-7 registers on sm_80); float32's epilogue has no room for
+    // the divisions (split tf32 D = 256 spilled), so it keeps them.
+    int split_e = split, h_e = h, b_e = b;
+    if constexpr (!Tr::kTf32) {
+        const int rest = fresh(blockIdx.x) / num_m_blocks;  // as at the start
+        split_e = rest % seq.num_splits;
+        h_e = rest / seq.num_splits % Hq;
+        b_e = rest / seq.num_splits / Hq;
+    }
     float inv_top[R], inv_bottom[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -395,8 +405,8 @@ __device__ __forceinline__ void flash_fwd_tc(
         inv_bottom[r] = row_bottom[r].inv_l();
         const int row = r_top + 16 * r;
         if (t == 0) {  // one writer per row
-            if (row < Nq) lse[seq.lse_row(split, b, h, row)] = row_top[r].lse();
-            if (row + 8 < Nq) lse[seq.lse_row(split, b, h, row + 8)] = row_bottom[r].lse();
+            if (row < Nq) lse[seq.lse_row(split_e, b_e, h_e, row)] = row_top[r].lse();
+            if (row + 8 < Nq) lse[seq.lse_row(split_e, b_e, h_e, row + 8)] = row_bottom[r].lse();
         }
     }
     if (o_part) {  // a split's partial O_i, in float, straight from the fragments
@@ -408,17 +418,17 @@ __device__ __forceinline__ void flash_fwd_tc(
                 const int col = j * 8 + 2 * t;
                 if (col >= d) continue;
                 if (row < Nq)
-                    *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, row) * d + col) =
+                    *reinterpret_cast<float2*>(o_part + seq.lse_row(split_e, b_e, h_e, row) * d + col) =
                         make_float2(acc[r][j].c0 * inv_top[r], acc[r][j].c1 * inv_top[r]);
                 if (row + 8 < Nq)
-                    *reinterpret_cast<float2*>(o_part + seq.lse_row(split, b, h, row + 8) * d + col) =
+                    *reinterpret_cast<float2*>(o_part + seq.lse_row(split_e, b_e, h_e, row + 8) * d + col) =
                         make_float2(acc[r][j].c2 * inv_bottom[r], acc[r][j].c3 * inv_bottom[r]);
             }
         }
         return;
     }
     // (the sequence's first row read again here, not held in a register through the loop)
-    T* o_bh = o + b * o_st.b + h * o_st.h + seq.start_q(b) * o_st.r;
+    T* o_bh = o + b_e * o_st.b + h_e * o_st.h + seq.start_q(b_e) * o_st.r;
     // O goes through the warp's own rows of sQ (no other warp reads them after the
     // prologue), converted to T, so that each thread then stores whole 16-byte chunks.
     T* sO = sQ;
