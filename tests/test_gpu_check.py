@@ -35,13 +35,16 @@ def test_dry_run_plans_every_section_from_a_plain_checkout(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     # the three sections, in their order, each with its plan
-    starts = [out.index(f"[{name}] would run") for name in ("tests", "sanitize", "bench", "capture")]
+    starts = [out.index(f"[{name}] would run") for name in ("tests", "sanitize", "bench", "workers",
+                                                             "capture")]
     assert starts == sorted(starts)
     summary = out.split("gpu_check --dry-run summary:")[1]
     n_tests = int(summary.split("tests     ok: ")[1].split()[0])
     assert n_tests > 0
     assert "sanitize  ok: " in summary and "memcheck, synccheck, racecheck" in summary
     assert "bench     ok: plan written, cuflash validated in the emulator" in summary
+    assert "workers   ok: 6 shapes planned (five GEMMs against two kernels)" in summary
+    assert "  B=1 H=16 N=16384 d=128: 128 key blocks of 128, W = 0 8 9" in out
     assert "capture   ok: 6 captures (mma.sync and wgmma, fp16/bf16/tf32) recorded in the emulator" in summary
     for check in ("memcheck", "racecheck", "synccheck"):
         assert f"would run: compute-sanitizer --tool {check}" in out
@@ -51,7 +54,8 @@ def test_dry_run_plans_every_section_from_a_plain_checkout(tmp_path):
     assert "float16   causal=False max rel err" in out and "FAILED" not in out
     # nothing that claims a timing
     assert (tmp_path / "bench_gpu_plans.csv").exists()
-    for name in ("bench_gpu.csv", "bench_gpu.png", "gpu_check.md", "gpu_check.json"):
+    for name in ("bench_gpu.csv", "bench_gpu.png", "gpu_check.md", "gpu_check.json",
+                 "bench_dq_workers.csv"):
         assert not (tmp_path / name).exists(), name
 
 
@@ -134,6 +138,13 @@ sanitize_gpu: synccheck: exit=124 errors=? tests=[30 passed so far, stopped]
 """
 
 
+# bench_dq_workers.csv of one shape at two head dims: W = 0 is the two kernels
+WORKER_ROWS = [dict(B=1, H=16, N=16384, d=64, dtype="float16", W=w, ms=ms, tflops=0.0, model=int(w == 0))
+               for w, ms in ((0, 10.0), (8, 8.0), (9, 12.5))] + \
+              [dict(B=1, H=16, N=16384, d=128, dtype="float16", W=w, ms=ms, tflops=0.0, model=int(w == 0))
+               for w, ms in ((0, 20.0), (8, 25.0), (9, 22.0))]
+
+
 def bench_rows():
     """cuflash at 120 TFLOP/s, torch-cudnn at 80 (ratio 1.5) and torch-efficient at 48
     (2.5) at N = 1024; JAX missing; N = 2048 left by the budget."""
@@ -158,7 +169,7 @@ def bench_rows():
 
 
 def test_staged_gpu_runs_add_up_to_one_summary(gpu_check, monkeypatch, tmp_path):
-    import bench_gpu  # gpu_check put benchmarks/ on sys.path
+    import bench_dq_workers, bench_gpu  # gpu_check put benchmarks/ on sys.path
     calls = []
 
     def run_logged(cmd, timeout, log):
@@ -169,6 +180,10 @@ def test_staged_gpu_runs_add_up_to_one_summary(gpu_check, monkeypatch, tmp_path)
         if "benchmarks/bench_gpu.py" in cmd:
             bench_gpu.write_csv(bench_rows(), pathlib.Path(cmd[cmd.index("--out") + 1]) / "bench_gpu.csv")
             return 0, "", 470.0, False
+        if "benchmarks/bench_dq_workers.py" in cmd:
+            bench_dq_workers.write_csv(WORKER_ROWS, pathlib.Path(cmd[cmd.index("--out") + 1])
+                                       / "bench_dq_workers.csv")
+            return 0, "", 40.0, False
         return 1, PYTEST_RUN, 41.0, False
 
     monkeypatch.setattr(gpu_check, "environment", lambda: dict(H100))
@@ -180,7 +195,7 @@ def test_staged_gpu_runs_add_up_to_one_summary(gpu_check, monkeypatch, tmp_path)
     assert "Not run yet: `python3 tools/gpu_check.py --only bench`" in md
     assert [c[0][1:4] for c in calls][0] == ["-m", "pytest", "-m"]   # tests first
     assert calls[0][1] == gpu_check.CAPS["tests"]
-    assert calls[1][0][:4] == ["bash", "tools/sanitize_gpu.sh", "--budget", "230"]  # 240 − 10
+    assert calls[1][0][:4] == ["bash", "tools/sanitize_gpu.sh", "--budget", "200"]  # 210 − 10
 
     assert gpu_check.main(["--only", "bench", *out]) == 0
     bench_cmd = calls[2][0]
@@ -207,6 +222,19 @@ def test_staged_gpu_runs_add_up_to_one_summary(gpu_check, monkeypatch, tmp_path)
                  "jax-cudnn: unavailable: JAX is not installed (3)"):
         assert text in md, text
     assert (tmp_path / "bench_gpu.png").stat().st_size > 0
+
+    assert gpu_check.main(["--only", "workers", *out]) == 0
+    assert calls[3][0][1:] == ["benchmarks/bench_dq_workers.py", "--counts", "model", "--out",
+                               str(tmp_path)]
+    assert calls[3][1] == gpu_check.CAPS["workers"]
+    md = (tmp_path / "gpu_check.md").read_text()
+    # the fastest count per d against W = 0, by hand: 8 / 10 and 22 / 20; their geometric
+    # mean √(0.8 · 1.1) = 0.938
+    for text in ("| float16 | 1 × 16 × 16384 | 64 | 10.000 | 8.000 (8) | 0.800 |",
+                 "| float16 | 1 × 16 × 16384 | 128 | 20.000 | 22.000 (9) | 1.100 |",
+                 "Geometric mean 0.938. `DQ_PARTS_TILE_COST`",
+                 "| 77 passed in 70.2s |", "| fwd | 1.50× (1) | 2.50× (1) | — |"):  # earlier stages kept
+        assert text in md, text
 
 
 def test_without_a_gpu_it_says_to_use_the_dry_run(gpu_check, monkeypatch, tmp_path, capsys):

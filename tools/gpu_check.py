@@ -10,19 +10,23 @@ Sections, in this order, each under a time cap:
             flash, cuDNN and memory-efficient backends, JAX's cuDNN attention, flash-attn),
             forward, backward and forward+backward; sizes stop being added when its
             budget is spent
+  workers   benchmarks/bench_dq_workers.py --counts model: the mma.sync backward's five GEMMs
+            against its two kernels, which decides DQ_PARTS_TILE_COST (the default backward
+            off sm_90)
   capture   tools/capture_tensor_cores.py: mma.sync's (and on an H100 wgmma's) block dot
             products, recorded for the emulator's tensor-core model (tensor-core/)
 
 With the default caps the whole run takes at most about 9½ minutes: one command of 10
 minutes at most, on an H100 (tests about 40 s, memcheck about 70 s cold, synccheck 10 s,
-racecheck what is left; the benchmark its whole cap; the capture a few seconds). Where commands are shorter, run it in
-stages that share --out, e.g.
+racecheck what is left; the benchmark its whole cap; the workers about 40 s; the capture a
+few seconds). Where commands are shorter, run it in stages that share --out, e.g.
   python3 tools/gpu_check.py --only tests sanitize
-  python3 tools/gpu_check.py --only bench
+  python3 tools/gpu_check.py --only bench workers capture
 
 Writes under --out (benchmarks/results/ by default):
   bench_gpu.csv    every measurement, and for each missing one why (bench_gpu.py)
   bench_gpu.png    TFLOP/s over N per dtype, causal, pass and d
+  bench_dq_workers.csv  the backward per worker count (bench_dq_workers.py)
   gpu_check.md     the summary: device, driver, CUDA, CuPy/PyTorch/JAX versions, test and
                    sanitizer counts, cuflash's TFLOP/s and its ratio to each peer
   gpu_check.json   each section's result; a stage updates its own sections only, so the
@@ -58,10 +62,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-SECTIONS = ("tests", "sanitize", "bench", "capture")
+SECTIONS = ("tests", "sanitize", "bench", "workers", "capture")
 # Seconds per section: all four fit a 10-minute command, with room for the start and the
 # summary.
-CAPS = {"tests": 120, "sanitize": 240, "bench": 180, "capture": 30}
+CAPS = {"tests": 120, "sanitize": 210, "bench": 150, "workers": 60, "capture": 30}
 # The sanitizer's selection, most telling first (a tool stopped at its cap has done
 # these): the forward kernels (the Hopper ones too) and the backward ones against the
 # reference over dtypes and odd shapes, a score_mod and mask_mod compiled in (a block mask
@@ -302,6 +306,15 @@ def bench_budget(args):
     return args.cap["bench"] - 60
 
 
+def run_workers(args, log):
+    (args.out / "bench_dq_workers.csv").unlink(missing_ok=True)  # not the last run's
+    cmd = [sys.executable, "benchmarks/bench_dq_workers.py", "--counts", "model",
+           "--out", str(args.out)]
+    rc, text, seconds, timed_out = run_logged(cmd, args.cap["workers"], log)
+    return {"exit": rc, "seconds": round(seconds), "timed_out": timed_out,
+            "ok": rc == 0 and not timed_out, "command": " ".join(["python", *map(str, cmd[1:])])}
+
+
 def run_capture(args, log):
     cmd = [sys.executable, "tools/capture_tensor_cores.py", "--out", str(args.out / "tensor-core")]
     rc, text, seconds, timed_out = run_logged(cmd, args.cap["capture"], log)
@@ -459,6 +472,29 @@ def bench_markdown(sec, rows):
     return "\n".join(lines)
 
 
+def workers_markdown(sec, rows):
+    from bench_dq_workers import best_over_two_kernels
+    from cuflash.plans.device import DQ_PARTS_TILE_COST
+    lines = [f"`{sec['command']}` ({_when(sec)}), exit {sec['exit']}"
+             + (", stopped at its cap" if sec["timed_out"] else "") + ".", ""]
+    best = best_over_two_kernels(rows)
+    if not best:
+        return "\n".join(lines + ["No bench_dq_workers.csv with both backwards: nothing to compare."])
+    lines += ["The mma.sync backward (not the Hopper one): the fastest 5-GEMM worker count "
+              "against the two kernels, ms per backward (< 1: five GEMMs faster):", "",
+              "| dtype | B × H × N | d | two kernels | five GEMMs (W) | ratio |",
+              "|---|---|---|---|---|---|"]
+    for (B, H, N, d, dtype), (w, ms, two) in best.items():
+        lines.append(f"| {dtype} | {B} × {H} × {N} | {d} | {two:.3f} | {ms:.3f} ({w}) "
+                     f"| {ms / two:.3f} |")
+    ratios = [ms / two for w, ms, two in best.values()]
+    lines += ["", f"Geometric mean {_geomean(ratios):.3f}. `DQ_PARTS_TILE_COST` "
+              f"(plans/device.py) is {DQ_PARTS_TILE_COST}: the model weighs a 5-GEMM tile as "
+              "that many two-kernel tiles, so at 1 the default backward off sm_90 is the "
+              "two-kernel one; ratios below 1 argue for the measured value."]
+    return "\n".join(lines)
+
+
 def _count(items):
     out = {}
     for x in items:
@@ -466,7 +502,7 @@ def _count(items):
     return list(out.items())
 
 
-def summary_markdown(state, rows):
+def summary_markdown(state, rows, worker_rows=()):
     env = state.get("environment", {})
     parts = [f"# cuflash on {env.get('gpu') or 'a machine without a visible GPU'}", "",
              "Written by `python3 tools/gpu_check.py`; every number below comes from the "
@@ -474,6 +510,7 @@ def summary_markdown(state, rows):
              "## Machine", "", machine_table(env)]
     titles = {"tests": "GPU tests (`pytest -m gpu`)", "sanitize": "compute-sanitizer",
               "bench": "Benchmark (`benchmarks/bench_gpu.py`)",
+              "workers": "The backward's five GEMMs against two kernels (`benchmarks/bench_dq_workers.py`)",
               "capture": "Tensor-core captures (`tools/capture_tensor_cores.py`)"}
     for name in SECTIONS:
         parts += ["", f"## {titles[name]}", ""]
@@ -490,6 +527,8 @@ def summary_markdown(state, rows):
             parts.append(f"`{sec['command']}` ({_when(sec)}): **{'PASS' if sec['ok'] else 'FAIL'}** "
                          f"(exit {sec['exit']}); samples per capture, under tensor-core/:")
             parts += [""] + [f"- {c}" for c in sec["captures"]]
+        elif name == "workers":
+            parts.append(workers_markdown(sec, worker_rows))
         else:
             parts.append(bench_markdown(sec, rows))
     return "\n".join(parts) + "\n"
@@ -570,6 +609,15 @@ def dry_run(args, log):
                         else f"bench_gpu.py --dry-run failed (exit {rc})")
     print(f"[bench] {results['bench']}\n")
 
+    print(f"[workers] would run benchmarks/bench_dq_workers.py --counts model (cap {args.cap['workers']} s):")
+    rc, text, _, _ = run_logged([sys.executable, "benchmarks/bench_dq_workers.py", "--dry-run",
+                                 "--counts", "model"], 120, log)
+    n = len(re.findall(r"^  B=.*, W = 0\b", text, re.M))
+    ok["workers"] = rc == 0 and n > 0
+    results["workers"] = (f"{n} shapes planned (five GEMMs against two kernels)" if ok["workers"]
+                          else f"bench_dq_workers.py --dry-run failed (exit {rc})")
+    print(f"[workers] {results['workers']}\n")
+
     print("[capture] would run tools/capture_tensor_cores.py; in the emulator (sm_90a) here:")
     with tempfile.TemporaryDirectory() as tmp:
         rc, text, _, _ = run_logged([sys.executable, "tools/capture_tensor_cores.py", "--emulator", "sm_90a",
@@ -618,7 +666,8 @@ def main(argv=None):
         state_path = args.out / "gpu_check.json"
         state = json.loads(state_path.read_text()) if state_path.exists() else {}
         state["environment"] = env
-        runners = {"tests": run_tests, "sanitize": run_sanitize, "bench": run_bench, "capture": run_capture}
+        runners = {"tests": run_tests, "sanitize": run_sanitize, "bench": run_bench,
+                   "workers": run_workers, "capture": run_capture}
         for name in SECTIONS:
             if name not in args.only:
                 continue
@@ -638,8 +687,12 @@ def main(argv=None):
             rows = read_csv(csv_path)
             if "bench" in args.only:
                 plot(rows, args.out / "bench_gpu.png")  # also after a run cut short
+        worker_rows = []
+        if "workers" in state and (args.out / "bench_dq_workers.csv").exists():
+            from bench_dq_workers import read_csv as read_workers
+            worker_rows = read_workers(args.out / "bench_dq_workers.csv")
         try:
-            text = summary_markdown(state, rows)
+            text = summary_markdown(state, rows, worker_rows)
         except Exception as e:  # the sections' results are in the JSON and the log anyway
             text = (f"# cuflash GPU check\n\nWriting the summary failed ({type(e).__name__}: "
                     f"{e}); the results:\n\n```json\n{json.dumps(state, indent=1, default=str)}\n```\n")
@@ -653,7 +706,8 @@ def main(argv=None):
             ran = "" if sec is None or name in args.only else " (an earlier stage)"
             print(f"  {name:9s} {verdict}{ran}")
         print(f"wrote {args.out / 'gpu_check.md'}, gpu_check.json, gpu_check.log"
-              + (", bench_gpu.csv, bench_gpu.png" if rows else ""))
+              + (", bench_gpu.csv, bench_gpu.png" if rows else "")
+              + (", bench_dq_workers.csv" if worker_rows else ""))
         return 0 if all(state[n]["ok"] for n in args.only) else 1
 
 
