@@ -12,7 +12,8 @@ Programmable attention compiles a call's score_mod / mask_mod into the kernels
 (programmable/cuda_c.py): the gate builds one such specialization per attention kernel
 family (`MOD_ARCHS`), with an example of each (a table lookup and a document mask), a
 block mask and the table's gradient, as the pseudo-source "<file>+mods_f32" (or _f64): the
-generated code, then the file.
+generated code, then the file; and so, on every arch, the kernel that finds a block
+mask's tiles (block_mask.cu), which exists only with a mask_mod compiled in.
 
 `python -m cuflash check-kernels` calls `check_kernels()`, which prints the table.
 
@@ -491,6 +492,12 @@ def collect_specializations(arch=None):
                 specs.update(extra)
     if arch in MOD_ARCHS:
         specs.update(mod_specializations(specs))
+    if arch is not None and arch not in SPECIFIC:
+        # the block-mask kernel (any GPU) exists only with a mask_mod compiled in: its
+        # example's, in both accumulation types
+        from .plans.block_mask import BlockMaskPlan
+        specs.update({f"{BlockMaskPlan().source}+mods_{acc}":
+                      [BlockMaskPlan().name_expression] for acc in ("f32", "f64")})
     return specs
 
 

@@ -216,6 +216,98 @@ def test_hopper_block_mask_under_causal():
     _assert_grads(grads, ref, plain, np.float16)
 
 
+# -- the block mask's own kernel (block_mask.cu) -----------------------------------------
+
+SLOPES = np.array([0.5, 0.25, 0.125])
+
+
+def by_head(b, h, q_idx, kv_idx):
+    """A float computation per head and batch row: keys within 8 / slope of the query
+    (16, 32, 64 for heads 0–2), shifted by the batch row."""
+    return np.abs(q_idx - kv_idx - b) * SLOPES[h] <= 4.0
+
+
+def dense_kinds(fn, B, H, Nq, Nk, block):
+    """The tile kinds from the user's function applied to the whole index grid (it is
+    NumPy code), worked out tile by tile: 0 empty, 1 partial, 2 full."""
+    b, h, i, j = np.ogrid[:B, :H, :Nq, :Nk]
+    dense = np.broadcast_to(fn(b, h, i, j), (B, H, Nq, Nk))
+    bq, bk = (block, block) if np.isscalar(block) else block
+    out = np.empty((B, H, -(-Nq // bq), -(-Nk // bk)), np.uint8)
+    for x in range(out.shape[2]):
+        for y in range(out.shape[3]):
+            t = dense[:, :, x * bq:(x + 1) * bq, y * bk:(y + 1) * bk]
+            out[:, :, x, y] = np.where(~t.any(axis=(2, 3)), 0, np.where(t.all(axis=(2, 3)), 2, 1))
+    return out
+
+
+@pytest.mark.parametrize("fn,B,H,block,Nq,Nk,dtype", [
+    pytest.param(document, None, None, 64, N, N, np.float32, id="document"),
+    pytest.param(sliding, None, None, (32, 48), 250, 190, np.float32, id="sliding-ragged"),
+    pytest.param(dilated, None, None, 64, 128, 512, np.float64, id="dilated-float64"),
+    pytest.param(by_head, 2, 3, (16, 40), 100, 130, np.float32, id="by-head")])
+def test_block_mask_on_the_device(fn, B, H, block, Nq, Nk, dtype):
+    """block_mask's kernel in the emulator (checked mode: every read of a captured array
+    inside it; and under a random schedule) gives the kinds of the dense mask, as the host
+    path does."""
+    want = dense_kinds(fn, B or 1, H or 1, Nq, Nk, block)
+    host = block_mask(fn, B, H, Nq, Nk, block_size=block, dtype=dtype, backend="numpy")
+    np.testing.assert_array_equal(host.kinds, want)
+    got = block_mask(fn, B, H, Nq, Nk, block_size=block, dtype=dtype, backend="emulator")
+    np.testing.assert_array_equal(got.kinds, want)
+    assert (got.block, got.dtype, got.shape) == (host.block, host.dtype, host.shape)
+    from cuflash.programmable.block_mask import _device_kinds
+    bq, bk = (block, block) if np.isscalar(block) else block
+    for be in (emulator_backend("sm_80", checked=True),
+               emulator_backend("sm_80", schedule="random", seed=3)):
+        np.testing.assert_array_equal(
+            _device_kinds(be, got.mod, B or 1, H or 1, Nq, Nk, bq, bk, dtype), want)
+
+
+def _past_the_end(b, h, q_idx, kv_idx):
+    return DOCS[q_idx] == DOCS[kv_idx + 1]
+
+
+def test_block_mask_on_the_device_reads_and_limits():
+    """A read past a captured array: reported in checked mode, clamped otherwise (as the
+    attention kernels); grids the kernel cannot launch are a ValueError naming the limit."""
+    from cuflash.emulator import EmulatorError
+    from cuflash.programmable import translate
+    from cuflash.programmable.block_mask import _device_kinds
+    mod = translate(_past_the_end, "mask_mod")
+    with pytest.raises(EmulatorError, match=r"out-of-bounds global read .* \(in cuflash_mask_mod\("):
+        _device_kinds(emulator_backend("sm_80", checked=True), mod, 1, 1, N, N, 64, 64,
+                      np.float32)
+
+    def clamped(b, h, q_idx, kv_idx):
+        return DOCS[q_idx] == DOCS[np.minimum(kv_idx + 1, N - 1)]
+
+    got = block_mask(_past_the_end, None, None, N, N, block_size=64, backend="emulator")
+    np.testing.assert_array_equal(got.kinds, dense_kinds(clamped, 1, 1, N, N, 64))
+    with pytest.raises(ValueError, match=r"block_mask on backend='emulator': query blocks "
+                                         r"⌈Nq / block_size⌉ = 70000 exceeds 65535"):
+        block_mask(document, None, None, 70000, 64, block_size=(1, 64), backend="emulator")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', "):
+        block_mask(document, None, None, N, N, backend="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_block_mask_on_the_gpu():
+    """block_mask's kernel through NVRTC: the kinds of the dense mask, for captured
+    arrays on the device (backend="auto" takes the GPU) and on the host (backend="cuda")."""
+    import cupy
+    docs = cupy.asarray(DOCS)
+
+    def document_here(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    got = block_mask(document_here, None, None, N, N, block_size=(32, 64))
+    np.testing.assert_array_equal(got.kinds, dense_kinds(document, 1, 1, N, N, (32, 64)))
+    got = block_mask(by_head, 2, 3, 100, 130, block_size=(16, 40), backend="cuda")
+    np.testing.assert_array_equal(got.kinds, dense_kinds(by_head, 2, 3, 100, 130, (16, 40)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

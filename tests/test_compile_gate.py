@@ -196,6 +196,20 @@ def test_check_kernels_rejects_an_unknown_source(capsys):
     assert "'flash_fwd.cuh'" in err and "flash_fwd.cu" in err
 
 
+def test_block_mask_kernel_is_built_with_a_mask_mod_on_every_arch():
+    """block_mask.cu compiles only after a mask_mod's code: the gate builds it with its
+    example's, float32 and float64, on each arch (not the sm_90a-only list)."""
+    for arch in ("sm_75", "sm_90", "sm_120"):
+        specs = compile_gate.collect_specializations(arch)
+        assert specs["block_mask.cu+mods_f32"] == specs["block_mask.cu+mods_f64"] == [
+            "block_mask_kernel<256>"]
+    assert not any("block_mask" in f for f in compile_gate.collect_specializations("sm_90a"))
+    rows = compile_gate.run_gate(archs=["sm_75"], only=("block_mask.cu+mods_f32",
+                                                        "block_mask.cu+mods_f64"))
+    assert len(rows) == 2 and all(r.ok and r.spill_stores == 0 for r in rows), \
+        compile_gate.format_table(rows)
+
+
 # -- sm_90a: the Hopper kernels' machine code ------------------------------------------------
 
 def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):

@@ -368,8 +368,9 @@ _docs_device = _DeviceArray(_docs_host)
 
 
 def test_block_mask_of_arrays_on_the_device():
-    """A mask_mod over arrays on a GPU: block_mask reads them on the host (.get()), and
-    keeps the mask_mod as captured (the kernels read the device arrays)."""
+    """A mask_mod over arrays on a GPU, evaluated on the host (backend="numpy"): block_mask
+    reads them there (.get()), and keeps the mask_mod as captured (the kernels read the
+    device arrays)."""
     def on_host(b, h, q_idx, kv_idx):
         return _docs_host[q_idx] == _docs_host[kv_idx]
 
@@ -377,7 +378,7 @@ def test_block_mask_of_arrays_on_the_device():
         return _docs_device[q_idx] == _docs_device[kv_idx]
 
     want = block_mask(on_host, None, None, 256, 256, block_size=64)
-    got = block_mask(on_device, None, None, 256, 256, block_size=64)
+    got = block_mask(on_device, None, None, 256, 256, block_size=64, backend="numpy")
     np.testing.assert_array_equal(got.kinds, want.kinds)
     assert got.mod.buffers["_docs_device"] is _docs_device
 

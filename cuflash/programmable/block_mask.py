@@ -1,14 +1,16 @@
 """Block masks: which (query block, key block) tiles a mask_mod leaves empty, partial or full.
 
-`block_mask` evaluates the mask_mod once over the whole (B, H, Nq, Nk) grid, one strip of
-query blocks at a time (memory O(B·H·block·Nk) at most, never N×N), and keeps one byte
-per tile. Attention with a block mask skips empty tiles, evaluates the mask_mod only in
+`block_mask` evaluates the mask_mod once over the whole (B, H, Nq, Nk) grid and keeps one
+byte per tile: on the GPU (or in the emulator) one thread block per tile
+(kernels/block_mask.cu, the mask_mod compiled in as the attention kernels compile it), on
+the host one strip of query blocks at a time (memory O(B·H·block·Nk) at most, never N×N). Attention with a block mask skips empty tiles, evaluates the mask_mod only in
 partial tiles and runs full tiles as plain attention; the tiles are the block mask's own
 blocks. A block mask serves any call with the same mask_mod, B, H, Nq and Nk (layers,
 steps), and `save` / `BlockMask.load` keep it across processes.
 """
 import numpy as np
 
+from .. import _dispatch
 from .evaluate import Bound
 from .ir import FLOAT
 from .translate import Mod, translate
@@ -94,12 +96,14 @@ class BlockMask:
                              f"with block_mask(..., dtype={np.dtype(acc_t).name})")
 
 
-def block_mask(mask_mod, B, H, Nq, Nk, *, block_size=128, dtype=np.float32):
+def block_mask(mask_mod, B, H, Nq, Nk, *, block_size=128, dtype=np.float32, backend="auto"):
     """The BlockMask of mask_mod(b, h, q_idx, kv_idx) over B batch rows, H query heads,
     Nq queries and Nk keys. B or H None: the mask does not depend on it (evaluated at 0,
     serves any count). block_size: int or (rows, keys) of a tile. dtype: the
     accumulation dtype of the calls it serves (float64 for float64 inputs, float32 for
-    the rest), in which the mask_mod's float arithmetic is done."""
+    the rest), in which the mask_mod's float arithmetic is done. backend: where the grid
+    is evaluated — "cuda" (the GPU), "emulator", "numpy" (the host), or "auto" (the GPU
+    where the mask_mod captures CuPy arrays, else the host); the kinds are the same."""
     mod = mask_mod if isinstance(mask_mod, Mod) else translate(mask_mod, "mask_mod")
     if mod.role != "mask_mod":
         raise ValueError(f"block_mask needs a mask_mod; got a {mod.role}")
@@ -116,6 +120,10 @@ def block_mask(mask_mod, B, H, Nq, Nk, *, block_size=128, dtype=np.float32):
     if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"dtype must be float32 or float64; got {dtype!r}")
     Bm, Hm = B or 1, H or 1
+    be = _dispatch.resolve_backend(backend, mod.buffers)
+    if be.name != "numpy":
+        return BlockMask(mod, _device_kinds(be, mod, Bm, Hm, Nq, Nk, bq, bk, dtype),
+                         (bq, bk), Nq, Nk, dtype)
     # arrays captured on a GPU (CuPy) are read on the host: the grid is walked in NumPy
     host = mod._replace(buffers={n: a.get() if hasattr(a, "__cuda_array_interface__") else a
                                  for n, a in mod.buffers.items()})
@@ -138,6 +146,35 @@ def block_mask(mask_mod, B, H, Nq, Nk, *, block_size=128, dtype=np.float32):
             kinds[:, :, i, c0 // bk:c0 // bk + len(starts)] = np.where(
                 seen == 0, EMPTY, np.where(seen == size, FULL, PARTIAL))
     return BlockMask(mod, kinds, (bq, bk), Nq, Nk, dtype)
+
+
+# Grid limits of the device path: query blocks on gridDim.y, B·H on gridDim.z; a tile's
+# elements counted in a 32-bit int
+_GRID_YZ, _TILE_ELEMENTS = 65535, 2**31 - 1
+
+
+def _device_kinds(backend, mod, Bm, Hm, Nq, Nk, bq, bk, dtype):
+    """kinds (Bm, Hm, ⌈Nq/bq⌉, ⌈Nk/bk⌉) as a NumPy array, from block_mask.cu on a kernel
+    backend (cuda or emulator): indices outside a captured array are clamped, except in
+    the emulator's checked mode, which reports the read (as the attention kernels)."""
+    from ..plans.block_mask import BlockMaskPlan
+    from .cuda_c import kernel_mods, mod_args
+    nbq, nbk = -(-Nq // bq), -(-Nk // bk)
+    for what, n, limit in (("query blocks ⌈Nq / block_size⌉", nbq, _GRID_YZ),
+                           ("B · H", Bm * Hm, _GRID_YZ),
+                           ("elements per tile", bq * bk, _TILE_ELEMENTS)):
+        if n > limit:
+            raise ValueError(f"block_mask on backend={backend.name!r}: {what} = {n} exceeds "
+                             f"{limit}; use larger (or smaller) blocks, or backend='numpy'")
+    xp = backend.xp
+    clamp = not (backend.name == "emulator" and backend.module_options.get("checked"))
+    mods = kernel_mods(xp, None, mod, dtype, clamp=clamp)
+    plan = BlockMaskPlan(np.dtype(dtype).name)
+    kinds = xp.empty((Bm, Hm, nbq, nbk), np.uint8)
+    backend.get_function(plan, mods)(
+        (nbk, nbq, Bm * Hm), (plan.num_threads,),
+        (kinds, *(np.int32(x) for x in (Hm, Nq, Nk, bq, bk)), *mod_args(mods)))
+    return kinds.get() if hasattr(kinds, "get") else kinds
 
 
 def tile_kinds(bm, b, heads, i, j):
