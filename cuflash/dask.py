@@ -38,7 +38,20 @@ from .merge import array_module, merge_states
 
 __all__ = ["flash_attention", "flash_attention_backward"]
 
-_UNSUPPORTED = ("bias", "mask", "dropout_p", "seed")
+def _refuse(options):
+    """ValueError naming the options in `options` (name -> value) that are set: those of
+    cuflash.flash_attention(_backward) the chunks cannot take, since they would read or
+    draw with chunk-local indices (a bias or mask of the whole problem, dropout's
+    positions, a score_mod's or mask_mod's q_idx and kv_idx, a block mask's tiles) or
+    return what no chunk holds (dbias, the mods' gradients)."""
+    bad = [n for n, x in options.items()
+           if x is not None and not (isinstance(x, (bool, int, float)) and x == 0)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not supported "
+                         f"by cuflash.dask (the chunks would read or draw them with "
+                         f"chunk-local indices, or return what no chunk holds); supported: "
+                         f"causal, scale, softcap, allow_tf32, and window, alibi_slopes with "
+                         f"one query and one key chunk")
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -83,12 +96,6 @@ def _check_chunks(q, k, v):
 
 def _prepare(q, k, v, options):
     q, k, v = (_as_dask(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    bad = [n for n in _UNSUPPORTED if options.get(n) not in (None, 0, 0.0)]
-    if bad:
-        raise ValueError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not supported "
-                         f"by cuflash.dask (the chunks would draw or read them with "
-                         f"chunk-local indices); supported: causal, scale, softcap, and "
-                         f"window, alibi_slopes with one query and one key chunk")
     dtype = _checks.check_same_dtype(q=q, k=k, v=v)
     batch, hq, hkv, nq, nk, d = _checks.check_attention_shapes(
         *(_shape_only(x) for x in (q, k, v)))
@@ -198,7 +205,8 @@ def _tree(dsk, name, idx, keys, split_every, combine):
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
                     algorithm="fa2", backend="auto", softcap=None, window=None,
-                    alibi_slopes=None, split_every=8, **unsupported):
+                    alibi_slopes=None, allow_tf32=False, split_every=8, bias=None, mask=None,
+                    dropout_p=0.0, seed=None, score_mod=None, mask_mod=None, block_mask=None):
     """cuflash.flash_attention on dask arrays (shapes and options as there), lazily.
 
     q (..., Nq, d), k and v (..., Nk, d) are dask arrays of NumPy or CuPy chunks. Chunks
@@ -207,21 +215,25 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     chunk) pair is one task; the partials of a query block are merged by a tree of
     merge_states with fan-in split_every. Returns o with q's chunks (and lse with
     q.chunks[:-1] when return_lse). window and alibi_slopes need one query and one key
-    chunk; bias, mask and dropout are not supported.
+    chunk; bias, mask, dropout and the programmable options (score_mod, mask_mod,
+    block_mask) are refused with a ValueError.
     """
+    _refuse(dict(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
+                 mask_mod=mask_mod, block_mask=block_mask))
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
+    allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
     _checks.check_algorithm(algorithm)
     split_every = int(split_every)
     if split_every < 2:
         raise ValueError(f"split_every must be >= 2; got {split_every}")
     q, k, v, dtype, squeeze, scale = _prepare(
-        q, k, v, dict(unsupported, scale=scale, window=window, alibi_slopes=alibi_slopes))
+        q, k, v, dict(scale=scale, window=window, alibi_slopes=alibi_slopes))
     acc = _dtypes.lse_dtype(dtype)
     nq, nk = q.shape[-2], k.shape[-2]
     off = nk - nq
     token = tokenize(q, k, v, causal, scale, algorithm, backend, softcap, window,
-                     alibi_slopes, split_every)
+                     alibi_slopes, allow_tf32, split_every)
     pname, mname = f"cuflash-attn-part-{token}", f"cuflash-attn-merge-{token}"
     oname, lname = f"cuflash-attn-o-{token}", f"cuflash-attn-lse-{token}"
     qs, ks = _starts(q.chunks[-2]), _starts(k.chunks[-2])
@@ -231,7 +243,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
         bh, qi = idx[:-1], idx[-1]
         r0, r1 = int(qs[qi]), int(qs[qi + 1])
         opts = dict(scale=scale, algorithm=algorithm, backend=backend, softcap=softcap,
-                    window=window, alibi_slopes=_alibi_block(alibi_slopes, starts, bh))
+                    window=window, alibi_slopes=_alibi_block(alibi_slopes, starts, bh),
+                    allow_tf32=allow_tf32)
         parts = []
         for ki in range(len(ks) - 1):
             c0 = int(ks[ki])
@@ -288,7 +301,9 @@ def _sum(parts):
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
                              backend="auto", softcap=None, window=None, alibi_slopes=None,
-                             split_every=8, **unsupported):
+                             allow_tf32=False, split_every=8, bias=None, mask=None,
+                             dropout_p=0.0, seed=None, return_dbias=False, score_mod=None,
+                             mask_mod=None, block_mask=None, return_mod_grads=False):
     """cuflash.flash_attention_backward on dask arrays: (dq, dk, dv), lazily.
 
     Serves chunks along batch, heads and queries: each query block is one task against
@@ -296,7 +311,11 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     split_every, in the accumulation dtype). k and v split along the keys are rechunked
     to one key chunk first, with a warning; dk and dv come back in k's chunks, dq in q's.
     """
+    _refuse(dict(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed,
+                 return_dbias=return_dbias, score_mod=score_mod, mask_mod=mask_mod,
+                 block_mask=block_mask, return_mod_grads=return_mod_grads))
     causal = _checks.check_flag("causal", causal)
+    allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
     split_every = int(split_every)
     if split_every < 2:
         raise ValueError(f"split_every must be >= 2; got {split_every}")
@@ -306,7 +325,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
         k, v = (_one_chunk(n, x, [x.ndim - 2], "the backward takes keys in one chunk")
                 for n, x in (("k", k), ("v", _as_dask("v", v))))
     q, k, v, dtype, _, scale = _prepare(
-        q, k, v, dict(unsupported, scale=scale, window=window, alibi_slopes=alibi_slopes))
+        q, k, v, dict(scale=scale, window=window, alibi_slopes=alibi_slopes))
     do, o, lse = (_as_dask(n, x) for n, x in (("do", do), ("o", o), ("lse", lse)))
     _checks.check_like("do", _shape_only(do), "q", _shape_only(q[0] if squeeze else q), dtype)
     _checks.check_like("o", _shape_only(o), "q", _shape_only(q[0] if squeeze else q), dtype)
@@ -318,7 +337,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     nq, nk = q.shape[-2], k.shape[-2]
     off = nk - nq
     token = tokenize(do, q, k, v, o, lse, causal, scale, backend, softcap, window,
-                     alibi_slopes, split_every)
+                     alibi_slopes, allow_tf32, split_every)
     pname, sname = f"cuflash-bwd-part-{token}", f"cuflash-bwd-sum-{token}"
     dqname, dkname, dvname = (f"cuflash-bwd-{n}-{token}" for n in ("dq", "dk", "dv"))
     qs = _starts(q.chunks[-2])
@@ -326,7 +345,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     dsk = {}
     for bh in itertools.product(*(range(len(c)) for c in q.chunks[:-2])):
         opts = dict(scale=scale, backend=backend, softcap=softcap, window=window,
-                    alibi_slopes=_alibi_block(alibi_slopes, starts, bh))
+                    alibi_slopes=_alibi_block(alibi_slopes, starts, bh), allow_tf32=allow_tf32)
         parts = []
         for qi in range(len(qs) - 1):
             idx = bh + (qi,)

@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
+import cuflash
 from cuflash import reference
 from conftest import assert_close_to_reference
 
@@ -138,6 +139,57 @@ def test_errors():
         cdask.flash_attention(x, k, k)
     with pytest.warns(UserWarning, match="head dim is never split"):
         cdask.flash_attention(da.from_array(x, chunks=(1, 2, 8, 4)), k, k)
+
+
+def test_options_the_chunks_cannot_take_are_refused():
+    """Every option of cuflash.flash_attention(_backward) that cuflash.dask cannot honour is
+    a ValueError naming it (never ignored: a score_mod once was), arrays included; an
+    unknown keyword is Python's TypeError."""
+    x = np.zeros((1, 2, 16, 8), np.float32)
+    q, k, v = (da.from_array(x, chunks=(1, 2, 8, 8)) for _ in range(3))
+    lse = da.from_array(np.zeros((1, 2, 16), np.float32), chunks=(1, 2, 8))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + q_idx
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    refused = dict(bias=np.ones((16, 16), np.float32), mask=np.ones((16, 16), bool),
+                   dropout_p=0.1, seed=3, score_mod=score_mod, mask_mod=mask_mod,
+                   block_mask=object())
+    for name, value in refused.items():
+        with pytest.raises(ValueError, match=rf"^{name} is not supported by cuflash.dask"):
+            cdask.flash_attention(q, k, v, **{name: value})
+        with pytest.raises(ValueError, match=rf"^{name} is not supported by cuflash.dask"):
+            cdask.flash_attention_backward(q, q, k, v, q, lse, **{name: value})
+    for name in ("return_dbias", "return_mod_grads"):
+        with pytest.raises(ValueError, match=rf"^{name} is not supported by cuflash.dask"):
+            cdask.flash_attention_backward(q, q, k, v, q, lse, **{name: True})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual'"):
+        cdask.flash_attention(q, k, v, casual=True)
+
+
+def test_allow_tf32_reaches_every_chunk():
+    """allow_tf32=True runs one-pass tf32 in each task (float32 on the emulated sm_80): the
+    same bits as the call on the whole problem, and not split tf32's."""
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((1, 2, 48, 32)).astype(np.float32) for _ in range(4))
+    dq_, dk_, dv_, ddo = (da.from_array(x, chunks=(1, 1, 48, 32)) for x in (q, k, v, do))
+    want = cuflash.flash_attention(q, k, v, allow_tf32=True, backend="emulator")
+    got = cdask.flash_attention(dq_, dk_, dv_, allow_tf32=True, backend="emulator").compute()
+    np.testing.assert_array_equal(got, want)
+    split = cuflash.flash_attention(q, k, v, backend="emulator")
+    assert not np.array_equal(got, split)
+    o, lse = cuflash.flash_attention(q, k, v, allow_tf32=True, backend="emulator",
+                                     return_lse=True)
+    want = cuflash.flash_attention_backward(do, q, k, v, o, lse, allow_tf32=True,
+                                            backend="emulator")
+    got = cdask.flash_attention_backward(ddo, dq_, dk_, dv_, da.from_array(o, chunks=(1, 1, 48, 32)),
+                                         da.from_array(lse, chunks=(1, 1, 48)), allow_tf32=True,
+                                         backend="emulator")
+    for g, w in zip(dask.compute(*got), want):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_local_cluster_of_processes():
