@@ -42,15 +42,16 @@ def _refuse(options):
     """ValueError naming the options in `options` (name -> value) that are set: those of
     cuflash.flash_attention(_backward) the chunks cannot take, since they would read or
     draw with chunk-local indices (a bias or mask of the whole problem, dropout's
-    positions, a score_mod's or mask_mod's q_idx and kv_idx, a block mask's tiles) or
-    return what no chunk holds (dbias, the mods' gradients)."""
+    positions, a block mask's tiles) or return what no chunk holds (dbias, the mods'
+    gradients)."""
     bad = [n for n, x in options.items()
            if x is not None and not (isinstance(x, (bool, int, float)) and x == 0)]
     if bad:
         raise ValueError(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not supported "
                          f"by cuflash.dask (the chunks would read or draw them with "
                          f"chunk-local indices, or return what no chunk holds); supported: "
-                         f"causal, scale, softcap, allow_tf32, and window, alibi_slopes with "
+                         f"causal, scale, softcap, allow_tf32, score_mod, mask_mod, and "
+                         f"window, alibi_slopes with "
                          f"one query and one key chunk")
 
 
@@ -130,6 +131,33 @@ def _alibi_block(slopes, starts, idx):
 
 # -- the tasks ----------------------------------------------------------------------------
 
+def _mods(score_mod, mask_mod, q):
+    """{"score_mod", "mask_mod"}: translated (programmable.translate), for q with at most
+    one batch axis (the mods' b is the flattened batch index: chunks of several batch
+    axes are no range of it)."""
+    if score_mod is None and mask_mod is None:
+        return {}
+    from . import programmable
+    if q.ndim > 4:
+        raise ValueError(f"score_mod and mask_mod need q with at most one batch axis in "
+                         f"cuflash.dask (their b is the flattened batch index); got q of "
+                         f"shape {q.shape}: reshape it to (B, H, Nq, d)")
+    return {"score_mod": None if score_mod is None else programmable.translate(score_mod, "score_mod"),
+            "mask_mod": None if mask_mod is None else programmable.translate(mask_mod, "mask_mod")}
+
+
+def _mods_token(mods):
+    """What of the mods names the graph: their trees and the captured arrays."""
+    return [(m.key(), tokenize(*m.buffers.values())) for m in mods.values() if m is not None]
+
+
+def _bh0(starts, bh):
+    """The first batch row and query head of the block bh (chunk indices of q's batch and
+    head axes, one or none batch axis)."""
+    first = [int(s[i]) for s, i in zip(starts, bh)]
+    return tuple([0] * (2 - len(first)) + first)
+
+
 def _on_device(xp, opts):
     """The options with alibi_slopes moved to the chunks' device (a few numbers)."""
     if opts.get("alibi_slopes") is None or array_module(opts["alibi_slopes"]) is xp:
@@ -137,17 +165,30 @@ def _on_device(xp, opts):
     return dict(opts, alibi_slopes=xp.asarray(opts["alibi_slopes"]))
 
 
-def _partial(q, k, v, r0, c0, off, causal, opts):
+def _at(opts, bh0, q0, k0):
+    """opts with its score_mod and mask_mod (translated Mods) for the part of the problem
+    that starts at batch row and query head bh0, query q0 and key k0 (Mod.at)."""
+    out = dict(opts)
+    origin = np.array([*bh0, q0, k0], dtype=np.int64)   # one array for both mods
+    for name in ("score_mod", "mask_mod"):
+        if out.get(name) is not None:
+            out[name] = out[name].at(origin)
+    return out
+
+
+def _partial(q, k, v, r0, c0, off, causal, opts, bh0=(0, 0)):
     """(o, lse) of query rows [r0, r0 + nq) over keys [c0, c0 + nk) of a problem whose key
     j is hidden from row i when causal and j > i + off; o in the accumulation dtype. Rows
-    that see none of these keys get o = 0, lse = −inf."""
+    that see none of these keys get o = 0, lse = −inf. bh0: the block's first batch row
+    and query head (the mods' b and h)."""
     xp = array_module(q)
     acc = _dtypes.accum_dtype(q.dtype)
     nq, nk = q.shape[-2], k.shape[-2]
     opts = _on_device(xp, opts)
     if not causal or c0 + nk == r0 + nq + off:
         # Not causal, or the block's bottom-right corner is on the diagonal: one call.
-        o, lse = _attention(q, k, v, causal=causal, return_lse=True, **opts)
+        o, lse = _attention(q, k, v, causal=causal, return_lse=True,
+                            **_at(opts, bh0, r0, c0))
         return o.astype(acc, copy=False), lse
     o = xp.zeros(q.shape, dtype=acc)
     lse = xp.full(q.shape[:-1], -np.inf, dtype=acc)
@@ -160,10 +201,12 @@ def _partial(q, k, v, r0, c0, off, causal, opts):
         # its own causal mask is then the global one.
         e = t_full + r0 + off - c0
         o_p, lse_p = _attention(q[..., t_none:t_full, :], k[..., :e, :], v[..., :e, :],
-                                causal=True, return_lse=True, **opts)
+                                causal=True, return_lse=True,
+                                **_at(opts, bh0, r0 + t_none, c0))
         o[..., t_none:t_full, :], lse[..., t_none:t_full] = o_p, lse_p
     if nq > t_full:
-        o_f, lse_f = _attention(q[..., t_full:, :], k, v, return_lse=True, **opts)
+        o_f, lse_f = _attention(q[..., t_full:, :], k, v, return_lse=True,
+                                **_at(opts, bh0, r0 + t_full, c0))
         o[..., t_full:, :], lse[..., t_full:] = o_f, lse_f
     return o, lse
 
@@ -215,11 +258,11 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     chunk) pair is one task; the partials of a query block are merged by a tree of
     merge_states with fan-in split_every. Returns o with q's chunks (and lse with
     q.chunks[:-1] when return_lse). window and alibi_slopes need one query and one key
-    chunk; bias, mask, dropout and the programmable options (score_mod, mask_mod,
-    block_mask) are refused with a ValueError.
+    chunk; score_mod and mask_mod see the whole problem's b, h, q_idx, kv_idx (with at
+    most one batch axis); bias, mask, dropout and block_mask are refused with a
+    ValueError.
     """
-    _refuse(dict(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed, score_mod=score_mod,
-                 mask_mod=mask_mod, block_mask=block_mask))
+    _refuse(dict(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed, block_mask=block_mask))
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
     allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
@@ -229,11 +272,12 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
         raise ValueError(f"split_every must be >= 2; got {split_every}")
     q, k, v, dtype, squeeze, scale = _prepare(
         q, k, v, dict(scale=scale, window=window, alibi_slopes=alibi_slopes))
+    mods = _mods(score_mod, mask_mod, q)
     acc = _dtypes.lse_dtype(dtype)
     nq, nk = q.shape[-2], k.shape[-2]
     off = nk - nq
     token = tokenize(q, k, v, causal, scale, algorithm, backend, softcap, window,
-                     alibi_slopes, allow_tf32, split_every)
+                     alibi_slopes, allow_tf32, split_every, _mods_token(mods))
     pname, mname = f"cuflash-attn-part-{token}", f"cuflash-attn-merge-{token}"
     oname, lname = f"cuflash-attn-o-{token}", f"cuflash-attn-lse-{token}"
     qs, ks = _starts(q.chunks[-2]), _starts(k.chunks[-2])
@@ -244,7 +288,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
         r0, r1 = int(qs[qi]), int(qs[qi + 1])
         opts = dict(scale=scale, algorithm=algorithm, backend=backend, softcap=softcap,
                     window=window, alibi_slopes=_alibi_block(alibi_slopes, starts, bh),
-                    allow_tf32=allow_tf32)
+                    allow_tf32=allow_tf32, **mods)
         parts = []
         for ki in range(len(ks) - 1):
             c0 = int(ks[ki])
@@ -252,7 +296,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
                 continue  # no row of this block sees a key of this chunk
             key = (pname,) + idx + (ki,)
             dsk[key] = (_partial, (q.name,) + idx + (0,), (k.name,) + bh + (ki, 0),
-                        (v.name,) + bh + (ki, 0), r0, c0, off, causal, opts)
+                        (v.name,) + bh + (ki, 0), r0, c0, off, causal, opts,
+                        _bh0(starts, bh))
             parts.append(key)
         if not parts:
             parts = [(pname,) + idx + (-1,)]
@@ -272,7 +317,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False,
     return (o, lse) if return_lse else o
 
 
-def _backward_block(do, q, k, v, o, lse, r0, off, causal, opts):
+def _backward_block(do, q, k, v, o, lse, r0, off, causal, opts, bh0=(0, 0)):
     """(dq, dk, dv) of query rows [r0, r0 + nq) against all keys; dk, dv are this
     block's share, in the accumulation dtype, to be summed over the query blocks."""
     xp = array_module(q)
@@ -287,7 +332,7 @@ def _backward_block(do, q, k, v, o, lse, r0, off, causal, opts):
     if e == 0:
         return xp.zeros(q.shape, dtype=q.dtype), dk, dv
     dq, dk_e, dv_e = _attention_backward(do, q, k[..., :e, :], v[..., :e, :], o, lse,
-                                         causal=causal, **opts)
+                                         causal=causal, **_at(opts, bh0, r0, 0))
     dk[..., :e, :], dv[..., :e, :] = dk_e, dv_e
     return dq, dk, dv
 
@@ -312,8 +357,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     to one key chunk first, with a warning; dk and dv come back in k's chunks, dq in q's.
     """
     _refuse(dict(bias=bias, mask=mask, dropout_p=dropout_p, seed=seed,
-                 return_dbias=return_dbias, score_mod=score_mod, mask_mod=mask_mod,
-                 block_mask=block_mask, return_mod_grads=return_mod_grads))
+                 return_dbias=return_dbias, block_mask=block_mask,
+                 return_mod_grads=return_mod_grads))
     causal = _checks.check_flag("causal", causal)
     allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
     split_every = int(split_every)
@@ -326,6 +371,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
                 for n, x in (("k", k), ("v", _as_dask("v", v))))
     q, k, v, dtype, _, scale = _prepare(
         q, k, v, dict(scale=scale, window=window, alibi_slopes=alibi_slopes))
+    mods = _mods(score_mod, mask_mod, q)
     do, o, lse = (_as_dask(n, x) for n, x in (("do", do), ("o", o), ("lse", lse)))
     _checks.check_like("do", _shape_only(do), "q", _shape_only(q[0] if squeeze else q), dtype)
     _checks.check_like("o", _shape_only(o), "q", _shape_only(q[0] if squeeze else q), dtype)
@@ -337,7 +383,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     nq, nk = q.shape[-2], k.shape[-2]
     off = nk - nq
     token = tokenize(do, q, k, v, o, lse, causal, scale, backend, softcap, window,
-                     alibi_slopes, allow_tf32, split_every)
+                     alibi_slopes, allow_tf32, split_every, _mods_token(mods))
     pname, sname = f"cuflash-bwd-part-{token}", f"cuflash-bwd-sum-{token}"
     dqname, dkname, dvname = (f"cuflash-bwd-{n}-{token}" for n in ("dq", "dk", "dv"))
     qs = _starts(q.chunks[-2])
@@ -345,7 +391,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     dsk = {}
     for bh in itertools.product(*(range(len(c)) for c in q.chunks[:-2])):
         opts = dict(scale=scale, backend=backend, softcap=softcap, window=window,
-                    alibi_slopes=_alibi_block(alibi_slopes, starts, bh), allow_tf32=allow_tf32)
+                    alibi_slopes=_alibi_block(alibi_slopes, starts, bh), allow_tf32=allow_tf32,
+                    **mods)
         parts = []
         for qi in range(len(qs) - 1):
             idx = bh + (qi,)
@@ -353,7 +400,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
             dsk[key] = (_backward_block, (do.name,) + idx + (0,), (q.name,) + idx + (0,),
                         (k.name,) + bh + (0, 0), (v.name,) + bh + (0, 0),
                         (o.name,) + idx + (0,), (lse.name,) + idx, int(qs[qi]), off,
-                        causal, opts)
+                        causal, opts, _bh0(starts, bh))
             dsk[(dqname,) + idx + (0,)] = (operator.getitem, key, 0)
             parts.append(key)
         root = _tree(dsk, sname, bh, parts, split_every, _sum)

@@ -143,21 +143,14 @@ def test_errors():
 
 def test_options_the_chunks_cannot_take_are_refused():
     """Every option of cuflash.flash_attention(_backward) that cuflash.dask cannot honour is
-    a ValueError naming it (never ignored: a score_mod once was), arrays included; an
-    unknown keyword is Python's TypeError."""
+    a ValueError naming it (never ignored), arrays included; an unknown keyword is
+    Python's TypeError."""
     x = np.zeros((1, 2, 16, 8), np.float32)
     q, k, v = (da.from_array(x, chunks=(1, 2, 8, 8)) for _ in range(3))
     lse = da.from_array(np.zeros((1, 2, 16), np.float32), chunks=(1, 2, 8))
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + q_idx
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
-
     refused = dict(bias=np.ones((16, 16), np.float32), mask=np.ones((16, 16), bool),
-                   dropout_p=0.1, seed=3, score_mod=score_mod, mask_mod=mask_mod,
-                   block_mask=object())
+                   dropout_p=0.1, seed=3, block_mask=object())
     for name, value in refused.items():
         with pytest.raises(ValueError, match=rf"^{name} is not supported by cuflash.dask"):
             cdask.flash_attention(q, k, v, **{name: value})
@@ -168,6 +161,62 @@ def test_options_the_chunks_cannot_take_are_refused():
             cdask.flash_attention_backward(q, q, k, v, q, lse, **{name: True})
     with pytest.raises(TypeError, match="unexpected keyword argument 'casual'"):
         cdask.flash_attention(q, k, v, casual=True)
+
+
+# mods that read every argument: a table over q_idx − kv_idx scaled per head and batch
+# row, a document mask over the absolute positions (a document boundary inside chunks)
+TABLE = np.linspace(-1.0, 1.0, 160)
+DOCS = np.repeat(np.arange(6), 11)[:60]
+
+
+def table_bias(score, b, h, q_idx, kv_idx):
+    return score + TABLE[q_idx - kv_idx + 80] * (h + 1) - 0.25 * b
+
+
+def same_doc(b, h, q_idx, kv_idx):
+    return (DOCS[q_idx] == DOCS[kv_idx]) | (kv_idx < 2 + h)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]], ids=lambda c: "q" + "x".join(map(str, c[2])))
+def test_mods_see_the_whole_problem(case, causal):
+    """score_mod and mask_mod in chunks read the whole problem's b, h, q_idx and kv_idx
+    (Mod.at): the float64 reference with the mods on the whole arrays, forward and
+    backward, on the NumPy backend and for one case in the emulator's kernels."""
+    from test_programmable import reference as mod_reference
+    (q, k, v), arrs = data(case, np.float64, seed=4)
+    do = np.random.default_rng(6).uniform(-1, 1, q.shape)
+    mods = dict(score_mod=table_bias, mask_mod=same_doc)
+    ro, rl, *rgrads = mod_reference(q, k, v, do, scale=q.shape[-1] ** -0.5, **mods)
+    if causal:   # causal as a third mask, bottom-right aligned
+        off = k.shape[-2] - q.shape[-2]
+
+        def both(b, h, q_idx, kv_idx):
+            return same_doc(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + off)
+        ro, rl, *rgrads = mod_reference(q, k, v, do, scale=q.shape[-1] ** -0.5,
+                                        score_mod=table_bias, mask_mod=both)
+    backends = ["numpy"] + (["emulator"] if case is CASES[1] else [])
+    for backend in backends:
+        o, lse = cdask.flash_attention(*arrs, causal=causal, return_lse=True, backend=backend,
+                                       **mods)
+        o, lse = dask.compute(o, lse, scheduler="threads")
+        assert_close_to_reference(o, ro, None, np.float64, what=f"o {backend}")
+        np.testing.assert_allclose(lse, rl, rtol=1e-12, atol=1e-12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # keys rechunked to one chunk
+            grads = cdask.flash_attention_backward(
+                da.from_array(do, chunks=case[2]), *arrs, da.from_array(o, chunks=case[2]),
+                da.from_array(lse, chunks=case[2][:-1]), causal=causal, backend=backend, **mods)
+        for name, g, w in zip(("dq", "dk", "dv"), dask.compute(*grads, scheduler="threads"),
+                              rgrads):
+            assert_close_to_reference(g, w, None, np.float64, what=f"{name} {backend}")
+
+
+def test_mods_need_one_batch_axis():
+    x = da.zeros((2, 2, 2, 8, 4), chunks=(1, 2, 2, 8, 4))
+    with pytest.raises(ValueError, match=r"score_mod and mask_mod need q with at most one "
+                                         r"batch axis in cuflash.dask"):
+        cdask.flash_attention(x, x, x, mask_mod=same_doc)
 
 
 def test_allow_tf32_reaches_every_chunk():

@@ -35,6 +35,7 @@ _CASTS = {"int": INT, "int32": INT, "int64": INT, "float": FLOAT, "float32": FLO
           "float64": FLOAT, "bool": BOOL, "bool_": BOOL}
 _CONSTANTS = {"pi": math.pi, "e": math.e, "inf": math.inf}
 _MAX_DEPTH = 32  # nested helper calls: deeper is recursion
+ORIGIN = "cuflash_origin"  # the captured offsets of a part's mod (Mod.at)
 
 
 class Mod(NamedTuple):
@@ -57,12 +58,40 @@ class Mod(NamedTuple):
         """The names of the captured float arrays: the ones with a gradient."""
         return tuple(n for n, a in self.buffers.items() if _kind_of_dtype(a.dtype) == FLOAT)
 
+    def at(self, origin):
+        """This mod for a part of a problem whose first batch row, query head, query and
+        key are origin = (b0, h0, q0, k0) of the whole (cuflash.dask's chunks): it reads
+        b + b0, h + h0, q_idx + q0 and kv_idx + k0, the offsets from `origin` captured as
+        `ORIGIN` (an int64 array of 4, which a score_mod and a mask_mod of one call share),
+        so every part has the same key (one specialization for all of them)."""
+        if ORIGIN in self.buffers:
+            raise ValueError(f"{self.role} {self.name} is already a part's (it captures "
+                             f"`{ORIGIN}`)")
+        made = {}
+
+        def rewrite(n):
+            if id(n) not in made:
+                if n.op == "arg" and n.value != "score":
+                    i = Node("const", (), INT, ("b", "h", "q_idx", "kv_idx").index(n.value))
+                    made[id(n)] = Node("add", (n, Node("index", (i,), INT, ORIGIN)), INT)
+                else:
+                    made[id(n)] = Node(n.op, [rewrite(a) for a in n.args], n.kind, n.value,
+                                       n.where)
+            return made[id(n)]
+
+        if np.dtype(origin.dtype) != np.int64 or origin.shape != (4,):
+            raise ValueError(f"origin must be an int64 array of 4 (b0, h0, q0, k0); got "
+                             f"{origin.dtype} {origin.shape}")
+        return self._replace(expr=rewrite(self.expr), buffers={**self.buffers, ORIGIN: origin})
+
 
 def translate(fn, role):
     """The Mod of `fn` as a score_mod (role="score_mod": fn(score, b, h, q_idx, kv_idx)
     → float) or a mask_mod (role="mask_mod": fn(b, h, q_idx, kv_idx) → bool)."""
     if role not in ("score_mod", "mask_mod"):
         raise ValueError(f"role must be 'score_mod' or 'mask_mod'; got {role!r}")
+    if isinstance(fn, Mod) and fn.role == role:  # translated already
+        return fn
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"{role} must be a Python function (def or lambda); got "
                         f"{type(fn).__name__}")
