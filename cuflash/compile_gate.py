@@ -672,9 +672,10 @@ def check_kernels(argv=None) -> int:
                     help="an architecture to build for, repeatable (default: each of "
                          + ", ".join(ARCHS) + " that the installed NVRTC targets)")
     ap.add_argument("--source", action="append", metavar="FILE",
-                    help="only this kernel source of cuflash/kernels/, repeatable (default: "
-                         "every source: " + ", ".join(sorted(collect_specializations()))
-                         + ")")
+                    help="only this kernel source of cuflash/kernels/, repeatable, or a "
+                         "FILE+mods_f32 / FILE+mods_f64 build with the example mods "
+                         "(default: every source: "
+                         + ", ".join(sorted(collect_specializations())) + ")")
     ap.add_argument("--no-cache", action="store_true",
                     help="rebuild everything, ignoring the on-disk results cache in "
                          f"{_cache_dir()} (default: use it)")
@@ -684,7 +685,7 @@ def check_kernels(argv=None) -> int:
                     help="skip the disassembly (HMMA/LDSM/LDGSTS/LDL/STL counts and the main "
                          "loops' cost; default: disassemble where nvdisasm is installed)")
     args = ap.parse_args(argv)
-    sources = sorted(collect_specializations())
+    sources = sorted({f for arch in ARCHS for f in collect_specializations(arch)})
     unknown = sorted(set(args.source or ()) - set(sources))
     if unknown:
         ap.error(f"--source {unknown[0]!r} is not a kernel source; choose from "

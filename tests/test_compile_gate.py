@@ -210,6 +210,15 @@ def test_block_mask_kernel_is_built_with_a_mask_mod_on_every_arch():
         compile_gate.format_table(rows)
 
 
+def test_check_kernels_selects_a_mods_build(capsys):
+    """--source takes the "+mods" builds the gate makes (the kernels with the example
+    mods compiled in), not only the plain files."""
+    assert compile_gate.check_kernels(["--source", "block_mask.cu+mods_f32", "--arch", "sm_75",
+                                       "--no-sass"]) == 0
+    out = capsys.readouterr().out
+    assert "block_mask_kernel<256> +mods" in out and "1 builds (1 specializations x 1 archs)" in out
+
+
 # -- sm_90a: the Hopper kernels' machine code ------------------------------------------------
 
 def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
