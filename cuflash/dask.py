@@ -51,8 +51,7 @@ def _refuse(options):
                          f"by cuflash.dask (the chunks would read or draw them with "
                          f"chunk-local indices, or return what no chunk holds); supported: "
                          f"causal, scale, softcap, allow_tf32, score_mod, mask_mod, and "
-                         f"window, alibi_slopes with "
-                         f"one query and one key chunk")
+                         f"window, alibi_slopes with one query and one key chunk")
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -142,8 +141,8 @@ def _mods(score_mod, mask_mod, q):
         raise ValueError(f"score_mod and mask_mod need q with at most one batch axis in "
                          f"cuflash.dask (their b is the flattened batch index); got q of "
                          f"shape {q.shape}: reshape it to (B, H, Nq, d)")
-    return {"score_mod": None if score_mod is None else programmable.translate(score_mod, "score_mod"),
-            "mask_mod": None if mask_mod is None else programmable.translate(mask_mod, "mask_mod")}
+    return {role: None if fn is None else programmable.translate(fn, role)
+            for role, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))}
 
 
 def _mods_token(mods):

@@ -13,7 +13,7 @@ from cuflash.programmable import block_mask
 
 from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
                       emulator_backend)
-from test_programmable import reference
+from test_programmable import _DeviceArray, reference
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 
@@ -268,6 +268,13 @@ def _past_the_end(b, h, q_idx, kv_idx):
     return DOCS[q_idx] == DOCS[kv_idx + 1]
 
 
+_docs_device = _DeviceArray(DOCS)   # what block_mask sees of a CuPy array
+
+
+def _document_on_device(b, h, q_idx, kv_idx):
+    return _docs_device[q_idx] == _docs_device[kv_idx]
+
+
 def test_block_mask_on_the_device_reads_and_limits():
     """A read past a captured array: reported in checked mode, clamped otherwise (as the
     attention kernels); grids the kernel cannot launch are a ValueError naming the limit."""
@@ -289,6 +296,10 @@ def test_block_mask_on_the_device_reads_and_limits():
         block_mask(document, None, None, 70000, 64, block_size=(1, 64), backend="emulator")
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', "):
         block_mask(document, None, None, N, N, backend="gpu")
+    with pytest.raises(TypeError, match=r"backend='emulator' computes on NumPy arrays in host "
+                                        r"memory; _docs_device is .* on the GPU"):
+        block_mask(_document_on_device, None, None, N, N, backend="emulator")
+
 
 
 @pytest.mark.gpu

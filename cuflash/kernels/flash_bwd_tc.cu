@@ -536,11 +536,12 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     // The products (as the dK/dV kernel's): 16-bit tiles' ldmatrix addressed once
     constexpr bool kFragProducts = !Tr::kTf32;
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T), kSlotBytes = kSlot * sizeof(T);
-    const unsigned s_base = fresh(smem_addr(sQ));  // held, as the dK/dV kernel's
+    // the shared tiles as addresses, from one base held as the dK/dV kernel's
+    const unsigned s_base = fresh(smem_addr(sQ));
+    auto from_q = [&](const T* tile) { return s_base + unsigned(tile - sQ) * sizeof(T); };
     const unsigned s_q = s_base + warp_row0 * kRowBytes;
-    const unsigned s_do = s_base + Tr::kSmemOwn * sizeof(T) + warp_row0 * kRowBytes;
-    const unsigned s_k = s_base + 2 * Tr::kSmemOwn * sizeof(T);
-    const unsigned s_v = s_k + Tr::kSmemRing * sizeof(T);
+    const unsigned s_do = from_q(sdO) + warp_row0 * kRowBytes;
+    const unsigned s_k = from_q(sK), s_v = from_q(sV);
     const BwdFragAddrs<Tr> ad(lane);
 
     // -- one iteration of the main loop, on tile j: plain or with the variants' chain

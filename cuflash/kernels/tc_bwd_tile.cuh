@@ -356,14 +356,6 @@ template <class Tr> struct DqPartAddrs {
     }
 };
 
-// part[r, c] += (dS K_j)[r, c] for the tile's TILE_ROWS rows and HEAD_DIM columns at
-// `part` (rows of HEAD_DIM floats; K_j at s_k; the partial is padded so that every tile is whole:
-// padding queries have dS = 0 and padding columns of K_j are zero, so what lands there
-// is zero): dS (TILE_ROWS queries x BLOCK_ROWS keys) read from sdS's dSᵀ by
-// ldmatrix.trans, K_j (keys x D) from sK by ldmatrix.trans as V_j in P̃ V_j. The warp
-// takes one 16-row group and kDqCols columns; its thread adds its own elements, the same
-// ones at every tile, so each element of the partial has one writer and its additions
-// happen in program order.
 // *p += (x, y) in global memory: one vector reduction where the GPU has it (sm_90+), else
 // two (from one base address); each element's additions in program order either way.
 __device__ __forceinline__ void add_pair(float2* p, float x, float y) {
@@ -375,6 +367,14 @@ __device__ __forceinline__ void add_pair(float2* p, float x, float y) {
 #endif
 }
 
+// part[r, c] += (dS K_j)[r, c] for the tile's TILE_ROWS rows and HEAD_DIM columns at
+// `part` (rows of HEAD_DIM floats; K_j at s_k; the partial is padded so that every tile is whole:
+// padding queries have dS = 0 and padding columns of K_j are zero, so what lands there
+// is zero): dS (TILE_ROWS queries x BLOCK_ROWS keys) read from sdS's dSᵀ by
+// ldmatrix.trans, K_j (keys x D) from sK by ldmatrix.trans as V_j in P̃ V_j. The warp
+// takes one 16-row group and kDqCols columns; its thread adds its own elements, the same
+// ones at every tile, so each element of the partial has one writer and its additions
+// happen in program order.
 template <class Tr>
 __device__ __forceinline__ void add_dq_part(float* __restrict__ part, unsigned s_k,
                                             const DqPartAddrs<Tr>& at) {

@@ -3,7 +3,8 @@
 `block_mask` evaluates the mask_mod once over the whole (B, H, Nq, Nk) grid and keeps one
 byte per tile: on the GPU (or in the emulator) one thread block per tile
 (kernels/block_mask.cu, the mask_mod compiled in as the attention kernels compile it), on
-the host one strip of query blocks at a time (memory O(B·H·block·Nk) at most, never N×N). Attention with a block mask skips empty tiles, evaluates the mask_mod only in
+the host one strip of query blocks at a time (memory O(B·H·block·Nk) at most, never
+N×N). Attention with a block mask skips empty tiles, evaluates the mask_mod only in
 partial tiles and runs full tiles as plain attention; the tiles are the block mask's own
 blocks. A block mask serves any call with the same mask_mod, B, H, Nq and Nk (layers,
 steps), and `save` / `BlockMask.load` keep it across processes.
@@ -166,6 +167,9 @@ def _device_kinds(backend, mod, Bm, Hm, Nq, Nk, bq, bk, dtype):
         if n > limit:
             raise ValueError(f"block_mask on backend={backend.name!r}: {what} = {n} exceeds "
                              f"{limit}; use larger (or smaller) blocks, or backend='numpy'")
+    # the captured arrays where the backend computes (a clear error for GPU arrays on
+    # the emulator)
+    mod = mod._replace(buffers=dict(zip(mod.buffers, _dispatch.bring(backend, mod.buffers))))
     xp = backend.xp
     clamp = not (backend.name == "emulator" and backend.module_options.get("checked"))
     mods = kernel_mods(xp, None, mod, dtype, clamp=clamp)
