@@ -25,7 +25,8 @@ def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=2, arch="sm_90a")
 
 
-def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=None, opts=None):
+def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=None, opts=None,
+           num_splits=1):
     """The kernel against the float64 reference; `opts` as flash_attention takes the
     variants (4-D bias and mask)."""
     opts = opts or {}
@@ -34,7 +35,8 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=
     xp = backend.xp
     var = variants_of(opts, xp)
     o, lse = sm90.forward_sm90(backend, xp.asarray(q), xp.asarray(k), xp.asarray(v),
-                               causal=causal, scale=scale, variants=var, num_blocks=num_blocks)
+                               causal=causal, scale=scale, variants=var, num_blocks=num_blocks,
+                               num_splits=num_splits)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
     ref_o, ref_lse = reference.naive_attention(q, kr, vr, causal=causal, scale=scale,
                                                return_lse=True, **opts)
@@ -165,8 +167,8 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
 
 def test_what_the_planner_gives_the_mma_sync_kernel():
     """Calls the Hopper kernel does not take yet run mma.sync on sm_90a, and the reason
-    says so: a negative scale, split-KV (its query blocks would leave SMs idle),
-    float32, d = 96, rows 136 bytes apart, and sm_90 without the "a" features."""
+    says so: a negative scale, float32, d = 96, rows 136 bytes apart, and sm_90 without
+    the "a" features; split-KV it takes."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
     be = _backend()
@@ -175,10 +177,11 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     def plan(q=q, k=k, v=v, backend=be, **call):
         return kernel_forward.forward_plan(backend, q, k, v, **{"scale": 0.125, **call})
     assert isinstance(plan(), tiling.Sm90FwdPlan)
-    for call in (dict(scale=-0.125), dict(scale=None), dict(num_splits=2)):
+    for call in (dict(scale=-0.125), dict(scale=None)):
         assert type(plan(**call)) is tiling.TcPlan, call
+    assert isinstance(plan(num_splits=2), tiling.Sm90FwdPlan)
     long_keys = attention_inputs(1, 1, 1, 64, 1024, 64, F16)[:3]   # 1 query block, 8 key tiles
-    assert type(plan(*long_keys)) is tiling.TcPlan
+    assert isinstance(plan(*long_keys), tiling.Sm90FwdPlan)          # split-KV
     assert isinstance(plan(*attention_inputs(4, 32, 8, 256, 1024, 64, F16)[:3]), tiling.Sm90FwdPlan)
     assert type(plan(*attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3])) is tiling.TcPlan
     d256 = plan(*attention_inputs(4, 32, 8, 256, 1024, 256, F16)[:3])   # 64-key tiles
@@ -199,7 +202,7 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
 
 
 def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=None,
-                  num_blocks=None):
+                  num_blocks=None, num_splits=1):
     """The kernel over packed sequences: each sequence's O and lse against its own float64
     reference."""
     from cuflash.backends.kernel_forward import Segments
@@ -214,6 +217,7 @@ def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=No
                         cu_q=xp.asarray(cu_q), cu_k=xp.asarray(cu_k))
     o, lse = sm90.forward_sm90(backend, *map(xp.asarray, (q, k, v)), causal=causal,
                                scale=scale, segments=segments, num_blocks=num_blocks,
+                               num_splits=num_splits,
                                variants=variants_of(opts, xp) if opts else None)
     o, lse = to_host(o), to_host(lse)
     for b, (qb, kb, vb) in enumerate(seqs):
@@ -240,8 +244,7 @@ def test_packed_sequences(causal, opts):
 
 
 def test_the_planner_gives_packed_sequences_to_it():
-    """kernel_forward.forward with packed sequences on sm_90a: the Hopper kernel where its
-    query blocks fill the SMs (no split-KV)."""
+    """kernel_forward.forward with packed sequences on sm_90a: the Hopper kernel."""
     from cuflash import tiling
     from cuflash.backends import kernel_forward
     from cuflash.backends.kernel_forward import Segments
@@ -254,6 +257,49 @@ def test_the_planner_gives_packed_sequences_to_it():
 
 
 
+@pytest.mark.parametrize("D,dt,causal,opts", [
+    (64, F16, False, None), (128, BF16, True, None), (256, F16, True, dict(window=(100, 20))),
+    (64, BF16, True, dict(softcap=1.5))])
+def test_split_kv(D, dt, causal, opts):
+    """Split-KV: each split's tiles over its share of the key tiles (seqlens.cuh's rule), its
+    O and lse merged after (merge_states); 2 and 3 splits against the reference, splits
+    that some rows see no key of (causal, the window: lse −inf there), MQA, and a split
+    count above the key tiles (empty splits)."""
+    for splits in (2, 3, 9):
+        _check(_backend(), 1, 2, 1, 150, 520, D, causal, seed=D + splits, dtype=dt, opts=opts,
+               num_splits=splits)
+
+
+def test_split_kv_checked_packed_and_cached():
+    """Split-KV in checked mode under a random schedule (no hazard, no row written twice),
+    over packed sequences and a paged KV cache."""
+    be = _backend(checked=True, schedule="random")
+    _check(be, 1, 2, 2, 130, 300, 128, True, dtype=BF16, num_splits=3)
+    _packed_check(be, [30, 150], [290, 70], 2, 1, 64, True, num_splits=2)
+    _cache_check(_backend(), [300, 130], 150, 2, 1, 64, True, page=128, num_splits=3)
+
+
+def test_the_planner_splits_the_keys_on_it(monkeypatch):
+    """A call whose query blocks leave SMs idle runs the Hopper kernel with split-KV
+    (`tiling.split_kv_count` over its 128-row tiles): flash_attention gives the bits of
+    launching it directly with that many splits, and it did split."""
+    from cuflash import tiling
+    monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90a")
+    q, k, v = attention_inputs(1, 2, 1, 100, 1000, 64, F16, seed=21)[:3]
+    splits = tiling.split_kv_count(2, 8, _backend().limits()["sm_count"])
+    assert splits > 1
+    seen = []
+    launch = sm90.forward_sm90
+    monkeypatch.setattr(sm90, "forward_sm90",
+                        lambda *a, **kw: seen.append(kw["num_splits"]) or launch(*a, **kw))
+    o, lse = cuflash.flash_attention(q, k, v, causal=True, return_lse=True, backend="emulator")
+    assert seen == [splits]
+    o_direct, lse_direct = launch(_backend(), q, k, v, causal=True, scale=0.125,
+                                  num_splits=splits)
+    np.testing.assert_array_equal(o.view(np.uint16), o_direct.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse_direct)
+
+
 @pytest.mark.parametrize("D", [128, 256])
 def test_packed_sequences_checked(D):
     """The same in checked mode under a random schedule: no hazard, no row of the next
@@ -262,7 +308,8 @@ def test_packed_sequences_checked(D):
                   True, dtype=BF16)
 
 
-def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opts=None):
+def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opts=None,
+                 num_splits=1):
     """The kernel with a KV cache: q (B, H, Nq, D), batch row b's keys the first used[b]
     of its cache (contiguous), or of its pages in a shuffled block table (`page` rows
     each); each row's O and lse against its own float64 reference."""
@@ -287,7 +334,7 @@ def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opt
     segments = Segments(batch=B, max_q=Nq, max_k=max(used),
                         used_k=xp.asarray(np.array(used, np.int32)), block_table=table)
     o, lse = sm90.forward_sm90(backend, *map(xp.asarray, (q, kc, vc)), causal=causal,
-                               scale=scale, segments=segments,
+                               scale=scale, segments=segments, num_splits=num_splits,
                                variants=variants_of(opts, xp) if opts else None)
     o, lse = to_host(o), to_host(lse)
     for b, n in enumerate(used):

@@ -14,7 +14,7 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 * The Hopper forward (`flash_fwd_sm90_kernel`, `kernel_forward_sm90`): on an sm_90a device,
-  float16/bfloat16 calls with d = 64, 128 or 256, packed sequences, KV caches, no split-KV
+  float16/bfloat16 calls with d = 64, 128 or 256, packed sequences, KV caches, split-KV
   (`plain_call`, `tiling.forward_path`).
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
@@ -63,8 +63,7 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
     """The plan `forward` launches for these (prepared) arrays and this call on this
     backend. The Hopper forward takes a call that is `plain_call` with q, k, v its tensor
     maps can read (`kernel_forward_sm90.tma_ready`; `scale` None: a call it does not take)
-    unless its query blocks leave SMs idle (it has no split-KV, the mma.sync kernel splits
-    the keys), a paged cache's pages are not whole key tiles of it, or the queries fill less
+    unless a paged cache's pages are not whole key tiles of it, or the queries fill less
     than half its 128-row tile (a decode step: mma.sync's smaller tiles and split-KV)."""
     lim = backend.limits()
 
@@ -73,26 +72,20 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
                                    aligned=loads_16b_aligned(q, k, v), allow_tf32=allow_tf32,
                                    plain=plain, varlen=segments is not None, **lim)[0]
 
-    plan = path(scale is not None and plain_call(scale, num_splits)
-                and kernel_forward_sm90.tma_ready(q, k, v))
+    plan = path(scale is not None and plain_call(scale) and kernel_forward_sm90.tma_ready(q, k, v))
     if isinstance(plan, tiling.Sm90FwdPlan):
-        (B, Hq, Nq, _), Nk = q.shape, k.shape[2]
-        if segments is not None:
-            B, Nq, Nk = segments.batch, segments.max_q, segments.max_k
-        blocks = -(-Nq // plan.block_m) * Hq * B
+        Nq = segments.max_q if segments is not None else q.shape[2]
         pages = segments is not None and segments.block_table is not None
-        if (num_splits is None and tiling.split_kv_count(blocks, -(-Nk // plan.block_n),
-                                                         lim["sm_count"]) > 1
-                or pages and k.shape[2] % plan.block_n or Nq < plan.block_m // 2):
+        if pages and k.shape[2] % plan.block_n or Nq < plan.block_m // 2:
             plan = path(False)
     return plan
 
 
-def plain_call(scale, num_splits=None) -> bool:
-    """Whether a call has none of what the Hopper forward does not take yet: split-KV, a
-    scale that is not positive and finite (its row max is taken of S before scaling);
-    packed sequences and KV caches it takes."""
-    return num_splits in (None, 1) and 0 < float(scale) < float("inf")
+def plain_call(scale) -> bool:
+    """Whether a call has none of what the Hopper forward does not take yet: a scale that
+    is not positive and finite (its row max is taken of S before scaling); packed
+    sequences, KV caches and split-KV it takes."""
+    return 0 < float(scale) < float("inf")
 
 
 def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_tf32=False,
@@ -114,8 +107,12 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32,
                         scale=scale, segments=segments, num_splits=num_splits)
     if isinstance(plan, tiling.Sm90FwdPlan):
+        if num_splits is None:  # its 128-row tiles, one block per SM
+            blocks = -(-max_q // plan.block_m) * Hq * B
+            num_splits = tiling.split_kv_count(blocks, -(-max_k // plan.block_n), lim["sm_count"])
         return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
-                                                variants=variants, plan=plan, segments=segments)
+                                                variants=variants, plan=plan, segments=segments,
+                                                num_splits=num_splits)
     if segments is not None and segments.block_table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")

@@ -2,7 +2,7 @@
 
 The kernel takes float16 or bfloat16, head dim 64, 128 or 256, q, k, v (B, H, N, D) with strides
 TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
-GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged); no split-KV yet. The planner
+GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged), split-KV. The planner
 (`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
 `forward_sm90` also runs it directly on any backend whose device is sm_90a (the emulator's
 sm_90a, or an H100), for the tests and the GPU check.
@@ -14,6 +14,7 @@ import functools
 import numpy as np
 
 from .. import tiling
+from ..merge import merge_states
 from .kernel_variants import variant_args
 from .marshal import i32
 
@@ -96,7 +97,7 @@ def check_launch(backend, scale, what: str):
 
 
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None, plan=None,
-                 segments=None, num_blocks=None):
+                 segments=None, num_splits=1, num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
     `variants` (cuflash.variants.Variants): the options, None for none.
@@ -104,6 +105,8 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     packed sequences (cu_q, cu_k: q, o (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse
     (1, H, total_q)), a KV cache (used_k), a paged one (block_table: k, v (pages, Hkv,
     page_size, d), page_size a multiple of the plan's block_n).
+    `num_splits`: split-KV's key ranges (seqlens.cuh's rule); the splits' O and lse are
+    merged by `merge_states`.
     `num_blocks`: the grid, each block walking tiles x, x + num_blocks, … (None: one block
     per tile; a persistent grid of one block per SM measured slower causal on an H100,
     `docs/kernels.md`)."""
@@ -125,8 +128,14 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     lse_shape = q.shape[:3]
     if B * H * Nq == 0 or Nk == 0:   # no key: O = 0, lse = −inf
         return xp.zeros(q.shape, q.dtype), xp.full(lse_shape, -np.inf, np.float32)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
+            or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int; got {num_splits!r}")
     o = xp.empty(q.shape, q.dtype)
     lse = xp.empty(lse_shape, np.float32)
+    # with splits, each split's O_i (float) and lse_i, merged below
+    o_part = xp.empty((num_splits, *q.shape), np.float32) if num_splits > 1 else None
+    lse_out = xp.empty((num_splits, *lse_shape), np.float32) if num_splits > 1 else lse
     mods = backend.kernel_mods(variants, np.float32)   # a score_mod / mask_mod, compiled in
     f = backend.get_function(plan, mods)
     data_type = TENSOR_MAP_TYPES[plan.dtype]
@@ -139,16 +148,19 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     maps = (tensor_map(q), tensor_map(k, rows=plan.block_n), tensor_map(v, rows=plan.block_n),
             tensor_map(o, rows=plan.block_m // 2))
     num_m_blocks = -(-Nq // plan.block_m)
-    num_tiles = i32(num_m_blocks * B * H, "query blocks x heads x batch")
+    num_tiles = i32(num_m_blocks * num_splits * B * H, "query blocks x splits x heads x batch")
     grid = num_tiles if num_blocks is None else min(num_tiles, num_blocks)
     lengths = ((None,) * 4 if segments is None else
                (segments.cu_q, segments.cu_k, segments.used_k, table))
     paging = (np.int32(0), np.int32(0)) if table is None else (np.int32(table.shape[1]),
                                                                np.int32(k.shape[2]))
     f((grid,), (plan.num_threads,),
-      (*maps, o, lse, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q),
+      (*maps, o, lse_out, *lengths, *paging, np.int32(H), np.int32(H // Hkv), np.int32(rows_q),
        np.int32(rows_k),
        np.float32(scale), np.int32(bool(causal)), np.int32(num_m_blocks), num_tiles,
+       np.int32(num_splits), np.int64(lse.size), o_part,
        *variant_args(xp, variants, np.float32, mods, plan)),
       shared_mem=plan.dynamic_smem_bytes)
+    if num_splits > 1:
+        o[...], lse[...] = merge_states(o_part, lse_out)
     return o, lse

@@ -51,9 +51,15 @@
 // Causal masking and the sliding window are mask.cuh's (bottom-right aligned): key tiles
 // outside every row's reach are never loaded; those some row sees only in part are masked
 // score by score.
+// Split-KV (num_splits > 1, where the tiles alone would leave SMs idle): the walk's tiles
+// are (query block, split, head, batch), each over its split's share of the key tiles
+// (seqlens.cuh's rule); a split's O_i = acc / ℓ_i leaves in float, from registers, to
+// o_part, and its lse_i split·split_stride rows on, both merged afterwards
+// (cuflash.merge_states).
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "seqlens.cuh"
 #include "sm90.cuh"
 #include "variants.cuh"
 
@@ -120,6 +126,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const int* __restrict__ used_k, const int* __restrict__ block_table,
                       int table_stride, int page_size, int H, int group, int Nq, int Nk,
                       float scale, int causal, int num_m_blocks, int num_tiles,
+                      int num_splits, long long split_stride, float* __restrict__ o_part,
                       CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
@@ -133,19 +140,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int warpgroup = threadIdx.x / 128;
 
     Variants<T> var = CUFLASH_VARIANTS(T);
-    // Tile `tile` of the walk: its first query row, (b, h), its sequence's mask (lengths),
-    // first rows and batch coordinates in q and k, its row 0 in o and lse, and the key
-    // tiles [j0, j1) any of its rows sees (causal, a window: from its first row's left edge
-    // to its last row's diagonal); skip: its rows start past its sequence's end
+    // Tile `tile` of the walk: its first query row, (b, h), its split, its sequence's mask
+    // (lengths), first rows and batch coordinates in q and k, its row 0 in o and lse, and
+    // the key tiles [j0, j1) any of its rows sees (causal, a window: from its first row's
+    // left edge to its last row's diagonal) within its split's share; skip: its rows start
+    // past its sequence's end
     struct Tile {
-        int m0, b, h, q_row0, k_row0, tb, tbk, j0, j1;
+        int m0, b, h, split, q_row0, k_row0, tb, tbk, j0, j1;
         long long row0;
         bool skip;
         CausalMask mask;
     };
     auto tile_at = [&](int tile) {
-        const int m = tile % num_m_blocks, bh = tile / num_m_blocks;  // bh = b·H + h
+        const int m = tile % num_m_blocks, rest = tile / num_m_blocks;
+        const int bh = rest / num_splits;  // bh = b·H + h
         Tile x;
+        x.split = rest % num_splits;
         x.m0 = (causal || var.win_right >= 0 ? num_m_blocks - 1 - m : m) * BM;
         x.b = bh / H;
         x.h = bh % H;
@@ -159,7 +169,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                                              : VARLEN && cu_k ? cu_k[x.b + 1] - x.k_row0 : Nk,
                             causal != 0, var.win_left, var.win_right};
         x.skip = x.m0 >= x.mask.Nq;
-        const int n_begin = x.mask.key_begin(x.m0), n_end = x.mask.key_end(x.m0 + BM);
+        int n_begin = x.mask.key_begin(x.m0), n_end = x.mask.key_end(x.m0 + BM);
+        clip_to_split(x.split, num_splits, x.mask.Nk, BN, n_begin, n_end);
         x.j0 = n_begin / BN;
         x.j1 = n_end > n_begin ? (n_end + BN - 1) / BN : x.j0;
         return x;
@@ -408,7 +419,19 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         bottom.l_i = warp_reduce_sum<4>(bottom.l_i);
         const float inv_top = top.inv_l(), inv_bottom = bottom.inv_l();
         const Tile x = tile_at(tile);  // its head and batch again: no registers held over the loop
-        if constexpr (VARLEN || !Tr::kStageO) {
+        const long long row0 = x.split * split_stride + x.row0;  // its rows in lse (o_part)
+        if (o_part) {  // a split's O_i, in float from registers, for the merge
+#pragma unroll
+            for (int i = 0; i < Tr::kOAcc; i += 4) {
+                const int col = 8 * (i / 4) + 2 * t;
+                if (r_top < mask.Nq)
+                    *reinterpret_cast<float2*>(o_part + (row0 + r_top) * HEAD_DIM + col) =
+                        make_float2(acc[i] * inv_top, acc[i + 1] * inv_top);
+                if (r_top + 8 < mask.Nq)
+                    *reinterpret_cast<float2*>(o_part + (row0 + r_top + 8) * HEAD_DIM + col) =
+                        make_float2(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+            }
+        } else if constexpr (VARLEN || !Tr::kStageO) {
 #pragma unroll
             for (int i = 0; i < Tr::kOAcc; i += 4) {
                 const int col = 8 * (i / 4) + 2 * t;
@@ -444,8 +467,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             }
         }
         if (t == 0) {
-            if (r_top < mask.Nq) lse[x.row0 + r_top] = top.lse();
-            if (r_top + 8 < mask.Nq) lse[x.row0 + r_top + 8] = bottom.lse();
+            if (r_top < mask.Nq) lse[row0 + r_top] = top.lse();
+            if (r_top + 8 < mask.Nq) lse[row0 + r_top + 8] = bottom.lse();
         }
     }
     if (warpgroup == 0) my_turn();  // warpgroup 1's last turn, passed to no one

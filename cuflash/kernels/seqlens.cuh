@@ -37,6 +37,20 @@ struct SeqLayout {
     int num_splits;
 };
 
+// Clip the key range [n_begin, n_end) to split `split`'s share of the ⌈Nk / block_n⌉ key
+// tiles cut into num_splits (FlashAttention-2's split: the same tile count per split for
+// every block); the mma.sync forwards' and the Hopper forward's rule.
+__device__ __forceinline__ void clip_to_split(int split, int num_splits, int Nk, int block_n,
+                                              int& n_begin, int& n_end) {
+    if (num_splits <= 1) return;
+    const int tiles = (Nk + block_n - 1) / block_n;
+    const int per_split = (tiles + num_splits - 1) / num_splits;
+    const int lo = split * per_split * block_n, hi = lo + per_split * block_n;
+    n_begin = n_begin > lo ? n_begin : lo;
+    n_end = n_end < hi ? n_end : hi;
+    if (n_end < n_begin) n_end = n_begin;
+}
+
 struct Seqlens {
     const int* cu_q;    // (B + 1) row offsets of the packed q, o, lse, or nullptr
     const int* cu_k;    // (B + 1) row offsets of the packed k, v, or nullptr
@@ -73,17 +87,10 @@ struct Seqlens {
         return split * lse_ss + b * lse_sb + h * lse_sh + start_q(b) + i;
     }
 
-    // Clip the key range [n_begin, n_end) to split `split`'s share of the ⌈Nk / block_n⌉
-    // key tiles (FlashAttention-2's split: the same tile count per split for every block).
+    // Clip the key range [n_begin, n_end) to split `split`'s share (clip_to_split below).
     __device__ __forceinline__ void clip_to_split(int split, int Nk, int block_n,
                                                   int& n_begin, int& n_end) const {
-        if (num_splits <= 1) return;
-        const int tiles = (Nk + block_n - 1) / block_n;
-        const int per_split = (tiles + num_splits - 1) / num_splits;
-        const int lo = split * per_split * block_n, hi = lo + per_split * block_n;
-        n_begin = n_begin > lo ? n_begin : lo;
-        n_end = n_end < hi ? n_end : hi;
-        if (n_end < n_begin) n_end = n_begin;
+        cuflash::clip_to_split(split, num_splits, Nk, block_n, n_begin, n_end);
     }
 };
 
