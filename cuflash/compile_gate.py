@@ -420,7 +420,7 @@ def _key(source_text, names, arch, options, sass=False):
     h = hashlib.sha256()
     h.update(f"v{CACHE_VERSION}\0{arch}\0".encode())
     if sass:  # the listing's counts and cost: the counter's own source is part of the key
-        h.update(f"sass\0{nvdisasm_path()}\0".encode())
+        h.update(f"sass\0{nvdisasm_path()}\0{_tool_version(nvdisasm_path())}\0".encode())
         h.update(pathlib.Path(sass_cost.__file__).read_bytes())
         h.update(repr((SASS_OPCODES, _SASS_FUNCTION.pattern, _SASS_OPCODE.pattern)).encode())
     h.update("\0".join(options).encode() + b"\1")
@@ -432,11 +432,35 @@ def _key(source_text, names, arch, options, sass=False):
         h.update(name.encode() + b"\0" + (compiler.KERNEL_DIR / name).read_bytes())
     try:
         from cupy.cuda import nvrtc
-        h.update(repr(nvrtc.getVersion()).encode())
+        h.update(repr((nvrtc.getVersion(), _nvrtc_wheels())).encode())
     except Exception:
         pass
-    h.update(ptxas_path().encode())
+    # the tools by path and version: a wheel upgraded in place keeps its path
+    h.update(f"{ptxas_path()}\0{_tool_version(ptxas_path())}".encode())
     return h.hexdigest()
+
+
+@functools.cache
+def _nvrtc_wheels():
+    """The installed NVRTC wheels' versions (getVersion() gives no patch release)."""
+    from importlib import metadata
+    out = []
+    for name in ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc"):
+        try:
+            out.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return tuple(out)
+
+
+@functools.cache
+def _tool_version(path):
+    """What `path --version` prints (ptxas, nvdisasm): their build, for the cache key."""
+    try:
+        return subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)

@@ -1,8 +1,8 @@
 """The compile gate: every specialization compiles with NVRTC for every gate arch and
 assembles with ptxas without spilling — and the gate itself can fail.
 
-The full run is cached on disk (keyed by source + headers + options + names + NVRTC
-version), so only the first run after a kernel edit pays the cold compile.
+The full run is cached on disk (keyed by source + headers + options + names + the NVRTC
+and ptxas builds), so only the first run after a kernel edit pays the cold compile.
 """
 import subprocess
 import sys
@@ -194,6 +194,21 @@ def test_check_kernels_rejects_an_unknown_source(capsys):
         compile_gate.check_kernels(["--source", "flash_fwd.cuh"])
     err = capsys.readouterr().err
     assert "'flash_fwd.cuh'" in err and "flash_fwd.cu" in err
+
+
+def test_cache_key_names_the_tools_builds(monkeypatch):
+    """The results cache is keyed by the tools' builds, not only their paths: an NVRTC or
+    ptxas wheel upgraded in place (same path, same major.minor) must not serve the old
+    tools' registers."""
+    args = (compiler.read_source("flash_fwd.cu"), ["flash_fwd_kernel<float, 64, 64, 64, 4>"],
+            "sm_80", ("-arch=compute_80",))
+    key = compile_gate._key(*args)
+    assert compile_gate._key(*args) == key
+    monkeypatch.setattr(compile_gate, "_tool_version", lambda path: "ptxas V12.9.99")
+    assert compile_gate._key(*args) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_gate, "_nvrtc_wheels", lambda: ("nvidia-cuda-nvrtc-cu12==12.9.1",))
+    assert compile_gate._key(*args) != key
 
 
 def test_block_mask_kernel_is_built_with_a_mask_mod_on_every_arch():

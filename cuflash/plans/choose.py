@@ -88,8 +88,8 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
 
     The Hopper forward (`Sm90FwdPlan`: wgmma, TMA) where the device runs sm_90a code
     (`sm90a`, from its limits), the call is `plain` (q, k, v strided as TMA reads them, a
-    positive scale, packed sequences and KV caches or not; no split-KV: the kernel takes
-    none yet), the dtype float16 or bfloat16, d 64, 128 or 256, and the tile fits; `varlen`
+    positive scale; packed sequences, KV caches and split-KV or not), the dtype float16
+    or bfloat16, d 64, 128 or 256, and the tile fits; `varlen`
     (lengths per batch row: packed sequences, a KV cache) picks its specialization for them."""
     name = dtype_name(dtype)
 
@@ -112,7 +112,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     hopper = sm90_fwd_plan(name, d, varlen) if sm90a else None
     if hopper is not None and plain and hopper.smem_bytes <= max_smem:
         return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup "
-                        "(a plain call: split-KV runs mma.sync)")
+                        "(a plain call)")
     D = next(b for b in head_dims if d <= b)
     plan = _first_fit(tc_fwd_candidates(name, D, split=not allow_tf32, cc=cc), max_smem)
     if plan is None:
@@ -121,7 +121,7 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     if sm90a and name in SM90_DTYPES:   # the Hopper forward was there and did not take it
         why += (f" (the sm_90a wgmma forward takes d = {_one_of(SM90_HEAD_DIMS)} "
                 f"and plain calls: q, k, v with rows whole and strides multiples of 16 bytes, a "
-                f"positive scale, no split-KV)")
+                f"positive scale)")
     return plan, why
 
 
