@@ -126,15 +126,14 @@ def read_csv(path):
 def best_over_two_kernels(rows):
     """{(B, H, N, d, dtype): (W, its ms, the two kernels' ms)}: per shape the fastest 5-GEMM
     count against W = 0, where both were timed."""
-    out = {}
+    shapes = {}
     for r in rows:
-        key = tuple(r[k] for k in ("B", "H", "N", "d", "dtype"))
-        same = [x for x in rows if tuple(x[k] for k in ("B", "H", "N", "d", "dtype")) == key]
-        two = [x["ms"] for x in same if x["W"] == 0]
-        five = [x for x in same if x["W"] > 0]
-        if two and five:
-            best = min(five, key=lambda x: x["ms"])
-            out[key] = (best["W"], best["ms"], two[0])
+        shapes.setdefault(tuple(r[k] for k in ("B", "H", "N", "d", "dtype")), {})[r["W"]] = r["ms"]
+    out = {}
+    for key, ms in shapes.items():
+        best = min((w for w in ms if w > 0), key=ms.get, default=None)
+        if 0 in ms and best is not None:
+            out[key] = (best, ms[best], ms[0])
     return out
 
 

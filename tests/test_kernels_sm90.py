@@ -268,6 +268,10 @@ def test_split_kv(D, dt, causal, opts):
     for splits in (2, 3, 9):
         _check(_backend(), 1, 2, 1, 150, 520, D, causal, seed=D + splits, dtype=dt, opts=opts,
                num_splits=splits)
+    q, k, v = attention_inputs(1, 1, 1, 16, 16, D, dt)[:3]
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"num_splits must be a positive int; got {bad!r}"):
+            sm90.forward_sm90(_backend(), q, k, v, causal=causal, scale=0.1, num_splits=bad)
 
 
 def test_split_kv_checked_packed_and_cached():

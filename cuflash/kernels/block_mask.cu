@@ -10,10 +10,9 @@
 // cuflash_mask_mod, its captured arrays as CUFLASH_MOD_PARAMS), in the accumulation type
 // of the attention calls the block mask serves, as the attention kernels compile it.
 #include "common.cuh"
+#include "variants.cuh"  // TileKind, the kinds the attention kernels read
 
 namespace cuflash {
-
-enum BlockKind : unsigned char { kEmpty = 0, kPartial = 1, kFull = 2 };  // block_mask.py's
 
 // The mods' record: CUFLASH_MOD_RECORD is ", cuflash_mods{...}", a trailing argument.
 __device__ __forceinline__ cuflash_mods mods_record(int, const cuflash_mods& m) { return m; }
@@ -39,5 +38,5 @@ block_mask_kernel(unsigned char* __restrict__ kinds, int H, int Nq, int Nk, int 
     const bool any_seen = __syncthreads_or(seen), any_hidden = __syncthreads_or(hidden);
     if (threadIdx.x == 0)
         kinds[((long long)blockIdx.z * gridDim.y + i) * gridDim.x + j] =
-            !any_seen ? cuflash::kEmpty : any_hidden ? cuflash::kPartial : cuflash::kFull;
+            !any_seen ? cuflash::kTileEmpty : any_hidden ? cuflash::kTilePartial : cuflash::kTileFull;
 }

@@ -536,12 +536,17 @@ __device__ __forceinline__ void flash_bwd_dq_tc(
     // The products (as the dK/dV kernel's): 16-bit tiles' ldmatrix addressed once
     constexpr bool kFragProducts = !Tr::kTf32;
     constexpr unsigned kRowBytes = Tr::kHeadDim * sizeof(T), kSlotBytes = kSlot * sizeof(T);
-    // the shared tiles as addresses, from one base held as the dK/dV kernel's
-    const unsigned s_base = fresh(smem_addr(sQ));
-    auto from_q = [&](const T* tile) { return s_base + unsigned(tile - sQ) * sizeof(T); };
-    const unsigned s_q = s_base + warp_row0 * kRowBytes;
-    const unsigned s_do = from_q(sdO) + warp_row0 * kRowBytes;
-    const unsigned s_k = from_q(sK), s_v = from_q(sV);
+    // the shared tiles as addresses: on sm_90 and sm_100 from one base held as the dK/dV
+    // kernel's (ptxas would rebuild it from the CTA id at every use: 1–17 instructions);
+    // elsewhere each its own (held, it cost sm_80's D = 128 tile 4, sm_120's D = 256 2)
+    constexpr bool kHeldBase = CUFLASH_ARCH >= 900 && CUFLASH_ARCH < 1200;
+    const unsigned s_base = kHeldBase ? fresh(smem_addr(sQ)) : 0u;
+    auto at = [&](const T* tile) {
+        return kHeldBase ? s_base + unsigned(tile - sQ) * sizeof(T) : smem_addr(tile);
+    };
+    const unsigned s_q = at(sQ) + warp_row0 * kRowBytes;
+    const unsigned s_do = at(sdO) + warp_row0 * kRowBytes;
+    const unsigned s_k = at(sK), s_v = at(sV);
     const BwdFragAddrs<Tr> ad(lane);
 
     // -- one iteration of the main loop, on tile j: plain or with the variants' chain
