@@ -7,22 +7,33 @@ timed in turn within each repetition, so that a busy machine slows them alike;
 each gets the median and the best (minimum) of its runs — the best is timeit's
 convention on a shared machine, where slower runs are mostly interference — and,
 against PyTorch, the median of the per-repetition ratios ("paired"), which a machine
-whose speed drifts between repetitions disturbs least.
+whose speed drifts between repetitions disturbs least. The calls run back to back, as
+in a loop over layers: PyTorch's OpenMP threads are made to sleep as soon as a call
+returns (OMP_WAIT_POLICY=PASSIVE, unless set already; it left PyTorch's own times the
+same here), so that they do not spin on the cores the next contender needs. `--settle S`
+idles S seconds before every call instead, the method of earlier results: on a
+virtual machine the first milliseconds after an idle pause run slower, by more for
+the contender that touches more fresh memory.
+The header and every CSV row name the CPU (model, SIMD flags) and the BLAS kernels
+NumPy runs (OpenBLAS's core, and OPENBLAS_CORETYPE where it is set): every ratio
+depends on both.
 Every N times the forward and the backward (against PyTorch's forward+backward); the
 main N also the naive backward and the validation against PyTorch. Writes a CSV and a
 PNG (forward, and forward+backward, causal or not, over N) to benchmarks/results/.
 
     python benchmarks/bench_cpu.py            # B=1, H=8, N=2048, d=64 + sweep N, 15 repetitions
     python benchmarks/bench_cpu.py --quick    # a smaller, faster run (3 repetitions)
+    python benchmarks/bench_cpu.py --headdim 128 --sweep 1024 2048 4096 8192 --tag zen5_d128
 """
 import argparse
 import csv
 import math
 import os
-import platform
 import sys
 import time
 import tracemalloc
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before PyTorch starts its threads
 
 import numpy as np
 
@@ -31,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cuflash import reference as R  # noqa: E402
 from cuflash.backends import numpy_backend as nb  # noqa: E402
 from cuflash.flops import attention_flops  # noqa: E402
+from machine import machine  # noqa: E402
 
 try:
     import torch
@@ -39,7 +51,7 @@ except ImportError:  # the benchmark runs without PyTorch, minus its columns
 
 BK = nb.BACKEND
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SETTLE_S = 0.05   # idle pause before every timed call (see time_interleaved)
+SETTLE_S = 0.0    # idle pause before every timed call (see time_interleaved)
 REPEATS = 15      # repetitions by default: the paired ratio is a median of this many
 
 
@@ -83,9 +95,11 @@ def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
     """The seconds of each fn's runs (an array), the fns run in turn inside every
     repetition, so that run i of two fns saw the machine in about the same state.
 
-    Each timed call starts after a `settle` pause: PyTorch's OpenMP threads keep
-    spinning on the cores for a while after a call returns, which slowed the
-    contender timed right after it by ~10% (measured on 2 cores).
+    Each timed call starts after a `settle` pause (0 by default, see the module's
+    docstring): with OpenMP's default wait policy PyTorch's threads keep spinning on
+    the cores for a while after a call returns, which slowed the contender timed right
+    after it by ~10% (measured on 2 cores); the pause was the remedy before
+    OMP_WAIT_POLICY=PASSIVE.
     """
     for f in fns.values():
         for _ in range(warmup):
@@ -148,6 +162,9 @@ def main(argv=None):
     ap.add_argument("--sweep", type=int, nargs="*", default=None, help="sequence lengths")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds idle before every timed call (default 0)")
+    ap.add_argument("--tag", default="", help="suffix of the CSV and PNG names")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     use_torch = torch is not None and not args.no_torch
@@ -156,10 +173,13 @@ def main(argv=None):
                                                       else [512, 1024, 2048, 4096])
     os.makedirs(args.out, exist_ok=True)
 
-    print(f"# cuflash CPU benchmark — {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, numpy {np.__version__}"
-          + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if use_torch else "")
-          + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""))
+    where = machine()
+    print(f"# cuflash CPU benchmark — {where['cpu']}, {os.cpu_count()} CPUs ({where['simd']}), "
+          f"numpy {np.__version__} with {where['blas']}"
+          + (f", torch {torch.__version__} ({torch.get_num_threads()} threads, "
+             f"{torch.backends.cpu.get_cpu_capability()})" if use_torch else "")
+          + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "")
+          + (f", {args.settle} s idle before each call" if args.settle else ""))
     if not use_torch:
         print("PyTorch " + ("left out (--no-torch)" if torch is not None else
                             "is not installed (pip install torch)")
@@ -200,7 +220,7 @@ def main(argv=None):
             if full:
                 o_n, P_n = naive_forward(q, k, v, causal, scale)
                 fns["naive bwd"] = lambda: naive_backward(do, q, k, v, o_n, P_n, scale)
-            t = time_interleaved(fns, repeats)
+            t = time_interleaved(fns, repeats, settle=args.settle)
             for impl in ("cuflash", "naive") if full else ("cuflash",):
                 t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
             for name, runs in t.items():
@@ -235,7 +255,8 @@ def main(argv=None):
             fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, False)
             fns["torch fwd+bwd"] = lambda: torch_forward_backward(tq, tk, tv, tdo, False)
         spread = {name: summary(runs)[:2]
-                  for name, runs in time_interleaved(fns, max(3, repeats // 2)).items()}
+                  for name, runs in time_interleaved(fns, max(3, repeats // 2),
+                                                     settle=args.settle).items()}
 
     # -- memory: one head, N = 16384, d = 64, float32 --
     Nm = 16384
@@ -275,16 +296,19 @@ def main(argv=None):
         print(f"  cuflash {name:18} {b / 2**20:7.1f} MiB")
     print(f"  naive scores alone          {naive_bytes / 2**20:7.1f} MiB  (N×N float32)")
 
-    csv_path = os.path.join(args.out, "bench_cpu.csv")
+    name = "bench_cpu" + (f"_{args.tag}" if args.tag else "")
+    csv_path = os.path.join(args.out, name + ".csv")
     with open(csv_path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["impl", "pass", "B", "H", "N", "d", "causal", "median_ms", "gflops",
-                    "vs_torch", "best_ms", "best_vs_torch", "paired_vs_torch"])
+                    "vs_torch", "best_ms", "best_vs_torch", "paired_vs_torch", "cpu", "simd",
+                    "blas", "settle_s"])
         for r in rows:
             w.writerow([r["impl"], r["pass_"], r["B"], r["H"], r["N"], r["d"], r["causal"],
                         f"{r['ms']:.3f}", f"{r['gflops']:.2f}", f"{r['vs_torch']:.3f}",
                         f"{r['best_ms']:.3f}", f"{r['best_vs_torch']:.3f}",
-                        f"{r['paired_vs_torch']:.3f}"])
+                        f"{r['paired_vs_torch']:.3f}", where["cpu"], where["simd"],
+                        where["blas"], args.settle])
         for name, (sec, best) in spread.items():
             impl, kind = name.split()
             w.writerow([impl, f"{kind} q×30", B, H, main_N, d, False, f"{sec * 1e3:.3f}",
@@ -322,7 +346,7 @@ def main(argv=None):
             axes[row][0].set_ylabel(f"{what} GFLOP/s")
             axes[row][0].legend()
         fig.tight_layout()
-        png = os.path.join(args.out, "bench_cpu.png")
+        png = os.path.join(args.out, name + ".png")
         fig.savefig(png, dpi=120)
         print(f"wrote {png}")
 

@@ -19,7 +19,6 @@ Writes benchmarks/results/bench_mods.csv.
 import argparse
 import csv
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ import numpy as np
 
 import cuflash
 from cuflash.programmable import translate
+from machine import machine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -157,8 +157,9 @@ def main(argv=None):
     ap.add_argument("--mask-n", type=int, default=16384)
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
-    print(f"# cuflash programmable attention, CPU backend — {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, numpy {np.__version__}")
+    where = machine()
+    print(f"# cuflash programmable attention, CPU backend — {where['cpu']}, {os.cpu_count()} "
+          f"CPUs ({where['simd']}), numpy {np.__version__} with {where['blas']}")
     rows = time_mods(args.n, args.heads, args.d, args.repeat)
     print(f"\nB=1, H={args.heads}, N={args.n}, d={args.d}, float32; medians of {args.repeat} "
           f"interleaved runs")
@@ -177,9 +178,10 @@ def main(argv=None):
     path = os.path.join(args.out, "bench_mods.csv")
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["case", "pass", "median_ms", "paired_vs_plain", "N", "H", "d"])
+        w.writerow(["case", "pass", "median_ms", "paired_vs_plain", "N", "H", "d", "cpu", "blas"])
         for name, kind, ms, ratio in rows:
-            w.writerow([name, kind, f"{ms:.2f}", f"{ratio:.3f}", args.n, args.heads, args.d])
+            w.writerow([name, kind, f"{ms:.2f}", f"{ratio:.3f}", args.n, args.heads, args.d,
+                        where["cpu"], where["blas"]])
         w.writerow(["block_mask document N", "make", f"{seconds * 1e3:.1f}",
                     f"peak {peak / 2**20:.1f} MiB", args.mask_n, 1, ""])
         for what, s in times.items():

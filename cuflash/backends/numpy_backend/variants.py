@@ -44,7 +44,7 @@ from .band import batches, diagonal_windows, runs, windows
 from .expbase import BASE_E, exp_limit
 from .forward_tiles import reference_served
 from .pool import lanes, run_tasks
-from .schedule import NEG_INF
+from .schedule import NEG_INF, head_ranges
 
 # Rows (per query head) and keys of a score tile; a wide window's band is visited in steps
 # of _WINDOW_BLOCK. 512 rows against 128, on a 2-core Zen 4 (1 MB L2 per core), float32,
@@ -404,6 +404,18 @@ def forward(q, k, v, causal, scale, config, var):
     frozen = config.frozen_max and not var.dropout_p
     base, sample = config.base, config.max_sample
     exp, lim, lim_e = base.exp, exp_limit(acc_t, base), exp_limit(acc_t, BASE_E)
+    if frozen:
+        # [s_k·K | 1] and [V | 1] once per call in the accumulation dtype (O(N·d), as the
+        # plain forward's): every step's keys are then a view, not a copy.
+        Kx, Vx = (np.empty((BH, Nk, d + 1), acc_t) for _ in range(2))
+        k3, v3 = k.reshape(BH, Nk, d), v.reshape(BH, Nk, d)
+
+        def prepare(heads):
+            h0, h1 = heads
+            with_ones(k3[h0:h1], Kx[h0:h1], s_k)
+            with_ones(v3[h0:h1], Vx[h0:h1])
+
+        run_tasks(prepare, head_ranges(BH, config.workers), config.workers)
 
     def run(task):
         bh, batch = task
@@ -417,7 +429,7 @@ def forward(q, k, v, causal, scale, config, var):
         return windows(x if np.ndim(factor) == 0 and factor == 1 else x * factor,
                        n, br, span)
 
-    def frozen_steps(q_i, kh, vh, bh, r0, br, n, steps):
+    def frozen_steps(q_i, bh, r0, br, n, steps):
         """(acc, ℓ, m) of the tile with the max frozen at a reference, as the plain
         forward's frozen_max_tile: per step Q Kᵀ, the chain's values, the exponential
         and P̃ [V_j | 1] (ℓ from the column of ones), the masks zeroing probabilities
@@ -453,7 +465,7 @@ def forward(q, k, v, causal, scale, config, var):
         if capped:
             m_i = np.zeros((n, G * br), acc_t)
         elif fold:                               # the first keys, the same for every block
-            K0 = key_windows(kh, slice(0, min(sample, Nk)), 1, 0, min(sample, Nk), s_k)
+            K0 = Kx[bh, None, :min(sample, Nk), :d]
             S0 = Q[..., :d] @ K0[:, None].transpose(0, 1, 3, 2)
             m_i = S0.max(axis=-1)
             for i in range(n):
@@ -465,12 +477,7 @@ def forward(q, k, v, causal, scale, config, var):
         accx = np.zeros((n, G * br, d + 1), acc_t)
         for c0, c1, pred in steps:
             span, keys = c1 - c0, slice(c0, c0 + (n - 1) * br + c1 - c0)  # the n blocks' keys
-            if fold:                                                 # [K_j | 1]
-                K_j = np.empty((keys.stop - keys.start, d + 1), acc_t)
-                with_ones(kh[keys], K_j, s_k)
-                K_j = windows(K_j, n, br, span)
-            else:
-                K_j = key_windows(kh, keys, n, br, span, s_k)
+            K_j = windows(Kx[bh, keys, :d + fold], n, br, span)      # [K_j | 1] or K_j
             S = (Q @ K_j.transpose(0, 2, 1)).reshape(n, G, br, span)
             index = chain.shared_indices(bh, r0, c0, br, S.shape)
             raw_max = S.max(axis=-1) * acc_t.type(base.log_e / pre) if m_i is None else None
@@ -491,9 +498,8 @@ def forward(q, k, v, causal, scale, config, var):
                 np.clip(S, -lim, lim, out=S)
                 exp(S, out=S)                                        # P̃ = b^(S_b − m_b)
             chain.hide(S, bh, r0, c0, pred, br, fill=0, index=index)
-            V_j = np.empty((keys.stop - keys.start, d + 1), acc_t)
-            with_ones(vh[keys], V_j)
-            accx += S.reshape(n, G * br, span) @ windows(V_j, n, br, span)  # acc += P̃ [V_j | 1]
+            V_j = windows(Vx[bh, keys], n, br, span)
+            accx += S.reshape(n, G * br, span) @ V_j                 # acc += P̃ [V_j | 1]
         l_i = accx[..., d]
         if not reference_served(l_i[l_i > 0], accx):   # ℓ = 0: a row every key is hidden from
             return None
@@ -542,7 +548,7 @@ def forward(q, k, v, causal, scale, config, var):
         kh, vh = k[b, hkv], v[b, hkv]
         state = None
         if frozen and shift is None:
-            state = frozen_steps(q_i, kh, vh, bh, r0, br, n, steps)
+            state = frozen_steps(q_i, bh, r0, br, n, steps)
         if state is None:
             Q = np.empty((n, G, br, d), acc_t)
             np.multiply(q_i, s_q, out=Q)

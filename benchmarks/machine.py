@@ -1,0 +1,63 @@
+"""What a CPU benchmark ran on: the CPU's model and SIMD flags, and the BLAS kernels
+NumPy runs (OpenBLAS picks them from the CPU when it loads, unless OPENBLAS_CORETYPE
+names them: on one AVX-512 Zen 5, float32 GEMM ran at 123 GFLOP/s per core with the
+Haswell (AVX2) kernels and 232 with SkylakeX's). Every CPU ratio depends on both."""
+import ctypes
+import os
+import platform
+
+import numpy as np
+
+_SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+         "avx512_fp16", "amx_tile", "neon", "asimd", "sve")
+
+
+def machine():
+    """{cpu, simd, blas}: the CPU's model and SIMD flags (/proc/cpuinfo), and the BLAS
+    NumPy runs with the kernels it picked (OpenBLAS's core) and OPENBLAS_CORETYPE."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model name") and model == platform.machine():
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    blas = "?"
+    try:
+        dep = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = f"{dep.get('name', '?')} {dep.get('version', '')}".strip()
+    except Exception:  # older NumPy: no dicts
+        pass
+    core = openblas_core()
+    if core:
+        blas += f", core {core}"
+    if "OPENBLAS_CORETYPE" in os.environ:
+        blas += f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
+    return {"cpu": model, "simd": " ".join(f for f in _SIMD if f in flags) or "?",
+            "blas": blas}
+
+
+def openblas_core():
+    """The kernels (core name) of the OpenBLAS loaded in this process, or ''."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return ""
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("openblas_get_corename", "scipy_openblas_get_corename64_",
+                     "scipy_openblas_get_corename"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                return fn().decode()
+    return ""
