@@ -59,7 +59,7 @@ from .plans.sm90_fwd import all_sm90_fwd_plans
 # The options CuPy's RawModule adds to the caller's (see the module docstring).
 CUPY_APPENDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 # The architectures the gate proves: compiler.GATE_ARCHS and Blackwell, which runs the
 # sm_80/sm_90 mma.sync plans (B200 sm_100 with 227 KB of shared memory per block, the
@@ -151,6 +151,7 @@ class Row:
     spill_stores: int = -1
     spill_loads: int = -1
     error: str = ""
+    wgmma_serialized: bool = False   # ptxas made the wgmma wait one for another (C7520)
     sass: dict | None = None   # opcode counts (SASS_OPCODES) when built with sass=True
     cost: sass_cost.LoopCost | None = None   # the main loop's, for COSTED kernels with sass
 
@@ -189,7 +190,8 @@ class Row:
     @property
     def ok(self):
         return (not self.error and self.spill_stores == 0 and self.spill_loads == 0
-                and not self.local_memory and not self.rolled_softmax and not self.missing_sass)
+                and not self.local_memory and not self.rolled_softmax and not self.missing_sass
+                and not self.wgmma_serialized)
 
     @property
     def status(self):
@@ -201,6 +203,8 @@ class Row:
             return "LOCAL MEMORY"
         if self.missing_sass:
             return "NO " + ", ".join(self.missing_sass)
+        if self.wgmma_serialized:
+            return "WGMMA SERIALIZED"
         if self.rolled_softmax:
             return (f"ROLLED SOFTMAX ({self.cost.mufu_ex2} MUFU.EX2 per iteration, "
                     f"{self.exp2_needed} scores per thread)")
@@ -313,22 +317,27 @@ _PROPS = re.compile(r"Function properties for (\S+)")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+# …and, where it has to make a function's wgmma wait for one another (their accumulators
+# touched across a branch it cannot see through), a line naming the function:
+#   ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are
+#   serialized due to … in the function '_Z...'
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized.*function '([^']+)'")
 
 
 def parse_ptxas(log):
-    """{mangled name: {"registers", "smem", "spill_stores", "spill_loads"}}."""
+    """{mangled name: {"registers", "smem", "spill_stores", "spill_loads",
+    "wgmma_serialized"}}."""
     out = {}
     current = None
+    serialized = set(_SERIALIZED.findall(log))
     for line in log.splitlines():
         m = _ENTRY.search(line)
         if m:
-            current = out.setdefault(m.group(1), {"registers": 0, "smem": 0,
-                                                  "spill_stores": 0, "spill_loads": 0})
+            current = out.setdefault(m.group(1), _ptxas_entry(m.group(1) in serialized))
             continue
         m = _PROPS.search(line)
         if m:
-            current = out.setdefault(m.group(1), {"registers": 0, "smem": 0,
-                                                  "spill_stores": 0, "spill_loads": 0})
+            current = out.setdefault(m.group(1), _ptxas_entry(m.group(1) in serialized))
             continue
         if current is None:
             continue
@@ -342,6 +351,11 @@ def parse_ptxas(log):
             s = _SMEM.search(line)
             current["smem"] = int(s.group(1)) if s else 0
     return out
+
+
+def _ptxas_entry(serialized):
+    return {"registers": 0, "smem": 0, "spill_stores": 0, "spill_loads": 0,
+            "wgmma_serialized": serialized}
 
 
 def compile_one(source_text, name_expressions, arch, *, source_name="kernel.cu",

@@ -103,8 +103,34 @@ ptxas info    : Function properties for _Z3fooPf
 ptxas info    : Used 255 registers, used 1 barriers, 16384 bytes smem, 360 bytes cmem[0]
 """
     info = compile_gate.parse_ptxas(log)
-    assert info == {"_Z3fooPf": {"registers": 255, "smem": 16384,
-                                 "spill_stores": 4, "spill_loads": 12}}
+    assert info == {"_Z3fooPf": {"registers": 255, "smem": 16384, "spill_stores": 4,
+                                 "spill_loads": 12, "wgmma_serialized": False}}
+
+
+# ptxas 12.9's words where it serializes a kernel's wgmma (before the function's report)
+SERIALIZED_LOG = """ptxas info    : (C7519) warpgroup.arrive is injected in around line 7806 by compiler to allow use of registers in GMMA in function '_Z3barv'
+ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted WG.AR in divergent path in the function '_Z3barv'
+ptxas info    : 82 bytes gmem
+ptxas info    : Compiling entry function '_Z3barv' for 'sm_90a'
+ptxas info    : Function properties for _Z3barv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 16 bytes smem
+ptxas info    : Compiling entry function '_Z3bazv' for 'sm_90a'
+ptxas info    : Function properties for _Z3bazv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 16 bytes smem
+"""
+
+
+def test_serialized_wgmma_fail_the_gate():
+    """A kernel whose wgmma ptxas serialized (each product waiting for the one before) is
+    no Hopper kernel: the gate names it; its neighbour in the same program is fine."""
+    info = compile_gate.parse_ptxas(SERIALIZED_LOG)
+    assert info["_Z3barv"]["wgmma_serialized"] and not info["_Z3bazv"]["wgmma_serialized"]
+    bad = compile_gate.Row("k.cu", "bar", "sm_90a", **info["_Z3barv"])
+    good = compile_gate.Row("k.cu", "baz", "sm_90a", **info["_Z3bazv"])
+    assert not bad.ok and bad.status == "WGMMA SERIALIZED"
+    assert good.ok and good.status == "ok"
 
 
 # -- architectures the installed NVRTC cannot target --------------------------------------

@@ -410,3 +410,45 @@ def test_default_backward_runs_five_gemms(fp16_rows, D, cc):
     assert p == dkdv
     per_gemm = p.block_rows * p.tile_rows * p.head_dim // (16 * 8 * 16)
     assert r.cost.hmma * p.num_warps == 5 * per_gemm
+
+
+# -- the Hopper kernels (sm_90a: an HGMMA counted as the HMMA.16816 it equals per warp) -----
+
+# Instructions per HMMA of one consumer warp's steady-state iteration, fp16, as ceilings (a
+# change may exceed one by 2% at most): the forward per key tile (128 keys; 64 at D = 256),
+# the dK/dV pass per 64-query step, the dQ pass per 64-key tile. FlashAttention-3's forward
+# consumer loop at D = 128, built from its source and counted the same way: 1.65 (176-key
+# tiles). HMMA-equivalents per iteration: the tile's GEMMs over the warpgroup's 4 warps.
+HOPPER_CEILING = {
+    ("flash_fwd_sm90_kernel", 64): (414 / 128, 128), ("flash_fwd_sm90_kernel", 128): (433 / 256, 256),
+    ("flash_fwd_sm90_kernel", 256): (334 / 256, 256),
+    ("flash_bwd_dkdv_sm90_kernel", 64): (382 / 128, 128),
+    ("flash_bwd_dkdv_sm90_kernel", 128): (407 / 256, 256),
+    ("flash_bwd_dq_sm90_kernel", 64): (234 / 96, 96), ("flash_bwd_dq_sm90_kernel", 128): (249 / 192, 192),
+}
+
+
+@pytest.fixture(scope="module")
+def hopper_rows():
+    if not have_toolchain():
+        pytest.skip("NVRTC or ptxas not installed")
+    if compile_gate.nvdisasm_path() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    rows = compile_gate.run_gate(archs=("sm_90a",), sass=True,
+                                 only=("flash_fwd_sm90.cu", "flash_bwd_sm90.cu"))
+    out = {}
+    for r in rows:
+        kernel, _, args = r.kernel.partition("<")
+        args = [a.strip() for a in args.rstrip(">").split(",")]
+        if args[0] == "__half" and args[2:] in ([], ["false"]):   # fp16, padded rows
+            out[(kernel, int(args[1]))] = r
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(HOPPER_CEILING), ids=lambda c: f"{c[0]}-D{c[1]}")
+def test_hopper_loop_ceiling(hopper_rows, case):
+    ceiling, work = HOPPER_CEILING[case]
+    r = hopper_rows[case]
+    assert r.ok, r.status   # 0 spills, HGMMA, UTMALDG, SYNCS, the wgmma not serialized
+    assert r.cost is not None and r.cost.found and r.cost.hmma == work, (r.kernel, r.cost)
+    assert r.cost.per_hmma <= ceiling * 1.02, (r.kernel, r.cost.total, r.cost.per_hmma, ceiling)

@@ -149,7 +149,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const int i_begin = mask.first_row(n0) / BM;
     const int i_end = (mask.row_end(min(n0 + BN, Nk)) + BM - 1) / BM;
     const int steps = group * max(0, i_end - i_begin);
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = sm90::warpgroup_index();
 
     if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
         sm90::prefetch_tensormaps(map_q, map_k, map_v, map_do, map_lse, map_dsum);
@@ -199,6 +199,12 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0] + warpgroup * 64 * 64);
     const unsigned long long v_desc = sm90::desc_k_major_sw128(sm.v[0] + warpgroup * 64 * 64);
+    // the ring's descriptors, made once: a slot, a box and a k step move them by constants
+    constexpr unsigned kSlotDesc = Tr::kBoxes * Tr::kQBoxBytes >> 4, kBoxDesc = Tr::kQBoxBytes >> 4;
+    const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0][0]);
+    const unsigned long long do_desc = sm90::desc_k_major_sw128(sm.dout[0][0]);
+    const unsigned long long q_mn = sm90::desc_mn_major_sw128(sm.q[0][0], Tr::kQBoxBytes);
+    const unsigned long long do_mn = sm90::desc_mn_major_sw128(sm.dout[0][0], Tr::kQBoxBytes);
     float s_t[32], dp_t[32];   // Sᵀ, dPᵀ: the warpgroup's 64 keys × the block's 64 queries
     unsigned pa[BM / 16][4], pds[BM / 16][4];
 
@@ -215,12 +221,12 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
             sm90::wgmma_m64n64k16_ss<T>(s_t, k_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
-                                        sm90::desc_k_major_sw128(sm.q[s][kk / 4]) + 2 * (kk % 4),
+                                        q_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
                                         kk > 0);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
             sm90::wgmma_m64n64k16_ss<T>(dp_t, v_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
-                                        sm90::desc_k_major_sw128(sm.dout[s][kk / 4]) + 2 * (kk % 4),
+                                        do_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
                                         kk > 0);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
@@ -287,12 +293,10 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-            wgmma_rs<T, HEAD_DIM>(acc_dv, pa[kk],
-                                  sm90::desc_mn_major_sw128(sm.dout[s][0], Tr::kQBoxBytes) + 128 * kk);
+            wgmma_rs<T, HEAD_DIM>(acc_dv, pa[kk], do_mn + s * kSlotDesc + 128 * kk);
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-            wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk],
-                                  sm90::desc_mn_major_sw128(sm.q[s][0], Tr::kQBoxBytes) + 128 * kk);
+            wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk], q_mn + s * kSlotDesc + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         ring.release(pos++);
@@ -351,7 +355,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // the key tiles [j0, j0 + tiles) any row of the block sees
     const int j0 = mask.key_begin(m0) / BN;
     const int tiles = max(0, (mask.key_end(min(m0 + BM, Nq)) + BN - 1) / BN - j0);
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = sm90::warpgroup_index();
 
     if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
         sm90::prefetch_tensormaps(map_q, map_k, map_v, map_do);
@@ -407,6 +411,14 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     for (int i = 0; i < Tr::kAcc; ++i) acc[i] = 0.f;
     float s_[32], dp[32];   // S, dP: the warpgroup's 64 rows × the tile's 64 keys
     unsigned pds[BN / 16][4];
+    // the descriptors, made once: a ring slot, a box and a k step move them by constants
+    constexpr unsigned kSlotDesc = Tr::kBoxes * Tr::kKvBoxBytes >> 4, kKvBoxDesc = Tr::kKvBoxBytes >> 4,
+                       kQBoxDesc = Tr::kQBoxBytes >> 4;
+    const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * 64);
+    const unsigned long long do_desc = sm90::desc_k_major_sw128(sm.dout[0] + warpgroup * 64 * 64);
+    const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0][0]);
+    const unsigned long long v_desc = sm90::desc_k_major_sw128(sm.v[0][0]);
+    const unsigned long long k_mn = sm90::desc_mn_major_sw128(sm.k[0][0], Tr::kKvBoxBytes);
 
     sm90::mbar_wait(&q_full, 0);
     for (int j = 0, pos = 0; j < tiles; ++j) {  // pos: tiles consumed, as the producer's
@@ -420,13 +432,13 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
             sm90::wgmma_m64n64k16_ss<T>(
-                s_, sm90::desc_k_major_sw128(sm.q[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
-                sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+                s_, q_desc + (kk / 4) * kQBoxDesc + 2 * (kk % 4),
+                k_desc + s * kSlotDesc + (kk / 4) * kKvBoxDesc + 2 * (kk % 4), kk > 0);
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
             sm90::wgmma_m64n64k16_ss<T>(
-                dp, sm90::desc_k_major_sw128(sm.dout[kk / 4] + warpgroup * 64 * 64) + 2 * (kk % 4),
-                sm90::desc_k_major_sw128(sm.v[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+                dp, do_desc + (kk / 4) * kQBoxDesc + 2 * (kk % 4),
+                v_desc + s * kSlotDesc + (kk / 4) * kKvBoxDesc + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
 
@@ -474,8 +486,7 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs<T, HEAD_DIM>(acc, pds[kk],
-                                  sm90::desc_mn_major_sw128(sm.k[s][0], Tr::kKvBoxBytes) + 128 * kk);
+            wgmma_rs<T, HEAD_DIM>(acc, pds[kk], k_mn + s * kSlotDesc + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         ring.release(pos++);

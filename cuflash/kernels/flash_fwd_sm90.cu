@@ -137,7 +137,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // before the softmax, so the producer loads K_{j+2} under it (one ring for both held
     // K_j's slot until P̃_j V_j had retired, and the next load came just in time)
     __shared__ sm90::Ring<STAGES> ring_k, ring_v;
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = sm90::warpgroup_index();
 
     Variants<T> var = CUFLASH_VARIANTS(T);
     // Tile `tile` of the walk: its first query row, (b, h), its split, its sequence's mask
@@ -241,12 +241,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // the next box one box on)
     constexpr int kS = Tr::kS;
     float sc[kS];
+    // The operands' descriptors, made once: a ring slot, a box and a k step move the start
+    // address field by constants (the tiles stay within shared memory's 256 KB: no carry)
+    constexpr unsigned kSlotDesc = Tr::kBoxes * Tr::kKvBoxBytes >> 4, kBoxDesc = Tr::kKvBoxBytes >> 4;
     const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * 64);
+    const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0][0]);
+    const unsigned long long v_desc = sm90::desc_mn_major_sw128(sm.v[0][0], Tr::kKvBoxBytes);
     auto issue_s = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
             wgmma_s<T, BN>(sc, q_desc + (kk / 4) * (Tr::kBoxBytes >> 4) + 2 * (kk % 4),
-                           sm90::desc_k_major_sw128(sm.k[s][kk / 4]) + 2 * (kk % 4), kk > 0);
+                           k_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
     };
     // acc += P̃ V_j of the tile in slot s, issued: k step kk takes keys 16kk .. as the A
@@ -255,9 +260,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     auto issue_pv = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
-                                  sm90::desc_mn_major_sw128(sm.v[s][0], Tr::kKvBoxBytes) + 128 * kk,
-                                  Tr::kKvBoxBytes);
+            wgmma_pv<T, HEAD_DIM>(acc, pa[kk], v_desc + s * kSlotDesc + 128 * kk, Tr::kKvBoxBytes);
         sm90::wgmma_commit();
     };
     // The online softmax of tile j's S: masked keys −inf (past Nk, outside a row's causal

@@ -45,6 +45,11 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
 
+// ---- this thread's warpgroup (threadIdx.x / 128), known to be the same across the warp (a
+// shuffle from lane 0): what is made from it, such as a consumer's wgmma descriptors of its
+// rows, then stays in uniform registers instead of moving there before every wgmma ----
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
 // ---- one elected lane of the warp ----
 __device__ __forceinline__ bool elect_one() {
     unsigned leader, elected;
