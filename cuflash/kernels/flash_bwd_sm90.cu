@@ -209,13 +209,14 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     unsigned pa[BM / 16][4], pds[BM / 16][4];
 
     sm90::mbar_wait(&kv_full, 0);
-    for (int it = 0, pos = 0; it < steps; ++it) {  // pos: tiles consumed, as the producer's
+    auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
+    for (int it = 0; it < steps; ++it) {
         const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
         const int hq = h_kv * group + it / (i_end - i_begin);
         const int kind = var.template tile_kind<BM, BN>(b, hq, m0, n0);
         if (kind == kTileEmpty) continue;  // a block mask's empty tile
         var.enter_tile(kind);
-        const int s = pos % STAGES;
+        const unsigned s = pos.slot;
         ring.wait(pos);
         sm90::wgmma_fence();
 #pragma unroll
@@ -299,7 +300,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk], q_mn + s * kSlotDesc + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        ring.release(pos++);
+        ring.release(pos);
+        pos.advance();
     }
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
@@ -421,12 +423,13 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const unsigned long long k_mn = sm90::desc_mn_major_sw128(sm.k[0][0], Tr::kKvBoxBytes);
 
     sm90::mbar_wait(&q_full, 0);
-    for (int j = 0, pos = 0; j < tiles; ++j) {  // pos: tiles consumed, as the producer's
+    auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
+    for (int j = 0; j < tiles; ++j) {
         const int n0 = (j0 + j) * BN;
         const int kind = var.template tile_kind<BM, BN>(b, h, m0, n0);
         if (kind == kTileEmpty) continue;  // a block mask's empty tile
         var.enter_tile(kind);
-        const int s = pos % STAGES;
+        const unsigned s = pos.slot;
         ring.wait(pos);
         sm90::wgmma_fence();
 #pragma unroll
@@ -489,7 +492,8 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             wgmma_rs<T, HEAD_DIM>(acc, pds[kk], k_mn + s * kSlotDesc + 128 * kk);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        ring.release(pos++);
+        ring.release(pos);
+        pos.advance();
     }
 
     // -- dQ_i · scale, from registers

@@ -372,22 +372,25 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             softmax(j0, alpha_top, alpha_bottom);
             pack();
         }
+        // the slots and phases of K_j (step it + j) and V_{j−1} (the step before)
+        auto pos_k = ring_k.at(it), pos_v = pos_k;
         for (int j = 1, jt = j0; j < tiles; ++j) {  // the j-th tile visited: key tile jt
             jt = var.template next_tile<BM, BN>(tile_b, tile_h, m0, jt + 1, j1);
-            const int s = (it + j) % STAGES, s_prev = (it + j - 1) % STAGES;
-            ring_k.wait(it + j);
-            ring_v.wait(it + j - 1);
+            pos_v = pos_k;
+            pos_k.advance();
+            ring_k.wait(pos_k);
+            ring_v.wait(pos_v);
             my_turn();
             sm90::wgmma_fence();
-            issue_s(s);           // S_j
-            issue_pv(s_prev);     // acc += P̃_{j−1} V_{j−1}
+            issue_s(pos_k.slot);    // S_j
+            issue_pv(pos_v.slot);   // acc += P̃_{j−1} V_{j−1}
             your_turn();
             sm90::wgmma_wait<1>();  // S_j has landed (groups retire in order): K_j is free
-            ring_k.release(it + j);
+            ring_k.release(pos_k);
             float alpha_top, alpha_bottom;
             softmax(jt, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
-            ring_v.release(it + j - 1);
+            ring_v.release(pos_v);
             // acc *= α, skipped by the whole warp when none of its rows' max moved (every α
             // exactly 1: the same bits); late in a long row most key tiles leave it alone
             if (__any_sync(0xffffffffu, alpha_top != 1.f || alpha_bottom != 1.f)) {

@@ -86,6 +86,21 @@ template <int STAGES> struct Ring {
     // a consumer: until step it's copies have landed; then, done with them
     __device__ __forceinline__ void wait(int it) { mbar_wait(&full[it % STAGES], (it / STAGES) & 1); }
     __device__ __forceinline__ void release(int it) { mbar_arrive(&empty[it % STAGES]); }
+
+    // A step's slot and phase, carried from step to step (one compare and select, no
+    // division), for a loop that walks the steps in order
+    struct Pos {
+        unsigned slot, phase;
+        __device__ __forceinline__ void advance() {
+            if (++slot == STAGES) {
+                slot = 0;
+                phase ^= 1;
+            }
+        }
+    };
+    __device__ __forceinline__ static Pos at(int it) { return {unsigned(it % STAGES), unsigned(it / STAGES) & 1}; }
+    __device__ __forceinline__ void wait(Pos p) { mbar_wait(&full[p.slot], p.phase); }
+    __device__ __forceinline__ void release(Pos p) { mbar_arrive(&empty[p.slot]); }
 };
 
 // ---- TMA: fetch tensor maps (__grid_constant__ parameters) into the descriptor cache ahead
