@@ -296,8 +296,8 @@ def main(argv=None):
         print(f"  cuflash {name:18} {b / 2**20:7.1f} MiB")
     print(f"  naive scores alone          {naive_bytes / 2**20:7.1f} MiB  (N×N float32)")
 
-    name = "bench_cpu" + (f"_{args.tag}" if args.tag else "")
-    csv_path = os.path.join(args.out, name + ".csv")
+    stem = "bench_cpu" + (f"_{args.tag}" if args.tag else "")
+    csv_path = os.path.join(args.out, stem + ".csv")
     with open(csv_path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["impl", "pass", "B", "H", "N", "d", "causal", "median_ms", "gflops",
@@ -346,7 +346,7 @@ def main(argv=None):
             axes[row][0].set_ylabel(f"{what} GFLOP/s")
             axes[row][0].legend()
         fig.tight_layout()
-        png = os.path.join(args.out, name + ".png")
+        png = os.path.join(args.out, stem + ".png")
         fig.savefig(png, dpi=120)
         print(f"wrote {png}")
 

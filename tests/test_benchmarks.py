@@ -3,6 +3,8 @@ ratios and CSV driven by NumPy implementations on a simulated clock."""
 import csv
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from conftest import HAS_GXX
 from cuflash.flops import attention_flops
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+BENCH_CPU = BENCH.parent / "bench_cpu.py"
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +249,18 @@ def test_cuflash_sm90_peer_runs_the_hopper_kernels(bench, monkeypatch):
                            dtype=q.dtype)
     for name, out, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
         assert_close_to_reference(out, r, p, q.dtype, factor=3.0, what=name)
+
+
+def test_bench_cpu_names_its_files_and_machine(tmp_path):
+    """A tiny bench_cpu run as the README runs it (without PyTorch): the tagged CSV and plot,
+    and the header and every timed row naming the CPU and the BLAS kernels it ran on."""
+    proc = subprocess.run([sys.executable, str(BENCH_CPU), "--quick", "--no-torch", "--sweep", "64",
+                           "--seqlen", "64", "--out", str(tmp_path), "--tag", "x"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_cpu_x.csv", "bench_cpu_x.png"]
+    rows = [r for r in csv.DictReader(open(tmp_path / "bench_cpu_x.csv"))
+            if r["impl"] == "cuflash" and r["pass"] in ("fwd", "bwd")]
+    assert len(rows) == 4 and all(r["cpu"] and r["simd"] and r["blas"] for r in rows)
+    header = proc.stdout.splitlines()[0]
+    assert header.startswith("# cuflash CPU benchmark — ") and f" with {rows[0]['blas']}" in header
