@@ -86,6 +86,18 @@ template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 };
 
+// The dK/dV pass's steps in order, query block i of [i_begin, i_end) of query head hq, one
+// head's blocks after another's: carried from step to step (no division by the range)
+struct QueryStep {
+    int i, hq, i_begin, i_end;
+    __device__ __forceinline__ void advance() {
+        if (++i == i_end) {
+            i = i_begin;
+            ++hq;
+        }
+    }
+};
+
 // The dQ kernel's tile: Q_i and dO_i (128 rows), and the K_j, V_j ring (64 rows).
 template <typename T, int HEAD_DIM> struct Sm90BwdDqTraits {
     static constexpr int kBlockM = 128, kBlockN = 64, kStages = 2;
@@ -169,9 +181,9 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
                 sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
             }
-            for (int it = 0, pos = 0; it < steps; ++it) {  // pos: tiles loaded, the ring's
-                const int hq = h_kv * group + it / (i_end - i_begin);
-                const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
+            QueryStep step{i_begin, h_kv * group, i_begin, i_end};
+            for (int it = 0, pos = 0; it < steps; ++it, step.advance()) {  // pos: tiles loaded
+                const int hq = step.hq, m0 = step.i * BM;
                 if (var.template tile_kind<BM, BN>(b, hq, m0, n0) == kTileEmpty) continue;
                 const int s = pos % STAGES;  // (a block mask's empty tile: not loaded)
                 auto* full = ring.acquire(pos++, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
@@ -210,9 +222,9 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     sm90::mbar_wait(&kv_full, 0);
     auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
-    for (int it = 0; it < steps; ++it) {
-        const int m0 = (i_begin + it % (i_end - i_begin)) * BM;
-        const int hq = h_kv * group + it / (i_end - i_begin);
+    QueryStep step{i_begin, h_kv * group, i_begin, i_end};
+    for (int it = 0; it < steps; ++it, step.advance()) {
+        const int m0 = step.i * BM, hq = step.hq;
         const int kind = var.template tile_kind<BM, BN>(b, hq, m0, n0);
         if (kind == kTileEmpty) continue;  // a block mask's empty tile
         var.enter_tile(kind);
