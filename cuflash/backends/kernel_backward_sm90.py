@@ -69,9 +69,11 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                      for x in (q, k, v, do))
 
     # the dK/dV pass reads lse and D 64 queries at a time by TMA: (B·Hq, Nq) rows padded to
-    # 16 bytes (a packed sequence's own rows gathered into its batch row's)
+    # 16 bytes (a packed sequence's own rows gathered into its batch row's); lse as the
+    # kernels' lse_log2 (common.cuh) makes it, so that its loop takes it as it comes
     nq4 = -(-Nq // 4) * 4
-    padded = [_rows_by_batch(xp, x, segments, Nq, nq4) for x in (lse, Dvec)]
+    lse2 = xp.where(lse == -np.inf, np.float32(np.inf), lse * _LOG2E)
+    padded = [_rows_by_batch(xp, x, segments, Nq, nq4) for x in (lse2, Dvec)]
     map_lse, map_dsum = (backend.encode_tensor_map(_FLOAT32, 2, x, [nq4, B * Hq], [nq4 * 4],
                                                    [p_dkdv.streamed_rows, 1], [1, 1])
                          for x in padded)
@@ -99,6 +101,9 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                  dbias, *dbias_st, want, np.int32(h0), np.int32(b0), *sizes(p_dq)),
                 shared_mem=p_dq.dynamic_smem_bytes)
     return result()
+
+
+_LOG2E = np.float32(1.4426950408889634)   # MathConst<float>::log2e (common.cuh)
 
 
 def _rows_by_batch(xp, x, segments, Nq, width):

@@ -80,7 +80,8 @@ template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
         T v[kBoxes][kKvBoxElems];
         T q[kStages][kBoxes][kQBoxElems];
         T dout[kStages][kBoxes][kQBoxElems];
-        float lse[kStages][kBlockM];    // the query block's lse and D, with its Q_i and dO_i
+        float lse2[kStages][kBlockM];   // the query block's lse_log2(lse) (made on the host)
+                                        // and D, with its Q_i and dO_i
         float dsum[kStages][kBlockM];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
@@ -191,7 +192,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row0 + m0, hq, tb, full);
                     sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row0 + m0, hq, tb, full);
                 }
-                sm90::tma_load_2d(sm.lse[s], map_lse, m0, b * Hq + hq, full);
+                sm90::tma_load_2d(sm.lse2[s], map_lse, m0, b * Hq + hq, full);
                 sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, full);
             }
         }
@@ -255,7 +256,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 for (int e = 0; e < 2; ++e) {
                     const int col = m0 + 8 * n + 2 * t + e;
                     const bool in = !masked || col < Nq;
-                    const float l2 = in ? lse_log2(sm.lse[s][col - m0]) : -neg_inf<float>();
+                    const float l2 = in ? sm.lse2[s][col - m0] : -neg_inf<float>();
                     const float dsum = in ? sm.dsum[s][col - m0] : 0.f;
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
@@ -276,7 +277,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 const int col = m0 + 8 * (e / 4) + 2 * t + e % 2, key = key_top + 8 * (e % 4 >= 2);
                 const bool hidden = col >= Nq || mask.masked(col, key);
                 float p, ds, ds_raw;
-                recompute_p_ds_variants(s_t[0], dp_t[0], scale, lse_log2(sm.lse[s][col - m0]),
+                recompute_p_ds_variants(s_t[0], dp_t[0], scale, sm.lse2[s][col - m0],
                                         sm.dsum[s][col - m0], hidden, var, col, key, p, ds, ds_raw);
                 rotate(s_t, p);
                 rotate(dp_t, ds_raw);
