@@ -335,14 +335,19 @@ def _case_id(case):
     return "{}-D{}-{}".format(*case)
 
 
-@pytest.fixture(scope="module")
-def fp16_rows():
+def _disassembled_rows(archs, sources):
+    """The gate's (cached) builds of `sources` for `archs`, disassembled and costed; the
+    test skipped where the toolchain or nvdisasm is missing."""
     if not have_toolchain():
         pytest.skip("NVRTC or ptxas not installed")
     if compile_gate.nvdisasm_path() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    rows = compile_gate.run_gate(archs=ARCHS, sass=True,
-                                 only=("flash_fwd_tc.cu", "flash_bwd_tc.cu"))
+    return compile_gate.run_gate(archs=archs, sass=True, only=sources)
+
+
+@pytest.fixture(scope="module")
+def fp16_rows():
+    rows = _disassembled_rows(ARCHS, ("flash_fwd_tc.cu", "flash_bwd_tc.cu"))
     out = {}
     for r in rows:
         p = tiling.every_plan()[r.kernel]
@@ -430,12 +435,7 @@ HOPPER_CEILING = {
 
 @pytest.fixture(scope="module")
 def hopper_rows():
-    if not have_toolchain():
-        pytest.skip("NVRTC or ptxas not installed")
-    if compile_gate.nvdisasm_path() is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    rows = compile_gate.run_gate(archs=("sm_90a",), sass=True,
-                                 only=("flash_fwd_sm90.cu", "flash_bwd_sm90.cu"))
+    rows = _disassembled_rows(("sm_90a",), ("flash_fwd_sm90.cu", "flash_bwd_sm90.cu"))
     out = {}
     for r in rows:
         kernel, _, args = r.kernel.partition("<")

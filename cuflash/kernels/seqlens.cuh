@@ -87,7 +87,7 @@ struct Seqlens {
         return split * lse_ss + b * lse_sb + h * lse_sh + start_q(b) + i;
     }
 
-    // Clip the key range [n_begin, n_end) to split `split`'s share (clip_to_split below).
+    // Clip the key range [n_begin, n_end) to split `split`'s share (cuflash::clip_to_split).
     __device__ __forceinline__ void clip_to_split(int split, int Nk, int block_n,
                                                   int& n_begin, int& n_end) const {
         cuflash::clip_to_split(split, num_splits, Nk, block_n, n_begin, n_end);
