@@ -742,15 +742,18 @@ def test_evaluating_a_mod_leaves_no_garbage_cycles():
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)   # what a collection finds stays in gc.garbage
+    # Held, every object older than the evaluation stays alive: what other tests or
+    # threads drop meanwhile (a figure, a Dask cluster) cannot turn up as garbage here.
+    older = gc.get_objects()
     try:
         for tile in (None, (100 - 300, 64, 128)):
             bound.value(env, tile=tile)
             bound.gradients(env, np.ones((1, 4, 64, 128)), tile=tile)
             gc.collect()
-            # (other threads, e.g. a shutting-down Dask cluster's, may leave their own)
             assert not [o for o in gc.garbage if ours(o)]
             gc.garbage.clear()
     finally:
+        del older
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
