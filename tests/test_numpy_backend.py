@@ -364,6 +364,100 @@ def test_forward_memory_is_linear():
         np.testing.assert_allclose(o[:, :, i:i + 1], ref, atol=2e-6)
 
 
+
+# ---------------------------------------------------------------- kept buffers
+def _kept():
+    from cuflash.backends.numpy_backend.arrays import CALL_BUFFERS
+    return CALL_BUFFERS
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kept_buffers_carry_nothing_between_calls(causal, monkeypatch):
+    """The prepared copies of a call land on buffers kept from earlier calls; whatever an
+    earlier call left there (here NaN in every byte) must not reach the result."""
+    rng = np.random.default_rng(21)
+    q, k, v = _qkv(rng, 2, 4, 2, 150, 170, 24, np.float32)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    bk = _backend(SMALL_TILES, workers=2)
+    o, lse = bk.forward(q, k, v, causal=causal, scale=_scale(q))
+    grads = bk.backward(do, q, k, v, o, lse, causal=causal, scale=_scale(q))
+    kept = list(_kept()._free)
+    assert kept
+    for buf in kept:
+        buf.fill(0xFF)                                  # NaN in float32 and float64
+    handed = []
+    real = fwd.prepare
+    monkeypatch.setattr(fwd, "prepare", lambda *a: handed.append(a[-1]) or real(*a))
+    o2, lse2 = bk.forward(q, k, v, causal=causal, scale=_scale(q))
+    grads2 = bk.backward(do, q, k, v, o2, lse2, causal=causal, scale=_scale(q))
+    assert any(np.shares_memory(handed[0][0], buf) for buf in kept)   # it was reused
+    for a, b in zip((o, lse, *grads), (o2, lse2, *grads2)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kept_buffers_one_per_call():
+    """Buffers a call holds are never handed to another; one given back is, the smallest
+    that fits first; one past the limit, or never given back, is not kept."""
+    from cuflash.backends.numpy_backend.arrays import Reused
+    kept = Reused(4096)
+    b1, (x, n) = kept.take(((10, 3), np.float32), ((5,), np.int64))
+    assert (x.shape, x.dtype, n.shape, n.dtype) == ((10, 3), np.float32, (5,), np.int64)
+    assert not np.shares_memory(x, n) and x.flags.c_contiguous
+    b2, _ = kept.take(((100,), np.float64))
+    assert b2 is not b1 and not np.shares_memory(b1, b2)
+    kept.give_back(b2)
+    kept.give_back(b1)
+    assert kept.take(((4,), np.float32))[0] is b1        # the smaller of the two that fit
+    assert kept.take(((4,), np.float32))[0] is b2
+    b3, _ = kept.take(((4,), np.float32))
+    assert b3 is not b1 and b3 is not b2
+    big, _ = kept.take(((2048,), np.float32))            # 8 KiB: past the limit
+    kept.give_back(big)
+    assert not kept._free
+
+
+def test_failed_call_keeps_no_buffer(monkeypatch):
+    """A call that fails may leave pool tasks writing into its buffer: it is not kept."""
+    from cuflash.backends.numpy_backend import forward_tiles
+    rng = np.random.default_rng(22)
+    q, k, v = _qkv(rng, 1, 2, 2, 64, 64, 8, np.float32)
+    bk = _backend(workers=2)
+    taken = []
+    real = _kept().take
+
+    def take(*specs):
+        buf, arrays = real(*specs)
+        taken.append(buf)
+        return buf, arrays
+
+    def fail(*a, **kw):
+        raise MemoryError("planted")
+    monkeypatch.setattr(_kept(), "take", take)
+    monkeypatch.setattr(fwd, "frozen_max_tile", fail)
+    with pytest.raises(MemoryError, match="planted"):
+        bk.forward(q, k, v, causal=False, scale=0.5)
+    assert taken and not any(buf is taken[0] for buf in _kept()._free)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_concurrent_calls(causal):
+    """Calls from several threads at once each get their own buffers and results."""
+    import concurrent.futures
+    rng = np.random.default_rng(23)
+    inputs = [_qkv(rng, 1, 4, 2, 200, 200, 16, np.float32) for _ in range(4)]
+    bk = _backend(SMALL_TILES, workers=2)
+
+    def both(qkv):
+        o, lse = bk.forward(*qkv, causal=causal, scale=0.3)
+        return o, lse, *bk.backward(np.ones_like(qkv[0]), *qkv, o, lse, causal=causal, scale=0.3)
+    alone = [both(x) for x in inputs]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(both, inputs * 3))
+    for i, got in enumerate(together):
+        for a, b in zip(alone[i % 4], got):
+            np.testing.assert_array_equal(a, b)
+
+
 # ---------------------------------------------------------------- softmax
 @pytest.mark.parametrize("block", [1, 7, 1 << 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

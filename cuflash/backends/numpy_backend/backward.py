@@ -7,7 +7,7 @@ in one accumulator per lane, so the result is bitwise the same from call to call
 import numpy as np
 
 from ..._dtypes import accum_dtype
-from .arrays import Scratch, as_dtype, grouped_heads, split_scale, with_ones
+from .arrays import CALL_BUFFERS, as_dtype, grouped_heads, split_scale, with_ones, worker_scratch
 from .expbase import exp_limit, in_exp_range
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF, block_schedule, head_chunks, head_ranges, mask_block, tile_rows
@@ -41,10 +41,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config):
     # directly: two passes over every score tile saved, and no per-tile casts.
     do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
     L = lse.reshape(BH, G, Nq)
-    Qx = np.empty((BH, G, Nq, d + 1), acc_t)
-    dOx = np.empty((BH, G, Nq, d + 1), acc_t)
-    Kx = np.empty((BH, Nk, d + 1), acc_t)
-    Vx = np.empty((BH, Nk, d + 1), acc_t)
+    buf, (Qx, dOx, Kx, Vx) = CALL_BUFFERS.take(
+        ((BH, G, Nq, d + 1), acc_t), ((BH, G, Nq, d + 1), acc_t),
+        ((BH, Nk, d + 1), acc_t), ((BH, Nk, d + 1), acc_t))
     in_range = np.zeros(BH, bool)
 
     def prepare_heads(heads):  # a range of K/V heads (and their G query heads)
@@ -86,9 +85,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config):
         # dQ is summed across K/V tiles: one accumulator per lane, its tasks in a fixed
         # order (pool.lanes), so dQ's sums have one order whatever the threads do.
         dq = np.zeros((BH, G, Nq, d), acc_t)
-        scratch = Scratch(acc_t), Scratch(acc_t), Scratch(acc_t)
+        scratch = worker_scratch(acc_t)
         for task in lane:
-            run(task, dq, *scratch)
+            run(task, dq, scratch.S, scratch.dP, scratch.dQ)
         return dq
 
     def run(task, dq, S_buf, dP_buf, dQ_buf):
@@ -127,6 +126,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config):
     # (A K/V tile no row sees has no task: its dK_j = dV_j = 0 already.)
     cost = lambda t: (t[1] - t[0]) * sum((r1 - r0) * (b1 - b0) for r0, r1, b0, b1, _ in t[4])
     dq_parts = run_tasks(run_lane, lanes(tasks, workers, cost), workers)
+    CALL_BUFFERS.give_back(buf)
     dq_acc = dq_parts[0]
     for part in dq_parts[1:]:                                   # in lane order
         dq_acc += part

@@ -5,19 +5,27 @@ heads) with its steps from `block_schedule`. It runs `frozen_max_tile` first and
 `online_tile` where that declines (see forward_tiles).
 """
 import math
-import threading
 
 import numpy as np
 
 from ..._dtypes import accum_dtype, lse_dtype
-from .arrays import Scratch, column_shift, grouped_heads, split_scale, with_ones
+from .arrays import (CALL_BUFFERS, column_shift, grouped_heads, split_scale, with_ones,
+                     worker_scratch)
 from .expbase import exp_limit, in_exp_range
 from .forward_tiles import frozen_max_tile, online_tile
 from .pool import run_tasks
 from .schedule import NEG_INF, block_schedule, head_chunks, head_ranges, mask_block, tile_rows
 
 
-def prepare(q4, k3, v3, scale, causal, acc_t, config):
+def prepared_shapes(q4, k3, acc_t):
+    """The (shape, dtype) of prepare's Qx, Kx, Vx and m."""
+    BH, G, Nq, d = q4.shape
+    Nk = k3.shape[1]
+    return (((BH, G, Nq, d + 1), acc_t), ((BH, Nk, d + 1), acc_t), ((BH, Nk, d + 1), acc_t),
+            ((BH, G, Nq), acc_t))
+
+
+def prepare(q4, k3, v3, scale, causal, acc_t, config, out=None):
     """Qx = [c_q·Q | −m_b], Kx = [c_k·K | 1], Vx = [V | 1] in the accumulation dtype,
     made once per call on the pool (O(N·d), like o), with c_q·c_k = c = scale·log_b(e)
     (`split_scale`): scores come out in the config's base b, S_b = c·Q Kᵀ, and
@@ -34,14 +42,14 @@ def prepare(q4, k3, v3, scale, causal, acc_t, config):
     also m = m_b·ln b (natural units, for lse) and, per K/V head, whether every
     S_b − m_b is known to lie in the exponential's fast range:
     |S_b_ij − m_b_i| ≤ |c·q_i| |k_j| + |m_b_i| (Cauchy–Schwarz).
+
+    `out`: the arrays (Qx, Kx, Vx, m) to fill (`prepared_shapes`); fresh ones when None.
     """
     BH, G, Nq, d = q4.shape
     Nk = k3.shape[1]
     base = config.base
-    Qx = np.empty((BH, G, Nq, d + 1), acc_t)
-    Kx = np.empty((BH, Nk, d + 1), acc_t)
-    Vx = np.empty((BH, Nk, d + 1), acc_t)
-    m = np.zeros((BH, G, Nq), acc_t)
+    Qx, Kx, Vx, m = out if out is not None else (
+        np.empty(shape, dtype) for shape, dtype in prepared_shapes(q4, k3, acc_t))
     in_range = np.zeros(BH, bool)
     ns = min(config.max_sample, Nk)
     c_q, c_k = (acc_t.type(f) for f in split_scale(scale * base.log_e, acc_t))
@@ -92,12 +100,12 @@ def forward(q, k, v, causal, scale, config):
     # every worker gets some.
     per_chunk = -(-workers // len(chunks))
     Br = min(Br, -(-Nq // per_chunk))
-    Qx, Kx, Vx, m, in_range = prepare(q4, k3, v3, scale, causal, acc_t, config)
+    buf, prepared = CALL_BUFFERS.take(*prepared_shapes(q4, k3, acc_t))
+    Qx, Kx, Vx, m, in_range = prepare(q4, k3, v3, scale, causal, acc_t, config, prepared)
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal, diag=config.diag_keys))
     # Biggest tiles first (causal: the bottom rows see the most keys) balances workers.
     tasks = [(h0, h1, r0, r1, kv) for (r0, r1, kv) in sched for (h0, h1) in chunks]
     tasks.sort(key=lambda t: -sum((a1 - a0) * (c1 - c0) for a0, a1, c0, c1, _ in t[4]))
-    local = threading.local()
     # Causal rows before Nq − Nk see no key (o = 0, lse = −inf); all others see key 0.
     first_seen = max(0, Nq - Nk) if causal else 0
 
@@ -111,14 +119,13 @@ def forward(q, k, v, causal, scale, config):
             lse_t[:, :, :first] = NEG_INF
             if first == br:
                 return
-        if not hasattr(local, "S"):
-            local.S, local.PV, local.acc = Scratch(acc_t), Scratch(acc_t), Scratch(acc_t)
+        scratch = worker_scratch(acc_t)
         # -- prologue: Q_i of all G heads as one (G·br, d + 1) matrix (a copy only when G > 1) --
         Qx_i = Qx[h0:h1, :, r0:r1].reshape(nh, G * br, d + 1)
         Kx_h, Vx_h = Kx[h0:h1], Vx[h0:h1]
         accx = frozen_max_tile(Qx_i, Kx_h, Vx_h, kv, r0=r0, br=br, G=G, first=first,
                                clip=not in_range[h0:h1].all(), exp=exp, lim=lim,
-                               scratch=local) if frozen_max else None
+                               scratch=scratch) if frozen_max else None
         if accx is not None:
             # -- epilogue (finalize): the one rescale O_i = acc / ℓ_i, lse = m_i + log ℓ_i --
             acc = accx.reshape(nh, G, br, d + 1)[:, :, first:]
@@ -129,7 +136,7 @@ def forward(q, k, v, causal, scale, config):
             lse_t[:, :, first:] += m[h0:h1, :, r0 + first:r1]
             return
         acc, l_i, m_i = online_tile(Qx_i, Kx_h, Vx_h, kv, r0=r0, br=br, G=G, exp=exp,
-                                    lim=lim, scratch=local)
+                                    lim=lim, scratch=scratch)
         shift = None if math.isfinite(acc.sum()) else column_shift(Vx_h[..., :d], Nk, acc_t)
         if shift is not None:
             # P̃ V overflowed: |V| near the dtype's maximum. Again with V's big columns
@@ -137,7 +144,7 @@ def forward(q, k, v, causal, scale, config):
             Vs = Vx_h.copy()
             Vs[..., :d] *= shift[:, None]
             acc, l_i, m_i = online_tile(Qx_i, Kx_h, Vs, kv, r0=r0, br=br, G=G, exp=exp,
-                                        lim=lim, scratch=local)
+                                        lim=lim, scratch=scratch)
         # -- epilogue, for any row: ℓ = 0 (no key), NaN rows --
         seen = l_i > 0  # NaN rows compare False but keep their NaN through acc and m
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -151,4 +158,5 @@ def forward(q, k, v, causal, scale, config):
         lse_t[...] = L.reshape(nh, G, br)
 
     run_tasks(run, tasks, workers)
+    CALL_BUFFERS.give_back(buf)
     return o, lse
