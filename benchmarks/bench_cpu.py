@@ -95,6 +95,10 @@ def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
     """The seconds of each fn's runs (an array), the fns run in turn inside every
     repetition, so that run i of two fns saw the machine in about the same state.
 
+    Each repetition runs the fns in a new (seeded) random order, so that no fn always
+    follows the same one: a call's predecessor changes its time (the memory it freed,
+    the caches it left; the naive contender sweeps N² floats through them).
+
     Each timed call starts after a `settle` pause (0 by default, see the module's
     docstring): with OpenMP's default wait policy PyTorch's threads keep spinning on
     the cores for a while after a call returns, which slowed the contender timed right
@@ -105,11 +109,12 @@ def time_interleaved(fns, repeats, warmup=1, settle=SETTLE_S):
         for _ in range(warmup):
             f()
     times = {name: [] for name in fns}
+    order = np.random.default_rng(0)
     for _ in range(repeats):
-        for name, f in fns.items():
+        for name in order.permutation(list(fns)):
             time.sleep(settle)
             t0 = time.perf_counter()
-            f()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
     return {name: np.array(t) for name, t in times.items()}
 
