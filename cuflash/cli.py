@@ -228,6 +228,8 @@ class _Meter:
             self.pool.free_all_blocks()
             self.start = self.pool.used_bytes()
         else:
+            from .backends.numpy_backend import release_buffers
+            release_buffers()  # buffers kept from earlier calls would not count
             tracemalloc.start()
             tracemalloc.reset_peak()
         return self

@@ -352,6 +352,7 @@ def test_forward_memory_is_linear():
     rng = np.random.default_rng(7)
     N, d = 16384, 64
     q, k, v = _qkv(rng, 1, 1, 1, N, N, d, np.float32)
+    nb.release_buffers()   # buffers kept from earlier tests would not count
     tracemalloc.start()
     try:
         o, lse = BK.forward(q, k, v, causal=True, scale=_scale(q))
@@ -437,6 +438,27 @@ def test_failed_call_keeps_no_buffer(monkeypatch):
     with pytest.raises(MemoryError, match="planted"):
         bk.forward(q, k, v, causal=False, scale=0.5)
     assert taken and not any(buf is taken[0] for buf in _kept()._free)
+
+
+def test_release_buffers_frees_what_calls_kept():
+    """After release_buffers a call allocates its buffers afresh (tracemalloc sees them)."""
+    rng = np.random.default_rng(24)
+    q, k, v = _qkv(rng, 1, 2, 2, 512, 512, 32, np.float32)
+
+    def peak():
+        tracemalloc.start()
+        try:
+            BK.forward(q, k, v, causal=False, scale=0.2)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    BK.forward(q, k, v, causal=False, scale=0.2)
+    kept = peak()
+    nb.release_buffers()
+    assert not _kept()._free
+    fresh = peak()
+    prepared = 3 * 2 * 512 * 33 * 4                     # [Q | ·], [K | 1], [V | 1]
+    assert fresh - kept >= prepared, (fresh, kept)
 
 
 @pytest.mark.parametrize("causal", [False, True])

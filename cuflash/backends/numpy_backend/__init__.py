@@ -32,7 +32,9 @@ gradients, in FA2's loop order for either algorithm).
 
 Memory: one score tile (heads, G·Br, Bc) per worker, plus O(N·d) arrays (the
 outputs; [c·Q | ·], [K | 1] and [V | 1] prepared once per call in the accumulation
-dtype, whatever the inputs' strides; dQ accumulators) — never N×N.
+dtype, whatever the inputs' strides; dQ accumulators) — never N×N. The tiles' and the
+prepared arrays' buffers are kept for the next call (up to 32 MiB of the latter: fresh
+pages cost a fault each); `release_buffers()` frees them.
 
 Numerics: 16-bit inputs are widened to float32 and accumulated in float32, float64
 in float64; −inf − (−inf) is guarded by subtracting 0 from rows whose max is still
@@ -45,7 +47,10 @@ its sums have one order and its result is bitwise reproducible.
 import numpy as np
 
 from . import backward, fa1, forward, softmax, variants as variant_loops
+from .arrays import release_buffers
 from .config import DEFAULT_CONFIG, CpuConfig
+
+__all__ = ["BACKEND", "CpuConfig", "DEFAULT_CONFIG", "NumpyBackend", "release_buffers"]
 
 _FORWARDS = {"fa2": forward.forward, "fa1": fa1.forward}
 

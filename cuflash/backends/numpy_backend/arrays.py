@@ -97,6 +97,8 @@ class WorkerScratch:
 
 
 _WORKER = threading.local()
+_EVERY_WORKERS = []  # each thread's {dtype: WorkerScratch}, for release_buffers
+_EVERY_LOCK = threading.Lock()
 
 
 def worker_scratch(dtype):
@@ -107,6 +109,8 @@ def worker_scratch(dtype):
     kept = getattr(_WORKER, "scratch", None)
     if kept is None:
         kept = _WORKER.scratch = {}
+        with _EVERY_LOCK:
+            _EVERY_WORKERS.append(kept)
     dtype = np.dtype(dtype)
     if dtype not in kept:
         kept[dtype] = WorkerScratch(dtype)
@@ -147,6 +151,11 @@ class Reused:
         return buf, [buf[a:a + math.prod(shape) * np.dtype(dtype).itemsize]
                      .view(dtype).reshape(shape) for a, (shape, dtype) in zip(starts, specs)]
 
+    def release(self):
+        """Drop every kept buffer."""
+        with self._lock:
+            self._free.clear()
+
     def give_back(self, buf):
         """Keep `buf` (from take) for a later call, within the limit (the oldest go first)."""
         if buf.size > self.limit:
@@ -158,3 +167,13 @@ class Reused:
 
 
 CALL_BUFFERS = Reused(32 << 20)
+
+
+def release_buffers():
+    """Free every buffer kept between calls (CALL_BUFFERS and each worker's tile buffers),
+    e.g. before measuring a call's memory or to give it back between a program's phases:
+    the next calls allocate afresh. Buffers a running call holds stay with it."""
+    CALL_BUFFERS.release()
+    with _EVERY_LOCK:
+        for kept in _EVERY_WORKERS:
+            kept.clear()
