@@ -39,7 +39,7 @@ from ... import variants as _var
 from ..._dtypes import accum_dtype, lse_dtype
 from ...programmable.block_mask import EMPTY, PARTIAL, tile_kinds
 from ...programmable.evaluate import Bound, toeplitz
-from .arrays import Scratch, as_dtype, column_shift, split_scale, with_ones
+from .arrays import CALL_BUFFERS, Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
 from .expbase import BASE_E, exp_limit
 from .forward_tiles import reference_served
@@ -407,7 +407,7 @@ def forward(q, k, v, causal, scale, config, var):
     if frozen:
         # [s_k·K | 1] and [V | 1] once per call in the accumulation dtype (O(N·d), as the
         # plain forward's): every step's keys are then a view, not a copy.
-        Kx, Vx = (np.empty((BH, Nk, d + 1), acc_t) for _ in range(2))
+        buf, (Kx, Vx) = CALL_BUFFERS.take(((BH, Nk, d + 1), acc_t), ((BH, Nk, d + 1), acc_t))
         k3, v3 = k.reshape(BH, Nk, d), v.reshape(BH, Nk, d)
 
         def prepare(heads):
@@ -573,6 +573,8 @@ def forward(q, k, v, causal, scale, config, var):
         lse[b, hs, r0:r1] = L.reshape(n, G, br).transpose(1, 0, 2).reshape(G, n * br)
 
     run_tasks(run, tasks, config.workers)
+    if frozen:
+        CALL_BUFFERS.give_back(buf)
     return o, lse
 
 
