@@ -10,11 +10,15 @@ import numpy as np
 
 _SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
          "avx512_fp16", "amx_tile", "neon", "asimd", "sve")
+# Variables that cap the instruction sets NumPy's loops, PyTorch's kernels and MKL use
+# below what the CPU has: a run under them is named so.
+_CAPS = ("NPY_DISABLE_CPU_FEATURES", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def machine():
-    """{cpu, simd, blas}: the CPU's model and SIMD flags (/proc/cpuinfo), and the BLAS
-    NumPy runs with the kernels it picked (OpenBLAS's core) and OPENBLAS_CORETYPE."""
+    """{cpu, simd, blas}: the CPU's model and SIMD flags (/proc/cpuinfo, with the caps of
+    _CAPS that are set), and the BLAS NumPy runs with the kernels it picked (OpenBLAS's
+    core) and OPENBLAS_CORETYPE."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as info:
@@ -38,8 +42,11 @@ def machine():
         blas += f", core {core}"
     if "OPENBLAS_CORETYPE" in os.environ:
         blas += f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
-    return {"cpu": model, "simd": " ".join(f for f in _SIMD if f in flags) or "?",
-            "blas": blas}
+    simd = " ".join(f for f in _SIMD if f in flags) or "?"
+    caps = [f"{v}={os.environ[v]}" for v in _CAPS if v in os.environ]
+    if caps:
+        simd += f" (capped: {', '.join(caps)})"
+    return {"cpu": model, "simd": simd, "blas": blas}
 
 
 def openblas_core():

@@ -264,3 +264,19 @@ def test_bench_cpu_names_its_files_and_machine(tmp_path):
     assert len(rows) == 4 and all(r["cpu"] and r["simd"] and r["blas"] for r in rows)
     header = proc.stdout.splitlines()[0]
     assert header.startswith("# cuflash CPU benchmark — ") and f" with {rows[0]['blas']}" in header
+
+
+def test_machine_names_capped_instruction_sets(monkeypatch):
+    """A run whose instruction sets are capped below the CPU's says so in its SIMD column."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from machine import machine
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    for var in ("NPY_DISABLE_CPU_FEATURES", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(var, raising=False)
+    assert "capped" not in machine()["simd"]
+    monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", "X86_V4")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert machine()["simd"].endswith(
+        "(capped: NPY_DISABLE_CPU_FEATURES=X86_V4, ATEN_CPU_CAPABILITY=avx2)")
