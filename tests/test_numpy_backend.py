@@ -365,7 +365,6 @@ def test_forward_memory_is_linear():
         np.testing.assert_allclose(o[:, :, i:i + 1], ref, atol=2e-6)
 
 
-
 # ---------------------------------------------------------------- kept buffers
 def _kept():
     from cuflash.backends.numpy_backend.arrays import CALL_BUFFERS
@@ -419,7 +418,6 @@ def test_kept_buffers_one_per_call():
 
 def test_failed_call_keeps_no_buffer(monkeypatch):
     """A call that fails may leave pool tasks writing into its buffer: it is not kept."""
-    from cuflash.backends.numpy_backend import forward_tiles
     rng = np.random.default_rng(22)
     q, k, v = _qkv(rng, 1, 2, 2, 64, 64, 8, np.float32)
     bk = _backend(workers=2)
