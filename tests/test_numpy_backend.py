@@ -1,6 +1,8 @@
 """The NumPy backend, called directly with 4-D inputs, against the float64 references."""
 import dataclasses
 import math
+import os
+import threading
 import tracemalloc
 
 import numpy as np
@@ -457,6 +459,45 @@ def test_release_buffers_frees_what_calls_kept():
     fresh = peak()
     prepared = 3 * 2 * 512 * 33 * 4                     # [Q | ·], [K | 1], [V | 1]
     assert fresh - kept >= prepared, (fresh, kept)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_kept_buffers_after_fork():
+    """A process forked while another thread held the buffers' lock can still take one."""
+    import signal
+    import time
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _kept()._lock:
+            held.set()
+            release.wait(30)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:                                    # the child: take, then leave
+            code = 1
+            try:
+                _kept().take(((4,), np.float32))
+                code = 0
+            finally:
+                os._exit(code)
+        for _ in range(200):                            # 10 s at most
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the kept buffers' lock")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        holder.join()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -2,6 +2,7 @@
 [x | 1] copies, the split of the score scale, the rescue of a huge V, and the buffers
 kept from call to call (per-worker scratch, a call's prepared copies)."""
 import math
+import os
 import threading
 
 import numpy as np
@@ -167,6 +168,17 @@ class Reused:
 
 
 CALL_BUFFERS = Reused(32 << 20)
+
+
+def _new_locks_after_fork():
+    # A forked child has only the forking thread: a lock another thread held stays held.
+    global _EVERY_LOCK
+    CALL_BUFFERS._lock = threading.Lock()
+    _EVERY_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def release_buffers():
