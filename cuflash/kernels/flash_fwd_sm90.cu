@@ -247,15 +247,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * 64);
     const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0][0]);
     const unsigned long long v_desc = sm90::desc_mn_major_sw128(sm.v[0][0], Tr::kKvBoxBytes);
-    // Q_i's are the same at every step: held (the shuffle hides that they are q_desc plus a
-    // constant, which ptxas would otherwise remake at every product) where the uniform
-    // registers take them all, D ≤ 128 (at D = 256 the 16 of them spill)
+    // Q_i's, the same at every step: held for D ≤ 128 (at D = 256 the 16 would spill)
     unsigned long long q_descs[HEAD_DIM / 16];
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        q_descs[kk] = q_desc + (kk / 4) * (Tr::kBoxBytes >> 4) + 2 * (kk % 4);
-        if constexpr (HEAD_DIM <= 128) q_descs[kk] = __shfl_sync(0xffffffffu, q_descs[kk], 0);
-    }
+    sm90::k_step_descs<HEAD_DIM <= 128>(q_descs, q_desc, Tr::kBoxBytes >> 4);
     auto issue_s = [&](int s) {
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)

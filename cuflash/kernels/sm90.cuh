@@ -50,6 +50,23 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
 // rows, then stays in uniform registers instead of moving there before every wgmma ----
 __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
 
+// ---- the descriptors of an operand fixed for a whole loop, one per k16 step ----
+// desc + (k / 4) * box + 2 * (k % 4) (k steps of 32 bytes, the next box `box` on). With
+// kHold each passes through a shuffle, which hides that it is desc plus a constant: ptxas
+// then holds it (2 uniform registers) rather than remake it at every product. Whether that
+// pays is the gate's count to tell: the forward's 8 at D <= 128 do under both toolkits, its
+// 16 at D = 256 spill, and the backward's K_j, V_j (dK/dV) or Q_i, dO_i (dQ) saved 5-9
+// instructions per step under CUDA 12.9 but cost 6-8 more under 13.5, so it holds none.
+template <bool kHold, int N>
+__device__ __forceinline__ void k_step_descs(unsigned long long (&d)[N], unsigned long long desc,
+                                             unsigned box) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        d[k] = desc + (k / 4) * box + 2 * (k % 4);
+        if constexpr (kHold) d[k] = __shfl_sync(0xffffffffu, d[k], 0);
+    }
+}
+
 // ---- one elected lane of the warp ----
 __device__ __forceinline__ bool elect_one() {
     unsigned leader, elected;
