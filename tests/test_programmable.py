@@ -777,6 +777,44 @@ def test_tiles_read_twice_are_not_overwritten():
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-8)
 
 
+# Arrays read at indices affine in the positions (a view of the array, not a gather), in
+# every arrangement: reversed, offset, axes swapped, a constant index; and one not affine.
+_TRANSPOSED = rng.standard_normal((300, 2, 3, 100))
+_SQUARES = rng.standard_normal((4, 300))
+
+
+def reversed_offset_bias(score, b, h, q_idx, kv_idx):
+    return score + _TRANSPOSED[kv_idx + 10, b, 2 - h, 99 - q_idx] * _SQUARES[1, q_idx]
+
+
+def squares_bias(score, b, h, q_idx, kv_idx):       # q_idx² % 4: no stride reads it
+    return score + _SQUARES[(q_idx * q_idx) % 4, kv_idx]
+
+
+@pytest.mark.parametrize("mod", [reversed_offset_bias, squares_bias],
+                         ids=["affine", "not-affine"])
+@pytest.mark.parametrize("band", [{}, dict(causal=True), dict(window=(17, 5))],
+                         ids=["full", "causal", "window"])
+def test_reads_at_affine_indices(mod, band):
+    """Captured arrays read at positions affine in b, h, q_idx and kv_idx are strided views
+    of the arrays: the values equal the reference's, in runs of several blocks (causal,
+    window) too, and neither pass writes the arrays."""
+    q, k, v, do = attention_inputs(2, 2, 2, 100, 290, 8, np.float64, seed=15)
+    saved = _TRANSPOSED.copy(), _SQUARES.copy()
+    o, lse = cuflash.flash_attention(q, k, v, score_mod=mod, return_lse=True, **band)
+    mask = {"causal": lambda b, h, i, j: j <= i + 190,
+            "window": lambda b, h, i, j: i + 190 - 17 <= j <= i + 190 + 5}
+    ref = reference(q, k, v, do, scale=8 ** -0.5, score_mod=mod,
+                    mask_mod=mask[next(iter(band))] if band else None)
+    np.testing.assert_allclose(o, ref[0], rtol=1e-10, atol=1e-12)
+    grads = cuflash.flash_attention_backward(do, q, k, v, o, lse, score_mod=mod,
+                                             return_mod_grads=True, **band)
+    for g, r in zip(grads, ref[2:]):
+        np.testing.assert_allclose(g, r, rtol=1e-8, atol=1e-10)
+    np.testing.assert_array_equal(_TRANSPOSED, saved[0])
+    np.testing.assert_array_equal(_SQUARES, saved[1])
+
+
 def test_relative_parts_follow_their_arrays_across_calls():
     """The relative parts are kept from call to call, by the values of the arrays they read:
     an array changed in place (a training step) is read anew, and equal values give the

@@ -172,7 +172,7 @@ class Bound:
         op, acc = n.op, self.acc_t
         it = self.int_dtype.get(id(n), _INT)
         if op == "arg":
-            return env[n.value] if n.kind == FLOAT else np.asarray(env[n.value], it)
+            return env[n.value] if n.kind == FLOAT else _as_int(env[n.value], it)
         if op == "const":
             return self.consts[id(n)]
         if op == "cast":
@@ -207,21 +207,28 @@ class Bound:
         raise AssertionError(f"unknown operation {op}")  # pragma: no cover
 
     def _read(self, n, idx):
-        """arr[idx] as np.take of the flat index (3× faster than a tuple of index arrays;
-        the small, broadcast index arrays are scaled before they meet the big ones)."""
+        """arr[idx]: a read-only strided view where every index is affine in the tile's
+        axes (`_affine`: a bias read at [b, h, q_idx, kv_idx], a table at [h]), else
+        np.take of the flat index (3× faster than a tuple of index arrays; the small,
+        broadcast index arrays are scaled before they meet the big ones)."""
         arr = self.arrays[n.value]
-        wide = arr.size > 2 ** 31 - 1          # a flat index past int32
-        flat = None
-        for axis, i in enumerate(idx):
-            if self.check[id(n)]:
+        if self.check[id(n)]:
+            for axis, i in enumerate(idx):
                 lo, hi = int(np.min(i)), int(np.max(i))
                 if lo < 0 or hi >= arr.shape[axis]:
                     raise ValueError(
                         f"{self.mod.role} {self.mod.name} ({n.where}): index "
                         f"{lo if lo < 0 else hi} is out of range for axis {axis} of "
                         f"`{n.value}` (size {arr.shape[axis]})")
+        steps = [s // arr.itemsize for s in arr.strides]
+        shape = np.broadcast_shapes(*(np.shape(i) for i in idx))
+        view = _strided_read(arr, idx, steps, shape)
+        if view is not None:
+            return view
+        wide = arr.size > 2 ** 31 - 1          # a flat index past int32
+        flat = None
+        for i, step in zip(idx, steps):
             i = i.astype(_INT) if wide else i
-            step = arr.strides[axis] // arr.itemsize
             term = i if step == 1 else i * step
             flat = term if flat is None else flat + term
         return np.take(arr.reshape(-1), flat)
@@ -375,6 +382,77 @@ def _scatter(acc, idx, g):
     lo, hi = int(flat.min()), int(flat.max())
     acc.reshape(-1)[lo:hi + 1] += np.bincount(flat - lo, weights=g.ravel(),
                                               minlength=hi - lo + 1)
+
+
+def _affine(i, ndim):
+    """(first value, per-axis steps over `ndim` trailing-aligned axes) where the index
+    array i is first + Σ step_p·x_p over its axes, else None. Checked on i itself, which
+    is small where it is affine (a row of positions, a column of heads); kept for the
+    read-only arrays a loop passes again and again (the backends' cached positions)."""
+    if np.ndim(i) == 0:
+        return int(i), (0,) * ndim
+    key = (id(i), ndim)
+    kept = _AFFINE_KEPT.get(key)
+    if kept is not None and kept[0] is i:
+        return kept[1]
+    first = int(i.reshape(-1)[0]) if i.size else 0
+    steps = [0] * ndim
+    fit = np.full((1,) * i.ndim, first, _INT)
+    for p, s in enumerate(i.shape):
+        if s > 1:
+            at = [0] * i.ndim
+            at[p] = 1
+            steps[ndim - i.ndim + p] = int(i[tuple(at)]) - first
+            fit = fit + steps[ndim - i.ndim + p] * np.arange(s).reshape(
+                [s if q == p else 1 for q in range(i.ndim)])
+    out = (first, tuple(steps)) if np.array_equal(np.broadcast_to(fit, i.shape), i) else None
+    if not i.flags.writeable:
+        if len(_AFFINE_KEPT) >= _DIAGONALS_KEPT:
+            _AFFINE_KEPT.clear()
+        _AFFINE_KEPT[key] = (i, out)
+    return out
+
+
+def _as_int(x, it):
+    """The index argument x in the integer dtype `it`; for a read-only array (the
+    backends' cached positions), a read-only copy kept with it, as `_affine`'s."""
+    if type(x) is not np.ndarray or x.flags.writeable or x.dtype == it:
+        return np.asarray(x, it)
+    key = (id(x), it)
+    kept = _INT_KEPT.get(key)
+    if kept is None or kept[0] is not x:
+        if len(_INT_KEPT) >= _DIAGONALS_KEPT:
+            _INT_KEPT.clear()
+        y = x.astype(it)
+        y.flags.writeable = False
+        kept = _INT_KEPT[key] = (x, y)
+    return kept[1]
+
+
+# `_as_int`'s copies and `_affine`'s results for read-only index arrays, each kept with
+# its array (so that its id is not reused while kept); cleared when full.
+_INT_KEPT = {}
+_AFFINE_KEPT = {}
+# An index array is tested for `_affine` only up to this share of the read's elements.
+_AFFINE_SHARE = 8
+
+
+def _strided_read(arr, idx, steps, shape):
+    """arr[idx] as a read-only view of arr (contiguous, every index in range) where each
+    index is affine in the result's axes, else None."""
+    size = math.prod(shape)
+    base, strides = 0, [0] * len(shape)
+    for i, step in zip(idx, steps):
+        if np.size(i) > 1 and np.size(i) * _AFFINE_SHARE > size:
+            return None
+        fit = _affine(i, len(shape))
+        if fit is None:
+            return None
+        base += step * fit[0]
+        strides = [t + step * c for t, c in zip(strides, fit[1])]
+    item = arr.itemsize
+    return as_strided(arr.reshape(-1)[base:], shape, [t * item for t in strides],
+                      writeable=False)
 
 
 class _Getter:
