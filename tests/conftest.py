@@ -236,13 +236,22 @@ def plain_lse(q, k, *, causal, scale, dtype, window=None, softcap=None, alibi_sl
         return scipy.special.logsumexp(s, axis=-1)
 
 
-def plain_tf32_attention(q, k, v, *, causal, scale, dropout_p=0.0, seed=None, **variants):
+def truncate_tf32(x):
+    """x truncated to tf32 (its low 13 bits cleared), as a tensor core reads a float32
+    operand that nothing rounded first (a wgmma's from shared memory), as float64."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return (bits & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+def plain_tf32_attention(q, k, v, *, causal, scale, dropout_p=0.0, seed=None, qk=round_tf32,
+                         **variants):
     """O of a plain one-pass tf32 implementation, as a framework with tf32 matmuls computes
-    it: S from tf32-rounded q and k, the variants and softmax in float32
+    it: S from q and k made tf32 by `qk` (round_tf32, or truncate_tf32 as a GEMM fed
+    straight from memory reads them), the variants and softmax in float32
     (`plain_attention`), then P (after dropout) and V rounded to tf32 for P V, products
     exact, O stored in float32."""
     from cuflash import variants as _variants
-    _, p = plain_attention(round_tf32(q), round_tf32(k), v, causal=causal, scale=scale,
+    _, p = plain_attention(qk(q), qk(k), v, causal=causal, scale=scale,
                            dtype=np.float32, **variants)
     if dropout_p:
         p = round_to(p * _variants.dropout_mask(p.shape, dropout_p, seed) / (1 - dropout_p),

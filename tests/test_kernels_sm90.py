@@ -15,10 +15,11 @@ from cuflash.variants import Variants
 
 from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close,
                       attention_inputs, emulator_backend, hopper_gpu_backend, plain_attention,
-                      to_host, variant_options, variants_of)
+                      plain_lse, plain_tf32_attention, round_tf32, to_host, variant_options,
+                      variants_of)
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
-F16, BF16 = np.dtype(np.float16), _dtypes.BFLOAT16
+F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
 
 
 def _backend(checked=False, schedule="round-robin"):
@@ -38,13 +39,28 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=
                                causal=causal, scale=scale, variants=var, num_blocks=num_blocks,
                                num_splits=num_splits)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
-    ref_o, ref_lse = reference.naive_attention(q, kr, vr, causal=causal, scale=scale,
-                                               return_lse=True, **opts)
-    plain, _ = plain_attention(q, kr, vr, causal=causal, scale=scale, dtype=dtype, **opts)
-    assert_close_to_reference(o, ref_o, plain, dtype, what=f"O (D={D}, causal={causal})")
-    assert_lse_close(lse, ref_lse, dtype)
-    assert to_host(o).dtype == dtype
+    _assert_attention(o, lse, q, kr, vr, causal, scale, dtype, opts,
+                      what=f"O (D={D}, causal={causal})")
     return to_host(o), to_host(lse)
+
+
+def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
+    """o, lse of q, k, v (heads repeated) against the float64 reference, by FlashAttention's
+    rule over a plain implementation in `dtype` (float32: one-pass tf32)."""
+    ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
+                                               return_lse=True, **opts)
+    if dtype == F32:
+        plain = plain_tf32_attention(q, k, v, causal=causal, scale=scale, **opts)
+        assert_close_to_reference(o, ref_o, plain, round_tf32, what=what)
+        scores = {n: x for n, x in opts.items() if n not in ("dropout_p", "seed")}
+        assert_lse_close(lse, ref_lse, F32, precision=round_tf32,
+                         plain=plain_lse(round_tf32(q), round_tf32(k), causal=causal,
+                                         scale=scale, dtype=F32, **scores))
+    else:
+        plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **opts)
+        assert_close_to_reference(o, ref_o, plain, dtype, what=what)
+        assert_lse_close(lse, ref_lse, dtype)
+    assert to_host(o).dtype == dtype
 
 
 @pytest.mark.parametrize("dt", [F16, BF16], ids=["float16", "bfloat16"])
@@ -61,8 +77,25 @@ def test_forward(dt, D, B, H, Hkv, Nq, Nk, causal):
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
+@pytest.mark.parametrize("D", sm90.TF32_HEAD_DIMS)
+@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,causal", [
+    (1, 2, 1, 128, 256, False),    # whole tiles, MQA: the rings wrap
+    (2, 4, 2, 200, 300, True),     # GQA, partial query and key tiles, the diagonal inside a tile
+    (1, 2, 2, 130, 100, True),     # Nq > Nk: the first 30 rows see no key (O = 0, lse = −inf)
+    (1, 1, 1, 5, 1, False),        # one key, a few rows
+])
+def test_forward_tf32(D, B, H, Hkv, Nq, Nk, causal):
+    """float32 as one-pass tf32: Q_i and K_j rounded in shared memory, V_jᵀ written by the
+    producer's warps, P̃ rounded in registers, by FlashAttention's rule over a plain tf32
+    attention."""
+    o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=F32)
+    if causal and Nq > Nk:
+        assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
+
+
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16),
-                                           (256, "random", F16)])
+                                           (256, "random", F16), (64, "random", F32),
+                                           (128, "reversed", F32)])
 def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks (a wgmma's A registers, the ring's slots,
     the copies' bytes), and the same bits as round-robin."""
@@ -92,6 +125,7 @@ def test_window(window, causal, Nq, Nk):
     (["softcap"], False, F16), (["alibi"], True, BF16), (["bias"], False, F16),
     (["bias_f32"], True, F16), (["mask"], False, BF16), (["dropout"], True, F16),
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, BF16),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, F32),
 ], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
 def test_variants(names, causal, dt):
     """Every attention variant, alone and all at once, against the float64 reference
@@ -146,7 +180,8 @@ def test_the_consumers_take_turns(monkeypatch):
 
 
 def test_the_planner_takes_it_for_plain_calls(monkeypatch):
-    """On an sm_90a device a plain 16-bit call with d = 64, 128 or 256 runs the Hopper forward:
+    """On an sm_90a device a plain 16-bit call with d = 64, 128 or 256 (float32 with
+    allow_tf32 and d = 64 or 128) runs the Hopper forward:
     flash_attention gives the bits of launching it directly, not those of the mma.sync
     kernel (which sm_90 without the "a" features runs)."""
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90a")
@@ -160,9 +195,17 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
     o_w_sm90, _ = sm90.forward_sm90(_backend(), q, k, v, causal=False, scale=0.125,
                                     variants=Variants(window=(40, 0), softcap=2.0))
     np.testing.assert_array_equal(o_w.view(np.uint16), o_w_sm90.view(np.uint16))
+    # one-pass tf32 too (64 keys: one key tile of its, which the API does not split)
+    q32, k32, v32 = (x[:, :, :64].astype(np.float32) for x in (q, k, v))
+    o32 = cuflash.flash_attention(q32, k32, v32, causal=True, backend="emulator", allow_tf32=True)
+    o32_sm90, _ = sm90.forward_sm90(_backend(), q32, k32, v32, causal=True, scale=0.125)
+    np.testing.assert_array_equal(o32, o32_sm90)
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90")
     o_mma = cuflash.flash_attention(q, k, v, causal=True, backend="emulator")
     assert not np.array_equal(o_mma.view(np.uint16), o.view(np.uint16))
+    o32_mma = cuflash.flash_attention(q32, k32, v32, causal=True, backend="emulator",
+                                      allow_tf32=True)
+    assert not np.array_equal(o32_mma, o32)
 
 
 def test_what_the_planner_gives_the_mma_sync_kernel():
@@ -187,7 +230,15 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     d256 = plan(*attention_inputs(4, 32, 8, 256, 1024, 256, F16)[:3])   # 64-key tiles
     assert isinstance(d256, tiling.Sm90FwdPlan) and d256.block_n == 64
     assert d256.smem_bytes == (4 * 16 + 2 * 2 * 4 * 8) * 1024   # Q; K, V rings; no O staging
-    assert type(plan(*(x.astype(np.float32) for x in (q, k, v)))) is tiling.Tf32Plan
+    f32 = [x.astype(np.float32) for x in (q, k, v)]
+    assert type(plan(*f32)) is tiling.Tf32Plan                       # split tf32: mma.sync
+    tf32 = plan(*f32, allow_tf32=True)                               # one-pass: wgmma
+    assert isinstance(tf32, tiling.Sm90FwdPlan) and tf32.block_n == 64
+    assert tf32.smem_bytes == (2 * 16 + (2 + 2) * 2 * 8 + 2 * 16) * 1024   # Q; K, V; V_jᵀ
+    f32_128 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 128, F16)[:3]]
+    assert plan(*f32_128, allow_tf32=True).smem_bytes == (4 * 16 + (2 + 1) * 4 * 8 + 2 * 32) * 1024
+    f32_96 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3]]
+    assert type(plan(*f32_96, allow_tf32=True)) is tiling.Tf32Plan
     bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     assert isinstance(plan(q=bnhd), tiling.Sm90FwdPlan)              # TMA reads it in place
     padded = np.zeros(q.shape[:-1] + (72,), F16)[..., :64]           # rows 144 bytes apart
@@ -199,6 +250,8 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert "mma.m16n8k16" in why and "d = 64, 128 or 256" in why
     _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
+    _, why = tiling.forward_path(64, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
+    assert "d = 64 or 128 with allow_tf32=True (one-pass tf32)" in why
 
 
 def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=None,
@@ -222,12 +275,9 @@ def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=No
     o, lse = to_host(o), to_host(lse)
     for b, (qb, kb, vb) in enumerate(seqs):
         kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (kb, vb))
-        ref_o, ref_lse = reference.naive_attention(qb, kr, vr, causal=causal, scale=scale,
-                                                   return_lse=True, **opts)
-        plain, _ = plain_attention(qb, kr, vr, causal=causal, scale=scale, dtype=dtype, **opts)
         rows = slice(cu_q[b], cu_q[b + 1])
-        assert_close_to_reference(o[:, :, rows], ref_o, plain, dtype, what=f"O of sequence {b}")
-        assert_lse_close(lse[:, :, rows], ref_lse, dtype)
+        _assert_attention(o[:, :, rows], lse[:, :, rows], qb, kr, vr, causal, scale, dtype,
+                          opts, what=f"O of sequence {b}")
 
 
 @pytest.mark.parametrize("causal,opts", [(False, None), (True, None),
@@ -281,6 +331,17 @@ def test_split_kv_checked_packed_and_cached():
     _check(be, 1, 2, 2, 130, 300, 128, True, dtype=BF16, num_splits=3)
     _packed_check(be, [30, 150], [290, 70], 2, 1, 64, True, num_splits=2)
     _cache_check(_backend(), [300, 130], 150, 2, 1, 64, True, page=128, num_splits=3)
+
+
+def test_tf32_packed_cached_and_split_checked():
+    """One-pass tf32 over packed sequences, a paged KV cache (64-key pages: its key tile)
+    and split-KV, in checked mode under a random schedule: its store of O from registers
+    stops at each sequence's end."""
+    be = _backend(checked=True, schedule="random")
+    _packed_check(be, [30, 150], [290, 70], 2, 1, 64, True, dtype=F32, num_splits=2)
+    _packed_check(be, [70, 20], [50, 130], 2, 2, 128, False, dtype=F32)
+    _cache_check(be, [300, 130], 150, 2, 1, 64, True, page=64, dtype=F32, num_splits=3)
+    _check(be, 1, 2, 1, 130, 300, 128, True, dtype=F32, num_splits=3)
 
 
 def test_the_planner_splits_the_keys_on_it(monkeypatch):
@@ -343,12 +404,8 @@ def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opt
     o, lse = to_host(o), to_host(lse)
     for b, n in enumerate(used):
         kb, vb = (np.repeat(x[b:b + 1, :, :n], H // Hkv, axis=1) for x in (k, v))
-        ref_o, ref_lse = reference.naive_attention(q[b:b + 1], kb, vb, causal=causal, scale=scale,
-                                                   return_lse=True, **opts)
-        plain, _ = plain_attention(q[b:b + 1], kb, vb, causal=causal, scale=scale, dtype=dtype,
-                                   **opts)
-        assert_close_to_reference(o[b:b + 1], ref_o, plain, dtype, what=f"O of row {b}")
-        assert_lse_close(lse[b:b + 1], ref_lse, dtype)
+        _assert_attention(o[b:b + 1], lse[b:b + 1], q[b:b + 1], kb, vb, causal, scale, dtype,
+                          opts, what=f"O of row {b}")
 
 
 @pytest.mark.parametrize("page", [None, 128, 256])
@@ -418,8 +475,12 @@ def test_no_key_and_no_query():
 def test_inputs_it_does_not_take_yet():
     be = _backend()
     q, k, v = attention_inputs(1, 2, 1, 8, 8, 64, F16)[:3]
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
-        sm90.forward_sm90(be, q.astype(np.float32), k, v, causal=False, scale=1.0)
+    with pytest.raises(TypeError, match=r"the Hopper forward takes float16, bfloat16 or float32 "
+                                        r"\(one-pass tf32\), q, k, v alike; got float64"):
+        sm90.forward_sm90(be, *(x.astype(np.float64) for x in (q, k, v)), causal=False, scale=1.0)
+    with pytest.raises(ValueError, match=r"head dims \(64, 128\) for float32"):
+        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 256, F32)[:3], causal=False,
+                          scale=1.0)
     with pytest.raises(TypeError, match="alike"):
         sm90.forward_sm90(be, q, k.astype(BF16), v, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="head dims"):

@@ -233,6 +233,14 @@ def test_the_whole_backward_with_it():
     with pytest.raises(ValueError, match="sm_90a"):
         sm90_bwd.backward_sm90(kernels.emulator_backend(arch="sm_90"), do, q, k, v, lse, Dvec,
                                causal=True, scale=scale)
+    f32 = [x.astype(np.float32) for x in (do, q, k, v)]   # the forward's one-pass tf32 only
+    with pytest.raises(TypeError, match=r"the Hopper backward takes float16 or bfloat16, q, k, "
+                                        r"v alike; got float32"):
+        sm90_bwd.backward_sm90(be, *f32, lse, Dvec, causal=True, scale=scale)
+    kernel_backward.backward(be, *f32, o.astype(np.float32), lse, causal=True, scale=scale,
+                             allow_tf32=True)
+    assert list(dict.fromkeys(p.kernel for p in be.take_launches())) == [
+        "flash_bwd_preprocess", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"]
 
 
 @pytest.mark.gpu

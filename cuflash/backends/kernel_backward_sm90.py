@@ -14,10 +14,8 @@ import numpy as np
 
 from .. import tiling
 from .kernel_variants import dbias_from_cols, dbias_launch, variant_args
-from .kernel_forward_sm90 import (TENSOR_MAP_TYPES, address, check_inputs, check_launch,
-                                  tensor_map_4d, tma_strides)
-
-_FLOAT32 = 7   # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+from .kernel_forward_sm90 import (HEAD_DIMS, TENSOR_MAP_TYPES, address, check_inputs,
+                                  check_launch, tensor_map_4d, tma_strides)
 
 
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
@@ -30,8 +28,9 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and D (1, Hq, total_q). `plans`: the
     planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`')."""
-    check_inputs(q, k, v)
-    check_inputs(do, k, v)
+    dims = {t: HEAD_DIMS for t in tiling.SM90_DTYPES}
+    check_inputs(q, k, v, head_dims=dims, what="backward")
+    check_inputs(do, k, v, head_dims=dims, what="backward")
     if tuple(do.shape) != tuple(q.shape):
         raise ValueError(f"do: expected q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
     check_launch(backend, scale, "backward")
@@ -65,7 +64,8 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     def maps(own, streamed, rows_own, rows_streamed):   # q, k, v, do in the kernels' order
         rows = {**{id(x): rows_own for x in own}, **{id(x): rows_streamed for x in streamed}}
         return tuple(tensor_map_4d(backend.encode_tensor_map, data_type, address(x),
-                                   x.shape[::-1], tuple(tma_strides(x)), rows[id(x)])
+                                   x.shape[::-1], tuple(tma_strides(x)), rows[id(x)],
+                                   128 // x.itemsize)
                      for x in (q, k, v, do))
 
     # the dK/dV pass reads lse and D 64 queries at a time by TMA: (B·Hq, Nq) rows padded to
@@ -74,7 +74,8 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     nq4 = -(-Nq // 4) * 4
     lse2 = xp.where(lse == -np.inf, np.float32(np.inf), lse * _LOG2E)
     padded = [_rows_by_batch(xp, x, segments, Nq, nq4) for x in (lse2, Dvec)]
-    map_lse, map_dsum = (backend.encode_tensor_map(_FLOAT32, 2, x, [nq4, B * Hq], [nq4 * 4],
+    map_lse, map_dsum = (backend.encode_tensor_map(TENSOR_MAP_TYPES["float32"], 2, x,
+                                                   [nq4, B * Hq], [nq4 * 4],
                                                    [p_dkdv.streamed_rows, 1], [1, 1])
                          for x in padded)
     cu = (None, None) if segments is None else (segments.cu_q, segments.cu_k)

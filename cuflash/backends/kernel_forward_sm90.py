@@ -1,6 +1,7 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
-The kernel takes float16 or bfloat16, head dim 64, 128 or 256, q, k, v (B, H, N, D) with strides
+The kernel takes float16 or bfloat16 with head dim 64, 128 or 256, or float32 (one-pass tf32:
+the planner gives it calls with `allow_tf32`) with head dim 64 or 128, q, k, v (B, H, N, D) with strides
 TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
 GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged), split-KV. The planner
 (`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
@@ -19,8 +20,9 @@ from .kernel_variants import variant_args
 from .marshal import i32
 
 HEAD_DIMS = tiling.SM90_HEAD_DIMS
-# dtype name → CUtensorMapDataType (cuda.h's FLOAT16, BFLOAT16)
-TENSOR_MAP_TYPES = {"float16": 6, "bfloat16": 9}
+TF32_HEAD_DIMS = tiling.SM90_TF32_HEAD_DIMS
+# dtype name → CUtensorMapDataType (cuda.h's FLOAT16, FLOAT32, BFLOAT16)
+TENSOR_MAP_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}
 _SWIZZLE_128B = 3                   # CU_TENSOR_MAP_SWIZZLE_128B
 
 
@@ -43,9 +45,10 @@ def address(x) -> int:
 # Encoded maps by their arguments (a map holds nothing else): a training loop's buffers come
 # back at the same addresses, and four encodings cost more host time than a short launch.
 @functools.lru_cache(maxsize=256)
-def tensor_map_4d(encode, data_type, address, dims, strides, rows):
-    """A 4-D (D, N, H, B) map of boxes of 64 columns by `rows`, 128-byte swizzled."""
-    return encode(data_type, 4, address, list(dims), list(strides), [64, rows, 1, 1],
+def tensor_map_4d(encode, data_type, address, dims, strides, rows, cols):
+    """A 4-D (D, N, H, B) map of boxes of `cols` columns (128 bytes) by `rows`, 128-byte
+    swizzled."""
+    return encode(data_type, 4, address, list(dims), list(strides), [cols, rows, 1, 1],
                   [1, 1, 1, 1], swizzle=_SWIZZLE_128B)
 
 
@@ -63,23 +66,36 @@ def tma_ready(*arrays) -> bool:
     return True
 
 
-def check_inputs(q, k, v, paged=False):
+# The forward's head dims by dtype (float32: one-pass tf32)
+FORWARD_HEAD_DIMS = {"float16": HEAD_DIMS, "bfloat16": HEAD_DIMS, "float32": TF32_HEAD_DIMS}
+
+
+def _one_of(names):
+    *head, last = names
+    return f"{', '.join(head)} or {last}" if head else last
+
+
+def check_inputs(q, k, v, paged=False, head_dims=FORWARD_HEAD_DIMS, what="forward"):
     """ValueError/TypeError naming what the kernel does not take yet (`paged`: k and v are
-    a paged cache's (pages, Hkv, page_size, D), their first axis not the batch)."""
+    a paged cache's (pages, Hkv, page_size, D), their first axis not the batch; `head_dims`:
+    the dtypes taken, by name, and their head dims; `what`: the kernel, for the messages)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if np.dtype(x.dtype).name not in TENSOR_MAP_TYPES or np.dtype(x.dtype) != np.dtype(q.dtype):
-            raise TypeError(f"{name}: the Hopper forward takes float16 or bfloat16 (q, k, v "
-                            f"alike), got {np.dtype(x.dtype)}")
+        if np.dtype(x.dtype).name not in head_dims or np.dtype(x.dtype) != np.dtype(q.dtype):
+            tf32 = " (one-pass tf32)" if "float32" in head_dims else ""
+            raise TypeError(f"{name}: the Hopper {what} takes {_one_of(list(head_dims))}{tf32}, "
+                            f"q, k, v alike; got {np.dtype(x.dtype)}")
         if x.ndim != 4:
             raise ValueError(f"{name}: expected (B, H, N, D), got shape {tuple(x.shape)}")
         if not tma_ready(x):
-            raise ValueError(f"{name}: the Hopper forward's tensor maps need contiguous rows, a "
+            raise ValueError(f"{name}: the Hopper {what}'s tensor maps need contiguous rows, a "
                              f"16-byte aligned base and positive row, head and batch strides "
                              f"that are multiples of 16 bytes; got strides {x.strides}")
     (B, H, _, D), (Bk, Hkv, _, Dk) = q.shape, k.shape
-    if D not in HEAD_DIMS or Dk != D or tuple(v.shape) != tuple(k.shape) or (Bk != B and not paged):
+    dims = head_dims[np.dtype(q.dtype).name]
+    if D not in dims or Dk != D or tuple(v.shape) != tuple(k.shape) or (Bk != B and not paged):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the Hopper "
-                         f"forward takes head dims {HEAD_DIMS}, k and v alike, one batch")
+                         f"{what} takes head dims {dims} for {np.dtype(q.dtype)}, k and v "
+                         f"alike, one batch")
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"q's {H} heads must be a multiple of k's {Hkv}")
 
@@ -99,8 +115,8 @@ def check_launch(backend, scale, what: str):
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None, plan=None,
                  segments=None, num_splits=1, num_blocks=None):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
-    the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan).
-    `variants` (cuflash.variants.Variants): the options, None for none.
+    the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan,
+    float32 as one-pass tf32). `variants` (cuflash.variants.Variants): the options, None for none.
     `segments` (kernel_forward.Segments): lengths per batch row, seqlens.cuh's layouts —
     packed sequences (cu_q, cu_k: q, o (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse
     (1, H, total_q)), a KV cache (used_k), a paged one (block_table: k, v (pages, Hkv,
@@ -113,7 +129,8 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     table = None if segments is None else segments.block_table
     if plan is None:
         check_inputs(q, k, v, paged=table is not None)
-        plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1], segments is not None)
+        plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1], segments is not None,
+                                    allow_tf32=True)
     if table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")
@@ -142,7 +159,7 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
 
     def tensor_map(x, rows=plan.block_m):
         return tensor_map_4d(backend.encode_tensor_map, data_type, address(x), x.shape[::-1],
-                           tuple(tma_strides(x)), rows)
+                             tuple(tma_strides(x)), rows, 128 // x.itemsize)
 
     # K and V by key tiles, O by each consumer warpgroup's 64 rows
     maps = (tensor_map(q), tensor_map(k, rows=plan.block_n), tensor_map(v, rows=plan.block_n),

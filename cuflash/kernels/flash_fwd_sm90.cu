@@ -67,34 +67,53 @@ using namespace cuflash;
 
 namespace {
 
-// The tile and its shared memory: Q_i (and O_i's staging) as D / 64 boxes of 128 rows × 64
-// columns (16 KB), the K_j, V_j rings as D / 64 boxes of kBlockN rows, on 1024-byte
-// boundaries as the 128-byte swizzle needs. D = 256 takes 64-key tiles (its 64 x 256
-// accumulators and Q_i leave room for no more) and stores O from registers (no staging).
+// The tile and its shared memory: Q_i (and O_i's staging) as D / kBoxCols boxes of 128 rows ×
+// 128 bytes (16 KB; kBoxCols = 64 16-bit elements or 32 floats), the K_j, V_j rings as such
+// boxes of kBlockN rows, on 1024-byte boundaries as the 128-byte swizzle needs. D = 256 takes
+// 64-key tiles (its 64 x 256 accumulators and Q_i leave room for no more) and stores O from
+// registers (no staging).
+// float32 (kTf32, one-pass tf32, D = 64 or 128): 64-key tiles, O from registers; wgmma takes
+// tf32's B only K-major, so V_j lands as it is in memory (`v`, kRawStages slots: one at D = 128,
+// where two leave no room) and the producer's other three warps write V_jᵀ (`vt`: kBlockN / 32
+// boxes of D rows × 32 keys) for P̃ V_j, see transpose_v.
 template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
-    static constexpr int kBlockM = 128, kBlockN = HEAD_DIM == 256 ? 64 : 128, kStages = 2;
-    static constexpr int kBoxes = HEAD_DIM / 64;
-    static constexpr int kBoxElems = 128 * 64, kKvBoxElems = kBlockN * 64;
-    static constexpr unsigned kBoxBytes = kBoxElems * 2, kKvBoxBytes = kKvBoxElems * 2;
-    static constexpr bool kStageO = HEAD_DIM != 256;  // O through shared memory and TMA
+    static constexpr bool kTf32 = sizeof(T) == 4;
+    static constexpr int kBoxCols = 128 / sizeof(T);  // elements of a 128-byte row
+    static constexpr int kK = 32 / sizeof(T);         // a wgmma's k step: 32 bytes of a row
+    static constexpr int kBlockM = 128, kBlockN = HEAD_DIM == 256 || kTf32 ? 64 : 128, kStages = 2;
+    static constexpr int kRawStages = kTf32 && HEAD_DIM == 128 ? 1 : kStages;  // V_j's ring
+    static constexpr int kBoxes = HEAD_DIM / kBoxCols;
+    static constexpr int kBoxElems = 128 * kBoxCols, kKvBoxElems = kBlockN * kBoxCols;
+    static constexpr unsigned kBoxBytes = 128 * 128, kKvBoxBytes = kBlockN * 128;
+    static constexpr int kVtBoxes = kTf32 ? kBlockN / kBoxCols : 1;
+    static constexpr int kVtBoxElems = kTf32 ? HEAD_DIM * kBoxCols : 1;
+    static constexpr bool kStageO = HEAD_DIM != 256 && !kTf32;  // O through shared memory and TMA
     static constexpr int kThreads = 384;
+    static constexpr int kTransposers = 96;     // the producer's warps 9-11 (tf32)
     static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
     static constexpr int kS = kBlockN / 2;      // its scores of 64 x kBlockN
     struct __align__(1024) Smem {
         T q[kBoxes][kBoxElems];
         T k[kStages][kBoxes][kKvBoxElems];
-        T v[kStages][kBoxes][kKvBoxElems];
-        T o[kStageO ? kBoxes : 1][kStageO ? kBoxElems : 1];
+        T v[kRawStages][kBoxes][kKvBoxElems];
+        union {  // never both: O_i's staging (16-bit) or the V_jᵀ ring (tf32)
+            T o[kStageO ? kBoxes : 1][kStageO ? kBoxElems : 1];
+            T vt[kTf32 ? kStages : 1][kVtBoxes][kVtBoxElems];
+        };
     };
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: 64, 128 or 256");
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || (HEAD_DIM == 256 && !kTf32),
+                  "HEAD_DIM: 64, 128 or 256 (float32: 64 or 128)");
 };
 
-// acc (64 x D) += P̃ (64 x 16 of k step kk, in registers) · V (16 x D, MN-major; the next
-// 64 columns `box` bytes on): D = 256 as two products of 128 columns
+// acc (64 x D) += P̃ (64 x k of k step kk, in registers) · V (k x D): 16-bit V MN-major (the
+// next 64 columns `box` bytes on), D = 256 as two products of 128 columns; tf32 Vᵀ K-major
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
                                          unsigned long long v_desc, unsigned box) {
-    if constexpr (D == 64) {
+    if constexpr (sizeof(T) == 4) {
+        if constexpr (D == 64) sm90::wgmma_m64n64k8_rs_tf32(acc, a, v_desc, 1);
+        else sm90::wgmma_m64n128k8_rs_tf32(acc, a, v_desc, 1);
+    } else if constexpr (D == 64) {
         sm90::wgmma_m64n64k16_rs<T>(acc, a, v_desc, 1);
     } else if constexpr (D == 128) {
         sm90::wgmma_m64n128k16_rs<T>(acc, a, v_desc, 1);
@@ -105,12 +124,54 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a
     }
 }
 
-// acc (64 x N) = Q (64 x 16 of k step kk) · K (16 x N), both K-major: N = 128 or 64
+// acc (64 x N) = Q (64 x k of k step kk) · K (k x N), both K-major: N = 128 or 64
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_s(float (&acc)[N / 2], unsigned long long q_desc,
                                         unsigned long long k_desc, int scale_d) {
-    if constexpr (N == 128) sm90::wgmma_m64n128k16_ss<T>(acc, q_desc, k_desc, scale_d);
+    if constexpr (sizeof(T) == 4) sm90::wgmma_m64n64k8_ss_tf32(acc, q_desc, k_desc, scale_d);
+    else if constexpr (N == 128) sm90::wgmma_m64n128k16_ss<T>(acc, q_desc, k_desc, scale_d);
     else sm90::wgmma_m64n64k16_ss<T>(acc, q_desc, k_desc, scale_d);
+}
+
+// Two of a thread's O values, row-adjacent columns, to memory in T
+template <typename T> __device__ __forceinline__ void store_pair(T* p, float a, float b) {
+    if constexpr (sizeof(T) == 4) *reinterpret_cast<float2*>(p) = make_float2(a, b);
+    else *reinterpret_cast<unsigned*>(p) = pack2<T>(a, b);
+}
+
+// tf32: the N floats at p rounded to tf32 in place (16-byte chunks; the swizzle moves chunks
+// within rows, so any layout), by `threads` threads from `tid`. wgmma would read their upper
+// 19 bits as they are: truncated, twice the rounding's error
+template <int N> __device__ __forceinline__ void round_to_tf32(float* p, int tid, int threads) {
+    for (int i = 4 * tid; i < N; i += 4 * threads) {
+        float4 x = *reinterpret_cast<float4*>(p + i);
+        x = make_float4(__uint_as_float(to_tf32(x.x)), __uint_as_float(to_tf32(x.y)),
+                        __uint_as_float(to_tf32(x.z)), __uint_as_float(to_tf32(x.w)));
+        *reinterpret_cast<float4*>(p + i) = x;
+    }
+}
+
+// tf32: V_j (kBlockN keys × D, as its TMA boxes left it: 32-float rows, 16-byte chunk c of row r
+// at chunk c ^ (r % 8)) into V_jᵀ, wgmma's K-major B of P̃ V_j (per 32 keys a box of D rows × 32
+// keys, the same swizzle), rounded to tf32, by `threads` threads from `tid`. Within each 8
+// keys, key 2i goes to position i and key 2i + 1 to i + 4: the order in which a thread's
+// accumulators of S (columns 2t, 2t + 1) become the k indices t, t + 4 of tf32's A fragment
+template <typename Tr, int D>
+__device__ __forceinline__ void transpose_v(const float (*v)[Tr::kKvBoxElems],
+                                            float (*vt)[Tr::kVtBoxElems], int tid, int threads) {
+    constexpr int kQuads = D / 4, kChunks = Tr::kBlockN * kQuads;
+    for (int ci = tid; ci < kChunks; ci += threads) {
+        const int r = ci / kQuads, c = ci % kQuads / 8, q = ci % 8;
+        const float4 x = *reinterpret_cast<const float4*>(v[c] + r * 32 + (q ^ (r % 8)) * 4);
+        const int kp = r % 32, p = (kp & ~7) + (kp % 8) / 2 + 4 * (kp % 2);
+        float* box = vt[r / 32];
+        const float e[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int d = 32 * c + 4 * q + i;
+            box[d * 32 + ((p / 4) ^ (d % 8)) * 4 + p % 4] = __uint_as_float(to_tf32(e[i]));
+        }
+    }
 }
 
 }  // namespace
@@ -136,7 +197,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // K_j and V_j in rings of their own: K_j's slot is freed as soon as S_j has retired,
     // before the softmax, so the producer loads K_{j+2} under it (one ring for both held
     // K_j's slot until P̃_j V_j had retired, and the next load came just in time)
-    __shared__ sm90::Ring<STAGES> ring_k, ring_v;
+    // float32: the producer's other warps round K_j in place (ring_kr: rounded) and write
+    // V_jᵀ from V_j (ring_v feeds them, they fill ring_vt)
+    __shared__ sm90::Ring<STAGES> ring_k, ring_kr, ring_vt;
+    __shared__ sm90::Ring<Tr::kRawStages> ring_v;
     const int warpgroup = sm90::warpgroup_index();
 
     Variants<T> var = CUFLASH_VARIANTS(T);
@@ -184,7 +248,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::mbar_init(&q_full, 1);
         sm90::mbar_init(&q_empty, 256);
         ring_k.init(256);
-        ring_v.init(256);
+        ring_v.init(Tr::kTf32 ? Tr::kTransposers : 256);
+        if (Tr::kTf32) {
+            ring_kr.init(256, Tr::kTransposers);  // its "empty" side unused: ring_k's serves
+            ring_vt.init(256, Tr::kTransposers);
+        }
         sm90::mbar_init_fence();
     }
     __syncthreads();
@@ -200,11 +268,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 if (n++ > 0) sm90::mbar_wait(&q_empty, (n - 2) & 1);
                 sm90::mbar_arrive_expect_tx(&q_full, Tr::kBoxes * Tr::kBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c)
-                    sm90::tma_load_4d(sm.q[c], map_q, 64 * c, x.q_row0 + x.m0, x.h, x.tb, &q_full);
+                    sm90::tma_load_4d(sm.q[c], map_q, Tr::kBoxCols * c, x.q_row0 + x.m0, x.h, x.tb,
+                                      &q_full);
                 // the key tiles a block mask leaves non-empty (all of them without one)
                 for (int j = var.template next_tile<BM, BN>(x.b, x.h, x.m0, x.j0, x.j1); j < x.j1;
                      j = var.template next_tile<BM, BN>(x.b, x.h, x.m0, j + 1, x.j1), ++it) {
-                    const int s = it % STAGES;
+                    const int s = it % STAGES, sv = it % Tr::kRawStages;
                     int row = x.k_row0 + j * BN, kb = x.tbk;  // the tile's rows in k and v
                     if (VARLEN && block_table) {  // its page
                         kb = block_table[(long long)x.b * table_stride + j * BN / page_size];
@@ -212,10 +281,37 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     }
                     auto* full_k = ring_k.acquire(it, Tr::kBoxes * Tr::kKvBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c)
-                        sm90::tma_load_4d(sm.k[s][c], map_k, 64 * c, row, x.h / group, kb, full_k);
+                        sm90::tma_load_4d(sm.k[s][c], map_k, Tr::kBoxCols * c, row, x.h / group, kb,
+                                          full_k);
                     auto* full_v = ring_v.acquire(it, Tr::kBoxes * Tr::kKvBoxBytes);
                     for (int c = 0; c < Tr::kBoxes; ++c)
-                        sm90::tma_load_4d(sm.v[s][c], map_v, 64 * c, row, x.h / group, kb, full_v);
+                        sm90::tma_load_4d(sm.v[sv][c], map_v, Tr::kBoxCols * c, row, x.h / group, kb,
+                                          full_v);
+                }
+            }
+        } else if constexpr (Tr::kTf32) {
+            if (threadIdx.x >= 288) {  // warps 9-11: K_j rounded, V_j into V_jᵀ, as they land
+                const int tid = threadIdx.x - 288;
+                int it = 0;
+                for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+                    const Tile x = tile_at(tile);
+                    if (x.skip) continue;
+                    const int j0 = var.template next_tile<BM, BN>(x.b, x.h, x.m0, x.j0, x.j1);
+                    const int tiles = var.template count_tiles<BM, BN>(x.b, x.h, x.m0, j0, x.j1);
+                    for (int j = 0; j < tiles; ++j, ++it) {
+                        ring_k.wait(it);
+                        round_to_tf32<Tr::kBoxes * Tr::kKvBoxElems>(sm.k[it % STAGES][0], tid,
+                                                                 Tr::kTransposers);
+                        sm90::fence_proxy_async();  // the writes, before wgmma reads them
+                        ring_kr.fill(it);
+                        ring_v.wait(it);
+                        ring_vt.wait_free(it);
+                        transpose_v<Tr, HEAD_DIM>(sm.v[it % Tr::kRawStages], sm.vt[it % STAGES],
+                                                  tid, Tr::kTransposers);
+                        sm90::fence_proxy_async();
+                        ring_v.release(it);
+                        ring_vt.fill(it);
+                    }
                 }
             }
         }
@@ -237,33 +333,41 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     OnlineSoftmax<float> top, bottom;
     float acc[Tr::kOAcc];
 
-    // S = Q_i K_jᵀ of tile j in slot s, issued (k16 steps along D, 32 bytes each in a box;
+    // S = Q_i K_jᵀ of tile j in slot s, issued (k steps along D, 32 bytes each in a box;
     // the next box one box on)
-    constexpr int kS = Tr::kS;
+    constexpr int kS = Tr::kS, kK = Tr::kK;
     float sc[kS];
     // The operands' descriptors, made once: a ring slot, a box and a k step move the start
     // address field by constants (the tiles stay within shared memory's 256 KB: no carry)
     constexpr unsigned kSlotDesc = Tr::kBoxes * Tr::kKvBoxBytes >> 4, kBoxDesc = Tr::kKvBoxBytes >> 4;
-    const unsigned long long q_desc = sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * 64);
+    constexpr unsigned kVtBoxDesc = HEAD_DIM * 128 >> 4, kVtSlotDesc = Tr::kVtBoxes * kVtBoxDesc;
+    const unsigned long long q_desc =
+        sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * Tr::kBoxCols);
     const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0][0]);
-    const unsigned long long v_desc = sm90::desc_mn_major_sw128(sm.v[0][0], Tr::kKvBoxBytes);
-    // Q_i's, the same at every step: held for D ≤ 128 (at D = 256 the 16 would spill)
-    unsigned long long q_descs[HEAD_DIM / 16];
-    sm90::k_step_descs<HEAD_DIM <= 128>(q_descs, q_desc, Tr::kBoxBytes >> 4);
+    const unsigned long long v_desc = Tr::kTf32 ? sm90::desc_k_major_sw128(sm.vt[0][0])
+                                                : sm90::desc_mn_major_sw128(sm.v[0][0], Tr::kKvBoxBytes);
+    // Q_i's, the same at every step: held up to 8 (16 would spill: 16-bit D = 256, tf32 128)
+    constexpr int kQSteps = HEAD_DIM / kK;
+    unsigned long long q_descs[kQSteps];
+    sm90::k_step_descs<kQSteps <= 8>(q_descs, q_desc, Tr::kBoxBytes >> 4);
     auto issue_s = [&](int s) {
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        for (int kk = 0; kk < kQSteps; ++kk)
             wgmma_s<T, BN>(sc, q_descs[kk],
                            k_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4), kk > 0);
         sm90::wgmma_commit();
     };
-    // acc += P̃ V_j of the tile in slot s, issued: k step kk takes keys 16kk .. as the A
-    // fragment and V_j's rows 16kk .. (2048 bytes on), MN-major, the next box one box on (LBO)
-    unsigned pa[BN / 16][4];
+    // acc += P̃ V_j of the tile in slot s, issued: k step kk takes keys k·kk .. as the A
+    // fragment and 16-bit V_j's rows 16kk .. (2048 bytes on), MN-major, the next box one box
+    // on (LBO); or tf32 V_jᵀ's 8 keys 32 bytes on in its box of 32, K-major
+    unsigned pa[BN / kK][4];
     auto issue_pv = [&](int s) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_pv<T, HEAD_DIM>(acc, pa[kk], v_desc + s * kSlotDesc + 128 * kk, Tr::kKvBoxBytes);
+        for (int kk = 0; kk < BN / kK; ++kk)
+            wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
+                                  Tr::kTf32 ? v_desc + s * kVtSlotDesc + (kk / 4) * kVtBoxDesc + 2 * (kk % 4)
+                                            : v_desc + s * kSlotDesc + 128 * kk,
+                                  Tr::kKvBoxBytes);
         sm90::wgmma_commit();
     };
     // The online softmax of tile j's S: masked keys −inf (past Nk, outside a row's causal
@@ -320,14 +424,17 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             for (int i = 0; i < kS; ++i) sc[i] = (keep >> i) & 1u ? sc[i] * var.keep_scale : 0.f;
         }
     };
-    // P̃ to 16 bits, all of the tile: a wgmma owns its A registers until the wait that
-    // retires it, so none may be written while the previous P̃ V still runs
+    // P̃ to 16 bits, or rounded to tf32 (columns 2t, 2t + 1 as k indices t, t + 4: V_jᵀ's
+    // order), all of the tile: a wgmma owns its A registers until the wait that retires it,
+    // so none may be written while the previous P̃ V still runs
     auto pack = [&]() {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
+        for (int kk = 0; kk < BN / kK; ++kk)
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+            for (int r = 0; r < 4; ++r) {
+                if constexpr (Tr::kTf32) pa[kk][r] = to_tf32(sc[4 * kk + (r % 2) * 2 + r / 2]);
+                else pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+            }
     };
 
     // -- the two consumers take turns to issue their products (FlashAttention-3's ping-pong):
@@ -339,8 +446,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 
     // -- the pipeline within the warpgroup (FlashAttention-3): the softmax of tile j runs
     // while P̃_{j−1} V_{j−1} does; S_j first, then acc *= α_j once that product retired.
-    // K_j is read by S_j and freed once it retired (before the softmax), V_j by the P̃ V
-    // of the next iteration and freed after it
+    // K_j is read by S_j and freed once it retired (before the softmax), V_j (tf32: V_jᵀ) by
+    // the P̃ V of the next iteration and freed after it
+    auto& ring_a = Tr::kTf32 ? ring_kr : ring_k;  // the rings the products wait for: K_j
+    auto& ring_b = *[&] {                         // and V_j (tf32: rounded, V_jᵀ)
+        if constexpr (Tr::kTf32) return &ring_vt;
+        else return &ring_v;
+    }();
     int it = 0;  // key tiles consumed so far: the rings' slot and phase, as the producer's
     int n = 0;   // tiles run so far: q_full's phase
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -363,8 +475,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 #pragma unroll
         for (int i = 0; i < Tr::kOAcc; ++i) acc[i] = 0.f;
         sm90::mbar_wait(&q_full, n++ & 1);
+        if constexpr (Tr::kTf32) {  // the warpgroup's 64 rows of Q_i rounded, in place
+            for (int c = 0; c < Tr::kBoxes; ++c)
+                round_to_tf32<64 * Tr::kBoxCols>(sm.q[c] + warpgroup * 64 * Tr::kBoxCols,
+                                              threadIdx.x % 128, 128);
+            sm90::fence_proxy_async();
+            sm90::bar_sync(3 + warpgroup, 128);  // all of them, before its first S
+        }
         if (tiles > 0) {
-            ring_k.wait(it);
+            ring_a.wait(it);
             my_turn();
             sm90::wgmma_fence();
             issue_s(it % STAGES);
@@ -381,8 +500,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             jt = var.template next_tile<BM, BN>(tile_b, tile_h, m0, jt + 1, j1);
             pos_v = pos_k;
             pos_k.advance();
-            ring_k.wait(pos_k);
-            ring_v.wait(pos_v);
+            ring_a.wait(pos_k);
+            ring_b.wait(pos_v);
             my_turn();
             sm90::wgmma_fence();
             issue_s(pos_k.slot);    // S_j
@@ -393,7 +512,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             float alpha_top, alpha_bottom;
             softmax(jt, alpha_top, alpha_bottom);
             sm90::wgmma_wait<0>();  // P̃_{j−1} V_{j−1} too: acc and P̃'s registers are free
-            ring_v.release(pos_v);
+            ring_b.release(pos_v);
             // acc *= α, skipped by the whole warp when none of its rows' max moved (every α
             // exactly 1: the same bits); late in a long row most key tiles leave it alone
             if (__any_sync(0xffffffffu, alpha_top != 1.f || alpha_bottom != 1.f)) {
@@ -408,13 +527,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             pack();
         }
         if (tiles > 0) {  // the last tile's P̃ V
-            ring_v.wait(it + tiles - 1);
+            ring_b.wait(it + tiles - 1);
             my_turn();
             sm90::wgmma_fence();
             issue_pv((it + tiles - 1) % STAGES);
             your_turn();
             sm90::wgmma_wait<0>();
-            ring_v.release(it + tiles - 1);
+            ring_b.release(it + tiles - 1);
         }
         it += tiles;
         sm90::mbar_arrive(&q_empty);  // every S of the tile has retired: Q_i may go
@@ -445,11 +564,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             for (int i = 0; i < Tr::kOAcc; i += 4) {
                 const int col = 8 * (i / 4) + 2 * t;
                 if (r_top < mask.Nq)
-                    *reinterpret_cast<unsigned*>(o + (x.row0 + r_top) * HEAD_DIM + col) =
-                        pack2<T>(acc[i] * inv_top, acc[i + 1] * inv_top);
+                    store_pair(o + (x.row0 + r_top) * HEAD_DIM + col, acc[i] * inv_top,
+                               acc[i + 1] * inv_top);
                 if (r_top + 8 < mask.Nq)
-                    *reinterpret_cast<unsigned*>(o + (x.row0 + r_top + 8) * HEAD_DIM + col) =
-                        pack2<T>(acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
+                    store_pair(o + (x.row0 + r_top + 8) * HEAD_DIM + col,
+                               acc[i + 2] * inv_bottom, acc[i + 3] * inv_bottom);
             }
         } else {
             if (threadIdx.x % 128 == 0) sm90::bulk_wait_read();

@@ -86,20 +86,28 @@ template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setm
 template <int STAGES> struct Ring {
     unsigned long long full[STAGES], empty[STAGES];
 
-    __device__ __forceinline__ void init(int consumers) {  // by one thread, then fenced
+    // by one thread, then fenced; `producers`: the threads that fill a slot (one that starts
+    // copies, or those that write it themselves)
+    __device__ __forceinline__ void init(int consumers, int producers = 1) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&full[s], 1);
+            mbar_init(&full[s], producers);
             mbar_init(&empty[s], consumers);
         }
+    }
+    // a producer: until step it's slot is free
+    __device__ __forceinline__ void wait_free(int it) {
+        if (it >= STAGES) mbar_wait(&empty[it % STAGES], (it / STAGES - 1) & 1);
     }
     // the producer: waits until step it's slot is free, announces `bytes` of copies; returns
     // the mbarrier those copies complete on
     __device__ __forceinline__ unsigned long long* acquire(int it, unsigned bytes) {
-        const int s = it % STAGES;
-        if (it >= STAGES) mbar_wait(&empty[s], (it / STAGES - 1) & 1);
-        mbar_arrive_expect_tx(&full[s], bytes);
-        return &full[s];
+        wait_free(it);
+        mbar_arrive_expect_tx(&full[it % STAGES], bytes);
+        return &full[it % STAGES];
     }
+    // a producer that writes the slot itself: done with step it's (its writes fenced for the
+    // async proxy first, where wgmma reads them)
+    __device__ __forceinline__ void fill(int it) { mbar_arrive(&full[it % STAGES]); }
     // a consumer: until step it's copies have landed; then, done with them
     __device__ __forceinline__ void wait(int it) { mbar_wait(&full[it % STAGES], (it / STAGES) & 1); }
     __device__ __forceinline__ void release(int it) { mbar_arrive(&empty[it % STAGES]); }
@@ -242,6 +250,25 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsign
                                                     unsigned long long b, int scale_d) {
     SM90_WGMMA_T(T, "m64n128k16", "69", SM90_ACC64, "{%64, %65, %66, %67}, %68", "1, 1, 1",
                  SM90_ACC64_OUT, d, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+// tf32: float32 operands, of which wgmma reads the upper 19 bits (m64nNk8, both operands
+// K-major: no transposed form)
+__device__ __forceinline__ void wgmma_m64n64k8_ss_tf32(float (&d)[32], unsigned long long a,
+                                                       unsigned long long b, int scale_d) {
+    SM90_WGMMA("tf32", "m64n64k8", "34", SM90_ACC32, "%32, %33", "1, 1", SM90_ACC32_OUT, d,
+               "l"(a), "l"(b), "r"(scale_d));
+}
+// D (64 x N) += A (64 x 8 from registers, mma.sync's tf32 A fragment) · B (8 x N, K-major)
+__device__ __forceinline__ void wgmma_m64n64k8_rs_tf32(float (&d)[32], const unsigned (&a)[4],
+                                                       unsigned long long b, int scale_d) {
+    SM90_WGMMA("tf32", "m64n64k8", "37", SM90_ACC32, "{%32, %33, %34, %35}, %36", "1, 1",
+               SM90_ACC32_OUT, d, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n128k8_rs_tf32(float (&d)[64], const unsigned (&a)[4],
+                                                        unsigned long long b, int scale_d) {
+    SM90_WGMMA("tf32", "m64n128k8", "69", SM90_ACC64, "{%64, %65, %66, %67}, %68", "1, 1",
+               SM90_ACC64_OUT, d, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
 }  // namespace sm90

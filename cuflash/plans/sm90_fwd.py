@@ -1,5 +1,6 @@
 """The Hopper forward, `Sm90FwdTraits` (kernels/flash_fwd_sm90.cu): one tile, built for
-sm_90a alone (wgmma, TMA, setmaxnreg), taken by plain calls on a device that runs it."""
+sm_90a alone (wgmma, TMA, setmaxnreg), taken by plain calls on a device that runs it;
+float32 as one-pass tf32 (`allow_tf32`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,14 +9,17 @@ from .base import Plan, flag
 
 SM90_DTYPES = ("float16", "bfloat16")
 SM90_HEAD_DIMS = (64, 128, 256)
-BOX_BYTES = 128 * 64 * 2     # one TMA box: 128 rows of 64 16-bit elements (128 bytes)
+SM90_TF32_HEAD_DIMS = (64, 128)   # float32, one-pass tf32
+ROW_BYTES = 128              # a TMA box's row: 64 16-bit elements or 32 floats
+BOX_BYTES = 128 * ROW_BYTES  # one box of Q_i: 128 rows
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdPlan(Plan):
     """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN>: 128 × 128 tiles, two consumer warpgroups
     of 64 query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA
-    ring; blocks walk the tiles head by head; VARLEN: packed sequences."""
+    ring; blocks walk the tiles head by head; VARLEN: packed sequences. float32 (one-pass
+    tf32): 128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j."""
 
     dynamic_smem = True
     arch_specific = True
@@ -24,15 +28,25 @@ class Sm90FwdPlan(Plan):
     num_threads = 384         # kThreads
 
     kernel: str               # "flash_fwd_sm90"
-    dtype: str                # "float16" or "bfloat16"
-    head_dim: int             # HEAD_DIM: exactly d (64 or 128)
+    dtype: str                # "float16", "bfloat16" or "float32" (one-pass tf32)
+    head_dim: int             # HEAD_DIM: exactly d (64, 128 or 256; float32 64 or 128)
     varlen: bool = False      # VARLEN: packed sequences (cu_q, cu_k)
+
+    @property
+    def tf32(self) -> bool:
+        """kTf32: float32 operands, one-pass tf32."""
+        return self.dtype == "float32"
 
     @property
     def block_n(self) -> int:
         """kBlockN: 64-key tiles at D = 256 (its accumulators and Q_i leave room for no
-        more), 128 below."""
-        return 64 if self.head_dim == 256 else 128
+        more) and for float32, 128 otherwise."""
+        return 64 if self.head_dim == 256 or self.tf32 else 128
+
+    @property
+    def raw_stages(self) -> int:
+        """kRawStages: V_j's slots as loaded (float32 D = 128: one, two leave no room)."""
+        return 1 if self.tf32 and self.head_dim == 128 else self.stages
 
     @property
     def score_tile(self) -> tuple:
@@ -45,16 +59,19 @@ class Sm90FwdPlan(Plan):
 
     @property
     def stages_o(self) -> bool:
-        """kStageO: O through shared memory and a TMA store (D = 256: from registers)."""
-        return self.head_dim != 256
+        """kStageO: O through shared memory and a TMA store (D = 256 and float32: from
+        registers)."""
+        return self.head_dim != 256 and not self.tf32
 
     @property
     def smem_bytes(self) -> int:
-        """Smem: Q_i (and O_i's staging) in D / 64 boxes of 128 rows, the rings' K_j, V_j
-        stages in D / 64 boxes of block_n rows."""
-        boxes = self.head_dim // 64
+        """Smem: Q_i (and O_i's staging) in kBoxes boxes of 128 rows of 128 bytes, the
+        rings' K_j, V_j stages in kBoxes boxes of block_n rows; float32's V_jᵀ stages."""
+        boxes = self.head_dim * self.element.bytes // ROW_BYTES
         q_o = (2 if self.stages_o else 1) * boxes * BOX_BYTES
-        return q_o + 2 * self.stages * boxes * BOX_BYTES * self.block_n // 128
+        kv_box = self.block_n * ROW_BYTES
+        vt = self.stages * self.head_dim * self.block_n * 4 if self.tf32 else 0
+        return q_o + (self.stages + self.raw_stages) * boxes * kv_box + vt
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
@@ -66,14 +83,18 @@ class Sm90FwdPlan(Plan):
         return self._instantiate(self.head_dim, flag(self.varlen))
 
 
-def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False) -> Sm90FwdPlan | None:
+def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False,
+                  allow_tf32: bool = False) -> Sm90FwdPlan | None:
     """The Hopper forward's plan for `dtype` (a name) and head dim `d` (`varlen`: packed
-    sequences), None if it has none."""
-    if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
+    sequences; float32 only with `allow_tf32`, as one-pass tf32), None if it has none."""
+    if (dtype in SM90_DTYPES and d in SM90_HEAD_DIMS) or (
+            dtype == "float32" and allow_tf32 and d in SM90_TF32_HEAD_DIMS):
         return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen)
     return None
 
 
 def all_sm90_fwd_plans() -> tuple[Sm90FwdPlan, ...]:
-    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen) for t in SM90_DTYPES
-                 for d in SM90_HEAD_DIMS for varlen in (False, True))
+    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen)
+                 for t, dims in [*((t, SM90_HEAD_DIMS) for t in SM90_DTYPES),
+                                 ("float32", SM90_TF32_HEAD_DIMS)]
+                 for d in dims for varlen in (False, True))
