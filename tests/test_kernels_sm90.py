@@ -93,6 +93,20 @@ def test_forward_tf32(D, B, H, Hkv, Nq, Nk, causal):
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
+def test_tf32_nan_reaches_its_row():
+    """A NaN in one query row: that row's O and lse are NaN (through ℓ: P̃'s tf32 rounding
+    may turn a NaN into a tiny number), every other row as without it."""
+    q, k, v = attention_inputs(1, 2, 1, 150, 200, 64, F32, seed=4)[:3]
+    o, lse = (to_host(x) for x in sm90.forward_sm90(_backend(), q, k, v, causal=True, scale=0.125))
+    q[0, 1, 140, 5] = np.nan
+    o_nan, lse_nan = (to_host(x) for x in sm90.forward_sm90(_backend(), q, k, v, causal=True,
+                                                            scale=0.125))
+    assert np.all(np.isnan(o_nan[0, 1, 140])) and np.isnan(lse_nan[0, 1, 140])
+    o_nan[0, 1, 140], lse_nan[0, 1, 140] = o[0, 1, 140], lse[0, 1, 140]
+    np.testing.assert_array_equal(o_nan, o)
+    np.testing.assert_array_equal(lse_nan, lse)
+
+
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16),
                                            (256, "random", F16), (64, "random", F32),
                                            (128, "reversed", F32)])

@@ -419,8 +419,9 @@ def test_default_backward_runs_five_gemms(fp16_rows, D, cc):
 
 # -- the Hopper kernels (sm_90a: an HGMMA counted as the HMMA.16816 it equals per warp) -----
 
-# Instructions per HMMA of one consumer warp's steady-state iteration, fp16, as ceilings (a
-# change may exceed one by 2% at most): the forward per key tile (128 keys; 64 at D = 256),
+# Instructions per HMMA of one consumer warp's steady-state iteration, fp16 (float32 below),
+# as ceilings (a change may exceed one by 2% at most): the forward per key tile (128 keys;
+# 64 at D = 256),
 # the dK/dV pass per 64-query step, the dQ pass per 64-key tile. FlashAttention-3's forward
 # consumer loop at D = 128, built from its source and counted the same way: 1.65 (176-key
 # tiles). HMMA-equivalents per iteration: the tile's GEMMs over the warpgroup's 4 warps.
@@ -430,6 +431,10 @@ HOPPER_CEILING = {
     ("flash_bwd_dkdv_sm90_kernel", 64): (297 / 128, 128),
     ("flash_bwd_dkdv_sm90_kernel", 128): (326 / 256, 256),
     ("flash_bwd_dq_sm90_kernel", 64): (236 / 96, 96), ("flash_bwd_dq_sm90_kernel", 128): (247 / 192, 192),
+    # float32 as one-pass tf32: 64-key tiles, an HGMMA .tf32 counted as the HMMA.16816 of
+    # its multiply-adds (the tensor cores take twice as long over them)
+    ("flash_fwd_sm90_kernel", 64, "float"): (283 / 64, 64),
+    ("flash_fwd_sm90_kernel", 128, "float"): (339 / 128, 128),
 }
 
 
@@ -440,12 +445,13 @@ def hopper_rows():
     for r in rows:
         kernel, _, args = r.kernel.partition("<")
         args = [a.strip() for a in args.rstrip(">").split(",")]
-        if args[0] == "__half" and args[2:] in ([], ["false"]):   # fp16, padded rows
-            out[(kernel, int(args[1]))] = r
+        if args[0] in ("__half", "float") and args[2:] in ([], ["false"]):   # padded rows
+            out[(kernel, int(args[1])) + (("float",) if args[0] == "float" else ())] = r
     return out
 
 
-@pytest.mark.parametrize("case", sorted(HOPPER_CEILING), ids=lambda c: f"{c[0]}-D{c[1]}")
+@pytest.mark.parametrize("case", sorted(HOPPER_CEILING),
+                         ids=lambda c: f"{c[0]}-D{c[1]}" + "".join(f"-{x}" for x in c[2:]))
 def test_hopper_loop_ceiling(hopper_rows, case):
     ceiling, work = HOPPER_CEILING[case]
     r = hopper_rows[case]

@@ -90,6 +90,7 @@ template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
     static constexpr bool kStageO = HEAD_DIM != 256 && !kTf32;  // O through shared memory and TMA
     static constexpr int kThreads = 384;
     static constexpr int kTransposers = 96;     // the producer's warps 9-11 (tf32)
+    static constexpr int kProducerRegs = kTf32 ? 56 : 40, kConsumerRegs = kTf32 ? 224 : 232;
     static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
     static constexpr int kS = kBlockN / 2;      // its scores of 64 x kBlockN
     struct __align__(1024) Smem {
@@ -258,7 +259,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __syncthreads();
 
     if (warpgroup == 2) {  // the producer
-        sm90::regs_dec<40>();  // 128 · 40 + 256 · 232 of the 64 K registers
+        // 128 · 40 + 256 · 232 of the 64 K registers; the warps that write V_jᵀ (tf32) walk the
+        // tiles too, in 56 (128 · 56 + 256 · 224)
+        sm90::regs_dec<Tr::kProducerRegs>();
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
             int it = 0;  // key tiles loaded so far: the rings' slot and phase
             int n = 0;   // tiles loaded so far: q_empty's phase
@@ -321,7 +324,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // -- the consumers: warp w of warpgroup wg owns rows 64 wg + 16 w .. of the block; a
     // thread rows g and g + 8 of those (accumulator i: n-tile i / 4, row + 8 for i % 4 ≥ 2,
     // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
-    sm90::regs_inc<232>();
+    sm90::regs_inc<Tr::kConsumerRegs>();
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
     const int row = (threadIdx.x / 32 % 4) * 16 + g;   // the thread's rows in the warpgroup's 64
     const float c = softmax_scale_log2(scale);
@@ -424,16 +427,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             for (int i = 0; i < kS; ++i) sc[i] = (keep >> i) & 1u ? sc[i] * var.keep_scale : 0.f;
         }
     };
-    // P̃ to 16 bits, or rounded to tf32 (columns 2t, 2t + 1 as k indices t, t + 4: V_jᵀ's
-    // order), all of the tile: a wgmma owns its A registers until the wait that retires it,
-    // so none may be written while the previous P̃ V still runs
+    // P̃ to 16 bits, or to tf32 (columns 2t, 2t + 1 as k indices t, t + 4: V_jᵀ's order),
+    // all of the tile: a wgmma owns its A registers until the wait that retires it, so none
+    // may be written while the previous P̃ V still runs. tf32: half a unit of its last place
+    // added, which wgmma's truncation makes a rounding to nearest, ties away (cvt.rna's, in
+    // one add instead of four: P̃ lies in [0, 1]; a NaN, which the add may turn into a tiny
+    // number, reaches O through ℓ)
     auto pack = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BN / kK; ++kk)
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                if constexpr (Tr::kTf32) pa[kk][r] = to_tf32(sc[4 * kk + (r % 2) * 2 + r / 2]);
-                else pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+                if constexpr (Tr::kTf32)
+                    pa[kk][r] = __float_as_uint(sc[4 * kk + (r % 2) * 2 + r / 2]) + 0x1000u;
+                else
+                    pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
             }
     };
 
