@@ -421,8 +421,8 @@ def test_default_backward_runs_five_gemms(fp16_rows, D, cc):
 
 # Instructions per HMMA of one consumer warp's steady-state iteration, fp16 (float32 below),
 # as ceilings (a change may exceed one by 2% at most): the forward per key tile (128 keys;
-# 64 at D = 256),
-# the dK/dV pass per 64-query step, the dQ pass per 64-key tile. FlashAttention-3's forward
+# 64 at D = 256), the dK/dV pass per 64-query step, the dQ pass per 64-key tile.
+# FlashAttention-3's forward
 # consumer loop at D = 128, built from its source and counted the same way: 1.65 (176-key
 # tiles). HMMA-equivalents per iteration: the tile's GEMMs over the warpgroup's 4 warps.
 HOPPER_CEILING = {
