@@ -184,7 +184,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
                              backend="auto", window=None, softcap=None, alibi_slopes=None,
                              bias=None, mask=None, dropout_p=0.0, seed=None,
                              return_dbias=False, allow_tf32=False, score_mod=None,
-                             mask_mod=None, block_mask=None, return_mod_grads=False):
+                             mask_mod=None, block_mask=None, return_mod_grads=False,
+                             deterministic=True):
     """Gradients (dq, dk, dv) of attention from its output gradient do.
 
     o and lse are what flash_attention(q, k, v, return_lse=True) returned. dq, dk, dv
@@ -202,9 +203,17 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     score_mod, mask_mod, block_mask: as in flash_attention, the forward's. With
     return_mod_grads=True it also returns, last, a dict of the gradients of the float
     arrays score_mod captures, keyed by the names it uses for them, in their dtypes.
+
+    deterministic: True (the default) gives the same bits for the same inputs on the same
+    device, every call. False lets the GPU kernels' five-GEMM backward (16-bit, d <= 128,
+    no option but causal and the window) add dq's parts by float32 atomics from a block per
+    key block, as FlashAttention-2 does: less memory and more parallel blocks, but dq's last
+    bits may change from call to call. Elsewhere (the NumPy backend, the other kernels) no
+    effect.
     """
     causal = _checks.check_flag("causal", causal)
     allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)
+    deterministic = _checks.check_flag("deterministic", deterministic)
     return_dbias = _checks.check_return_dbias(return_dbias, bias)
     return_mod_grads = _checks.check_flag("return_mod_grads", return_mod_grads)
     options = _option_arrays(alibi_slopes, bias, mask)
@@ -248,6 +257,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
         extra["return_mod_grads"] = True
     if allow_tf32:
         extra["allow_tf32"] = True
+    if not deterministic:
+        extra["deterministic"] = False
     out = be.backward(_as_4d(do, batch, hq), _as_4d(q, batch, hq),
                       _as_4d(k, batch, hkv), _as_4d(v, batch, hkv), _as_4d(o, batch, hq),
                       lse.reshape((math.prod(batch), hq, nq)),

@@ -227,6 +227,27 @@ def test_backward_matches_reference(backend, dtype, case):
         assert_close_to_reference(g, ref, plain, dtype, factor=3.0, what=f"d{name}")
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_backward_not_deterministic_matches_reference(backend, dtype):
+    """deterministic=False (atomic dQ in the GPU kernels' five-GEMM backward, no effect
+    elsewhere): the gradients within the rule, dk and dv the deterministic call's bits."""
+    rng = np.random.default_rng(8)
+    q, k, v, do = (rand(rng, (2, 4, 150, 64), dtype) for _ in range(4))
+    o, lse = cuflash.flash_attention(*to_backend(backend, q, k, v), causal=True,
+                                     return_lse=True, backend=backend)
+    args = (*to_backend(backend, do, q, k, v), o, lse)
+    grads = cuflash.flash_attention_backward(*args, causal=True, backend=backend,
+                                             deterministic=False)
+    same = cuflash.flash_attention_backward(*args, causal=True, backend=backend)
+    ref_o, ref_lse = reference.naive_attention(q, k, v, causal=True, return_lse=True)
+    refs = reference.attention_backward(do, q, k, v, ref_o, ref_lse, causal=True)
+    plains = plain_backward(do, q, k, v, ref_o, ref_lse, causal=True, scale=0.125, dtype=dtype)
+    for name, g, ref, plain in zip("qkv", grads, refs, plains):
+        assert_close_to_reference(g, ref, plain, dtype, factor=3.0, what=f"d{name}")
+    for g, h in zip(grads[1:], same[1:]):
+        np.testing.assert_array_equal(to_host(g), to_host(h))
+
+
 def test_backward_matches_finite_differences(backend):
     """dL/dx for L = sum(O * W), by central differences in float64."""
     rng = np.random.default_rng(7)
@@ -329,6 +350,9 @@ F32 = np.ones((2, 8, 16), np.float32)
      ValueError, "do"),
     (lambda: cuflash.flash_attention_backward(F32, F32, F32, F32, F32.astype(np.float64),
                                               F32[..., 0]), TypeError, "o"),
+    (lambda: cuflash.flash_attention_backward(F32, F32, F32, F32, F32, F32[..., 0],
+                                              deterministic=None), TypeError,
+     r"deterministic must be True or False; got None"),
     (lambda: cuflash.online_softmax(F32, axis=3), ValueError, "axis"),
     (lambda: cuflash.online_softmax(F32, axis=1.5), TypeError, "axis"),
     (lambda: cuflash.online_softmax(np.arange(4)), TypeError, "floating-point"),

@@ -43,14 +43,14 @@ def _problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, seed=0):
     return backward_inputs(B, Hq, Hkv, Nq, Nk, d, dtype, causal=causal, seed=seed)
 
 
-def _check(be, args, scale, *, causal, expect=None, dq_workers=None):
+def _check(be, args, scale, *, causal, expect=None, dq_workers=None, deterministic=True):
     """The backward on `be` (a conftest.emulator_backend), each gradient within the
     FlashAttention rule; returns the kernels launched after the preprocess (the plans
-    `expect` when given), dq, dk, dv. `dq_workers` as kernel_backward.backward takes it
-    (0: the two-kernel backward)."""
+    `expect` when given), dq, dk, dv. `dq_workers`, `deterministic` as
+    kernel_backward.backward takes them (dq_workers 0: the two-kernel backward)."""
     do, q, k, v, o, lse = args
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=causal, scale=scale,
-                                     dq_workers=dq_workers)
+                                     dq_workers=dq_workers, deterministic=deterministic)
     pre, *plans = be.take_launches()
     assert pre.kernel == "flash_bwd_preprocess" and len(plans) == 2, plans
     if expect is not None:
@@ -272,6 +272,31 @@ def test_each_worker_owns_its_key_blocks(arch, dt, D, workers):
                                   what=f"partial {w}")
     for name, x, y in zip(("dq", "dk", "dv"), *grads.values()):
         assert np.array_equal(x.view(np.uint16), y.view(np.uint16)), name
+
+
+@pytest.mark.parametrize("arch,dt,D", [("sm_80", F16, 64), ("sm_90", BF16, 128)])
+def test_not_deterministic_adds_dq_by_atomics(arch, dt, D):
+    """deterministic=False: FlashAttention-2's grid, a block per key block, every block
+    adding dS K_j into one float32 dQ by atomics (one partial, not one per worker): dq within
+    the rule, dk and dv the deterministic run's bits; no race in checked mode under a random
+    schedule (the additions are atomic)."""
+    args, scale = _problem(2, 4, 2, 90, 300, D - 8, dt, True, seed=3)
+    be = _backend(arch, checked=True, schedule="random")
+    get_function, seen = be.get_function, {}
+
+    def keeping_the_launches(plan, mods=None):
+        fn = get_function(plan, mods)
+        return lambda grid, block, a, **kw: (seen.setdefault(plan.kernel, (grid, a[0].shape)),
+                                              fn(grid, block, a, **kw))[1]
+    be.get_function = keeping_the_launches
+    kinds, (dq, dk, dv) = _check(be, args, scale, causal=True, deterministic=False)
+    (dkdv, _), _ = tiling.backward_path(D, dt, be.limits()["cc"], max_smem=be.limits()["max_smem"])
+    assert kinds == TC_BWD5
+    assert seen["flash_bwd_dkdv_tc"][0][0] == -(-300 // dkdv.block_rows)   # a block per key block
+    assert seen["flash_bwd_dq_sum"][1][0] == 1                             # one partial
+    _, (dq_d, dk_d, dv_d) = _check(_backend(arch), args, scale, causal=True, dq_workers=2)
+    for x, y in ((dk, dk_d), (dv, dv_d)):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
 
 
 @pytest.mark.gpu

@@ -79,7 +79,7 @@ def preprocess(backend, do, o, lse):
 
 def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
              return_dbias=False, allow_tf32=False, segments=None, dq_workers=None,
-             return_mod_grads=False):
+             return_mod_grads=False, deterministic=True):
     """dq, dk, dv for q, o, do (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and lse (B, Hq, Nq):
     the input shapes and dtypes, dk and dv summed over each GQA group. `variants`
     (cuflash.variants.Variants): the options; with `return_dbias` a fourth
@@ -94,7 +94,11 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     (`kernel_backward_sm90.backward_sm90`) where `tiling.backward_path` takes them.
     `return_mod_grads`: a last result, {name: gradient} of the float arrays the
     score_mod captures (`mod_grads`), on the two-kernel backward: the dQ kernel's warps
-    add them into partials of their own."""
+    add them into partials of their own.
+    `deterministic=False`: where the 5-GEMM backward runs, FlashAttention-2's grid instead —
+    a block per key block, all adding dS K_j into one float32 dQ by atomics, in whatever
+    order they run (the last bits of dq may differ from run to run; dk, dv do not); the
+    Hopper pair and the two-kernel backward stay as they are (deterministic)."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))
     _, Hq, rows_q, d = q.shape
@@ -121,8 +125,11 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     workers = 0
     if isinstance(p_dq, tiling.DqSumPlan):
         key_blocks = -(-Nk // p_dkdv.block_rows)
-        workers = (min(dq_workers, key_blocks) if dq_workers is not None else
-                   tiling.dq_workers(B * Hkv, key_blocks, backend.limits()["sm_count"]))
+        if not deterministic:
+            workers = key_blocks
+        else:
+            workers = (min(dq_workers, key_blocks) if dq_workers is not None else
+                       tiling.dq_workers(B * Hkv, key_blocks, backend.limits()["sm_count"]))
         if not workers:
             (p_dkdv, p_dq), _why = backward_plans(backend, do, q, k, v, allow_tf32=allow_tf32,
                                                   dq_parts=False)
@@ -172,12 +179,14 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
 
     Dvec, stats = preprocess(backend, do, o, lse)   # 1. D = rowsum(dO ∘ O), (lse · log2 e, D)
     # dQ's float32 partials, one per worker (zeroed: a worker adds only the rows its key
-    # blocks see), padded as the plan says (whole tiles), contiguous; else a dummy
-    parts = xp.zeros((workers, *p_dkdv.dq_part_shape(*q.shape[:3], packed=segments is not None))
+    # blocks see), padded as the plan says (whole tiles), contiguous; not deterministic: one
+    # for all (the kernel's stride between workers' partials 0); else a dummy
+    n_parts = workers if deterministic else 1
+    parts = xp.zeros((n_parts, *p_dkdv.dq_part_shape(*q.shape[:3], packed=segments is not None))
                      if workers else 1, dtype=acc)
     if workers:   # the kernel's row index within a batch row: query heads x padded rows
         i32(parts.shape[2] * parts.shape[3], "query heads x rows of dQ's partial")
-    dq_parts = ((parts, s3(parts[0]), parts[0].size) if workers else
+    dq_parts = ((parts, s3(parts[0]), parts[0].size if deterministic else 0) if workers else
                 (parts, record(STRIDES, 0, 0, 0), 0))
     # 2. dK, dV (and dQ's partials)
     backend.get_function(p_dkdv, mods)((grid_kv, Hkv, B), (p_dkdv.num_threads,),

@@ -111,13 +111,15 @@ class KernelBackend:
                                           num_splits=num_splits)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
-                 return_dbias=False, allow_tf32=False, segments=None, return_mod_grads=False):
+                 return_dbias=False, allow_tf32=False, segments=None, return_mod_grads=False,
+                 deterministic=True):
         with self._device_of(q):
             return kernel_backward.backward(self, do, q, k, v, o, lse, causal=causal,
                                             scale=scale, variants=variants,
                                             return_dbias=return_dbias, allow_tf32=allow_tf32,
                                             segments=segments,
-                                            return_mod_grads=return_mod_grads)
+                                            return_mod_grads=return_mod_grads,
+                                            deterministic=deterministic)
 
     def softmax(self, x):
         with self._device_of(x):

@@ -76,8 +76,9 @@ class NumpyBackend:
         return _FORWARDS[algorithm](q, k, v, causal, scale, self.config)
 
     def backward(self, do, q, k, v, o, lse, *, causal, scale, variants=None,
-                 return_dbias=False, allow_tf32=False, return_mod_grads=False):
-        # allow_tf32 is ignored, as in forward.
+                 return_dbias=False, allow_tf32=False, return_mod_grads=False,
+                 deterministic=True):
+        # allow_tf32 is ignored, as in forward; the results are deterministic always.
         if (variants is not None and not variants.is_plain()) or return_dbias:
             return variant_loops.backward(do, q, k, v, o, lse, causal, scale, self.config,
                                           variants, return_dbias, return_mod_grads)
