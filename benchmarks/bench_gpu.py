@@ -5,8 +5,11 @@ backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 mma.sync two-kernel backward (cuflash-2kernel: the default off sm_90, where the Hopper
 backward is); on an sm_90 GPU cuflash's Hopper forward on a persistent
 grid, which the planner does not run (cuflash-sm90, 16-bit, d = 64 and 128: one block per
-SM walking the tiles; its backward the planner's); CuPy naive
-attention on request (`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
+SM walking the tiles; its backward the planner's); cuflash's float32 with allow_tf32=True
+(cuflash-tf32: on sm_90a the forward's tf32 wgmma) and its backward with
+deterministic=False (cuflash-atomic: dQ by atomics where the five-GEMM backward runs) on
+request (`--peers ... cuflash-tf32 cuflash-atomic`), and CuPy naive attention
+(`--peers ... cupy-naive`). The headline is the ratio of cuflash's rate
 to each peer's.
 
 Every row of the CSV says what ran: a timing (status ok), or why there is none:
@@ -65,7 +68,7 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 # cuflash-2kernel: cuflash's mma.sync two-kernel backward, the A/B of the Hopper one
 PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn",
          "cuflash-2kernel", "cuflash-sm90")
-EXTRA_PEERS = ("cupy-naive",)
+EXTRA_PEERS = ("cupy-naive", "cuflash-tf32", "cuflash-atomic")
 SIXTEEN_BIT = ("float16", "bfloat16")
 ALL_DTYPES = ("float16", "bfloat16", "float32")
 # Validation tolerance on max|x − ref| / max(1, max|ref|): 16-bit inputs round the output
@@ -203,6 +206,63 @@ class Cuflash(_CupyImpl):
         def fwd_bwd():
             o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
             return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+class CuflashTf32(Cuflash):
+    """cuflash's float32 with allow_tf32=True: one-pass tf32 (on sm_90a the forward's wgmma,
+    flash_fwd_sm90.cu), 10-bit products, validated as 16-bit inputs are."""
+    name = "cuflash-tf32"
+    dtypes = ("float32",)
+    tolerance = {"float32": TOLERANCE["float16"]}
+
+    def describe(self, q, k, v, do):
+        from cuflash.backends import kernel_backward, kernel_forward, kernels
+        backend = kernels.cuda_backend()
+        fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5,
+                                          allow_tf32=True)
+        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True,
+                                                       allow_tf32=True)
+        return f"{fwd.name_expression}; {dkdv.name_expression}; {dq.name_expression}"
+
+    def passes(self, q, k, v, do, causal, scale):
+        import cuflash
+        kw = dict(causal=causal, scale=scale, backend="cuda", allow_tf32=True)
+        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+
+        def fwd():
+            return cuflash.flash_attention(q, k, v, **kw)
+
+        def bwd():
+            return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
+
+        def fwd_bwd():
+            o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+class CuflashAtomic(Cuflash):
+    """cuflash's backward with deterministic=False: where the five-GEMM backward runs (off
+    sm_90a, 16-bit, d <= 128), a block per key block adding dQ by atomics."""
+    name = "cuflash-atomic"
+
+    def passes(self, q, k, v, do, causal, scale):
+        import cuflash
+        kw = dict(causal=causal, scale=scale, backend="cuda")
+        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+
+        def fwd():
+            return cuflash.flash_attention(q, k, v, **kw)
+
+        def bwd():
+            return cuflash.flash_attention_backward(do, q, k, v, o, lse, deterministic=False,
+                                                    **kw)
+
+        def fwd_bwd():
+            o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2,
+                                                        deterministic=False, **kw)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
@@ -553,6 +613,8 @@ def make_impls(names):
         "cupy-naive": CupyNaive,
         "cuflash-2kernel": CuflashTwoKernels,
         "cuflash-sm90": CuflashSm90,
+        "cuflash-tf32": CuflashTf32,
+        "cuflash-atomic": CuflashAtomic,
     }
     return [makers[n]() for n in dict.fromkeys(["cuflash", *names])]
 
@@ -599,10 +661,11 @@ def validate(impl, dtype_name, d, causal):
     errs = [np.max(np.abs(x - r)) / max(1.0, np.max(np.abs(r)))
             for x, r in zip((o, *grads), (o_ref, *g_ref))]
     text = "max rel err o/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs)
+    tolerance = getattr(impl, "tolerance", {}).get(dtype_name, TOLERANCE[dtype_name])
     # NaN compares false with everything: test for "good", never for "bad"
-    if all(e <= TOLERANCE[dtype_name] for e in errs):
+    if all(e <= tolerance for e in errs):
         return "ok", text
-    return "invalid", f"{text} > {TOLERANCE[dtype_name]:g}"
+    return "invalid", f"{text} > {tolerance:g}"
 
 
 # ── the sweep ────────────────────────────────────────────────────────────────────────

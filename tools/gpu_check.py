@@ -555,7 +555,8 @@ def parse_args(argv=None):
     bench.add_argument("--causal", choices=("both", "true", "false"))
     bench.add_argument("--peers", nargs="*",
                        choices=("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn",
-                                "flash-attn", "cuflash-2kernel", "cuflash-sm90", "cupy-naive"))
+                                "flash-attn", "cuflash-2kernel", "cuflash-sm90", "cupy-naive",
+                                "cuflash-tf32", "cuflash-atomic"))
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error(f"argument --workers: expected a positive integer, got {args.workers}")
