@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from cuflash import variants as _variants
+from cuflash.reference import naive_attention
 from cuflash.backends import kernel_backward, kernel_backward_sm90, kernel_forward
 from cuflash.backends import kernel_forward_sm90
 from cuflash.programmable import block_mask
 
 from conftest import (HAS_GPU, HAS_GXX, assert_close_to_reference, assert_lse_close, attention_inputs,
-                      emulator_backend)
+                      emulator_backend, plain_tf32_attention, round_tf32)
 from test_programmable import _DeviceArray, reference
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
@@ -188,6 +189,29 @@ def test_hopper_kernels_skip_empty_tiles(fn, block, Nq, Nk):
     assert tiles_read(p_dkdv, f_dkdv, 0, 0) == Hq * visited_tiles(dense, p_dkdv.score_tile,
                                                                   bm.block)
     assert tiles_read(p_dq, f_dq, 1, 1) == Hq * visited_tiles(dense, p_dq.score_tile, bm.block)
+
+
+@pytest.mark.parametrize("fn,block,Nq,Nk", PATTERNS[:2])
+def test_hopper_tf32_forward_skips_empty_tiles(fn, block, Nq, Nk):
+    """The float32 (one-pass tf32) Hopper forward with a block mask: its producer's TMA
+    thread, the warps that round K_j and write V_jᵀ, and the consumers walk the same
+    non-empty tiles (64-key ones), in checked mode; O by the tf32 rule."""
+    be = emulator_backend("sm_90a", checked=True)
+    Hq, d = 2, 64
+    q, k, v = attention_inputs(1, Hq, 1, Nq, Nk, d, np.float32, seed=3)[:3]
+    bm = block_mask(fn, None, None, Nq, Nk, block_size=block)
+    var = _variants.Variants(mask_mod=bm.mod, block_mask=bm)
+    dense = np.broadcast_to(fn(0, 0, np.arange(Nq)[:, None], np.arange(Nk)[None, :]), (Nq, Nk))
+    o, lse = kernel_forward_sm90.forward_sm90(be, q, k, v, causal=False, scale=d ** -0.5,
+                                              variants=var)
+    kr, vr = (np.repeat(x, Hq, axis=1) for x in (k, v))
+    ref = naive_attention(q, kr, vr, causal=False, scale=d ** -0.5, mask=dense)
+    plain = plain_tf32_attention(q, kr, vr, causal=False, scale=d ** -0.5, mask=dense)
+    assert_close_to_reference(o, ref, plain, round_tf32, what="o")
+    (plan,), (kernel,) = be.launched, be.functions
+    assert plan.dtype == "float32" and plan.score_tile == (128, 64)
+    assert kernel.last_traffic[1][0] // (64 * d * 4) == Hq * visited_tiles(dense, plan.score_tile,
+                                                                           bm.block)
 
 
 def test_hopper_block_mask_under_causal():
