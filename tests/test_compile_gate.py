@@ -275,8 +275,9 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
         ("fwd", "256, true"), ("bwd_dkdv", 128), ("bwd_dq", 128))
         for t in ("__half", "__nv_bfloat16")} | {"flash_fwd_sm90_kernel<float, 128, true>"}
     assert [r.kernel for r in rows if r not in generated] == ["sm90_gemm"] + [
-        f"flash_fwd_sm90_kernel<{t}, {d}, {varlen}>" for t, dims in (
-            ("__half", (64, 128, 256)), ("__nv_bfloat16", (64, 128, 256)), ("float", (64, 128)))
+        f"flash_fwd_sm90_kernel<{t}, {d}, {varlen}{split}>" for t, dims, split in (
+            ("__half", (64, 128, 256), ""), ("__nv_bfloat16", (64, 128, 256), ""),
+            ("float", (64,), ", true"), ("float", (64, 128), ""))
         for d in dims for varlen in ("false", "true")] + [
         f"flash_{p}_sm90_kernel<{t}, {d}>" for p in ("bwd_dkdv", "bwd_dq")
         for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
@@ -299,13 +300,14 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
     text = compiler.read_source("flash_fwd_sm90.cu")
     for line, by in (("wgmma_s<T, BN>(sc, ", "(void)(sc, "),
                      ("wgmma_pv<T, HEAD_DIM>(acc, pa[kk],", "(void)(pa[kk],"),
+                     ("wgmma_pv<T, HEAD_DIM>(acc, pa_lo[kk],", "(void)(pa_lo[kk],"),
                      ("sm90::wgmma_fence();", ""), ("sm90::wgmma_commit();", ""),
                      ("sm90::wgmma_wait<0>();", "")):
         assert line in text
         text = text.replace(line, by)
     rows = compile_gate.run_gate(archs=["sm_90a"], sass=True, use_cache=False,
                                  sources={"flash_fwd_sm90.cu": text}, only=("flash_fwd_sm90.cu",))
-    assert [r.status for r in rows] == ["NO HGMMA"] * 16
+    assert [r.status for r in rows] == ["NO HGMMA"] * 18
 
 
 def test_cupy_arch_option_keeps_the_specific_target():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dtypes, reference
+from cuflash import _dtypes, reference, tiling
 from cuflash.backends import kernel_forward_sm90 as sm90
 from cuflash.backends import kernels
 from cuflash.variants import Variants
@@ -20,6 +20,13 @@ from conftest import (HAS_GXX, assert_close_to_reference, assert_lse_close,
 
 pytestmark = pytest.mark.skipif(not HAS_GXX, reason="the emulator needs g++")
 F16, BF16, F32 = np.dtype(np.float16), _dtypes.BFLOAT16, np.dtype(np.float32)
+# float32 inputs as the kernel takes them: one-pass tf32 (allow_tf32=True), split tf32
+TF32, SPLIT = "tf32", "split-tf32"
+
+
+def _float32(dtype):
+    """(the inputs' dtype, forward_sm90's allow_tf32) for a dtype or TF32 / SPLIT."""
+    return (F32, dtype == TF32) if dtype in (TF32, SPLIT) else (dtype, False)
 
 
 def _backend(checked=False, schedule="round-robin"):
@@ -31,13 +38,14 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=
     """The kernel against the float64 reference; `opts` as flash_attention takes the
     variants (4-D bias and mask)."""
     opts = opts or {}
-    q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, dtype, seed=seed)[:3]
+    dt, allow_tf32 = _float32(dtype)
+    q, k, v = attention_inputs(B, H, Hkv, Nq, Nk, D, dt, seed=seed)[:3]
     scale = D ** -0.5
     xp = backend.xp
     var = variants_of(opts, xp)
     o, lse = sm90.forward_sm90(backend, xp.asarray(q), xp.asarray(k), xp.asarray(v),
                                causal=causal, scale=scale, variants=var, num_blocks=num_blocks,
-                               num_splits=num_splits)
+                               num_splits=num_splits, allow_tf32=allow_tf32)
     kr, vr = (np.repeat(x, H // Hkv, axis=1) for x in (k, v))
     _assert_attention(o, lse, q, kr, vr, causal, scale, dtype, opts,
                       what=f"O (D={D}, causal={causal})")
@@ -46,10 +54,14 @@ def _check(backend, B, H, Hkv, Nq, Nk, D, causal, seed=0, dtype=F16, num_blocks=
 
 def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
     """o, lse of q, k, v (heads repeated) against the float64 reference, by FlashAttention's
-    rule over a plain implementation in `dtype` (float32: one-pass tf32)."""
+    rule over a plain implementation in `dtype` (TF32: one-pass tf32); SPLIT by the float32
+    rule."""
     ref_o, ref_lse = reference.naive_attention(q, k, v, causal=causal, scale=scale,
                                                return_lse=True, **opts)
-    if dtype == F32:
+    if dtype == SPLIT:
+        assert_close_to_reference(o, ref_o, None, F32, what=what)
+        assert_lse_close(lse, ref_lse, F32)
+    elif dtype == TF32:
         plain = plain_tf32_attention(q, k, v, causal=causal, scale=scale, **opts)
         assert_close_to_reference(o, ref_o, plain, round_tf32, what=what)
         scores = {n: x for n, x in opts.items() if n not in ("dropout_p", "seed")}
@@ -60,7 +72,7 @@ def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
         plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **opts)
         assert_close_to_reference(o, ref_o, plain, dtype, what=what)
         assert_lse_close(lse, ref_lse, dtype)
-    assert to_host(o).dtype == dtype
+    assert to_host(o).dtype == _float32(dtype)[0]
 
 
 @pytest.mark.parametrize("dt", [F16, BF16], ids=["float16", "bfloat16"])
@@ -87,20 +99,25 @@ def test_forward(dt, D, B, H, Hkv, Nq, Nk, causal):
 def test_forward_tf32(D, B, H, Hkv, Nq, Nk, causal):
     """float32 as one-pass tf32: Q_i and K_j rounded in shared memory, V_jᵀ written by the
     producer's warps, P̃ rounded in registers, by FlashAttention's rule over a plain tf32
-    attention."""
-    o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=F32)
-    if causal and Nq > Nk:
-        assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
+    attention; at D = 64 split tf32 too (the lo parts beside them), by the float32 rule."""
+    for dt in (TF32, SPLIT) if D in tiling.SM90_SPLIT_HEAD_DIMS else (TF32,):
+        o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=dt)
+        if causal and Nq > Nk:
+            assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
-def test_tf32_nan_reaches_its_row():
+@pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "split-tf32"])
+def test_tf32_nan_reaches_its_row(allow_tf32):
     """A NaN in one query row: that row's O and lse are NaN (through ℓ: P̃'s tf32 rounding
     may turn a NaN into a tiny number), every other row as without it."""
     q, k, v = attention_inputs(1, 2, 1, 150, 200, 64, F32, seed=4)[:3]
-    o, lse = (to_host(x) for x in sm90.forward_sm90(_backend(), q, k, v, causal=True, scale=0.125))
+
+    def run():
+        return (to_host(x) for x in sm90.forward_sm90(_backend(), q, k, v, causal=True,
+                                                      scale=0.125, allow_tf32=allow_tf32))
+    o, lse = run()
     q[0, 1, 140, 5] = np.nan
-    o_nan, lse_nan = (to_host(x) for x in sm90.forward_sm90(_backend(), q, k, v, causal=True,
-                                                            scale=0.125))
+    o_nan, lse_nan = run()
     assert np.all(np.isnan(o_nan[0, 1, 140])) and np.isnan(lse_nan[0, 1, 140])
     o_nan[0, 1, 140], lse_nan[0, 1, 140] = o[0, 1, 140], lse[0, 1, 140]
     np.testing.assert_array_equal(o_nan, o)
@@ -108,8 +125,8 @@ def test_tf32_nan_reaches_its_row():
 
 
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16),
-                                           (256, "random", F16), (64, "random", F32),
-                                           (128, "reversed", F32)])
+                                           (256, "random", F16), (64, "random", TF32),
+                                           (128, "reversed", TF32), (64, "random", SPLIT)])
 def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks (a wgmma's A registers, the ring's slots,
     the copies' bytes), and the same bits as round-robin."""
@@ -139,7 +156,8 @@ def test_window(window, causal, Nq, Nk):
     (["softcap"], False, F16), (["alibi"], True, BF16), (["bias"], False, F16),
     (["bias_f32"], True, F16), (["mask"], False, BF16), (["dropout"], True, F16),
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, BF16),
-    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, F32),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, TF32),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, SPLIT),
 ], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
 def test_variants(names, causal, dt):
     """Every attention variant, alone and all at once, against the float64 reference
@@ -147,7 +165,7 @@ def test_variants(names, causal, dt):
     GQA, partial tiles, two blocks walking the tiles."""
     B, H, Hkv, Nq, Nk = 2, 2, 1, 150, 200
     _check(_backend(), B, H, Hkv, Nq, Nk, 64, causal, seed=7, dtype=dt, num_blocks=2,
-           opts=variant_options(names, dt, (B, H, Hkv, Nq, Nk, 64)))
+           opts=variant_options(names, _float32(dt)[0], (B, H, Hkv, Nq, Nk, 64)))
 
 
 @pytest.mark.parametrize("D", [128, 256])
@@ -212,21 +230,26 @@ def test_the_planner_takes_it_for_plain_calls(monkeypatch):
     # one-pass tf32 too (64 keys: one key tile of its, which the API does not split)
     q32, k32, v32 = (x[:, :, :64].astype(np.float32) for x in (q, k, v))
     o32 = cuflash.flash_attention(q32, k32, v32, causal=True, backend="emulator", allow_tf32=True)
-    o32_sm90, _ = sm90.forward_sm90(_backend(), q32, k32, v32, causal=True, scale=0.125)
+    o32_sm90, _ = sm90.forward_sm90(_backend(), q32, k32, v32, causal=True, scale=0.125,
+                                    allow_tf32=True)
     np.testing.assert_array_equal(o32, o32_sm90)
+    o32_split = cuflash.flash_attention(q32, k32, v32, causal=True, backend="emulator")
+    o32_split_sm90, _ = sm90.forward_sm90(_backend(), q32, k32, v32, causal=True, scale=0.125)
+    np.testing.assert_array_equal(o32_split, o32_split_sm90)
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90")
     o_mma = cuflash.flash_attention(q, k, v, causal=True, backend="emulator")
     assert not np.array_equal(o_mma.view(np.uint16), o.view(np.uint16))
     o32_mma = cuflash.flash_attention(q32, k32, v32, causal=True, backend="emulator",
                                       allow_tf32=True)
     assert not np.array_equal(o32_mma, o32)
+    o32_split_mma = cuflash.flash_attention(q32, k32, v32, causal=True, backend="emulator")
+    assert not np.array_equal(o32_split_mma, o32_split)
 
 
 def test_what_the_planner_gives_the_mma_sync_kernel():
     """Calls the Hopper kernel does not take yet run mma.sync on sm_90a, and the reason
     says so: a negative scale, float32, d = 96, rows 136 bytes apart, and sm_90 without
     the "a" features; split-KV it takes."""
-    from cuflash import tiling
     from cuflash.backends import kernel_forward
     be = _backend()
     q, k, v = attention_inputs(1, 2, 1, 100, 120, 64, F16)[:3]
@@ -245,12 +268,15 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert isinstance(d256, tiling.Sm90FwdPlan) and d256.block_n == 64
     assert d256.smem_bytes == (4 * 16 + 2 * 2 * 4 * 8) * 1024   # Q; K, V rings; no O staging
     f32 = [x.astype(np.float32) for x in (q, k, v)]
-    assert type(plan(*f32)) is tiling.Tf32Plan                       # split tf32: mma.sync
+    split = plan(*f32)                                               # split tf32: wgmma at 64
+    assert isinstance(split, tiling.Sm90FwdPlan) and split.split and split.block_n == 64
+    assert split.smem_bytes == 2 * (2 * 16 + 2 * 2 * 8 + 2 * 16) * 1024 + 2 * 2 * 8 * 1024
     tf32 = plan(*f32, allow_tf32=True)                               # one-pass: wgmma
-    assert isinstance(tf32, tiling.Sm90FwdPlan) and tf32.block_n == 64
+    assert isinstance(tf32, tiling.Sm90FwdPlan) and not tf32.split and tf32.block_n == 64
     assert tf32.smem_bytes == (2 * 16 + (2 + 2) * 2 * 8 + 2 * 16) * 1024   # Q; K, V; V_jᵀ
     f32_128 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 128, F16)[:3]]
     assert plan(*f32_128, allow_tf32=True).smem_bytes == (4 * 16 + (2 + 1) * 4 * 8 + 2 * 32) * 1024
+    assert type(plan(*f32_128)) is tiling.Tf32Plan                   # split at 128: mma.sync
     f32_96 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3]]
     assert type(plan(*f32_96, allow_tf32=True)) is tiling.Tf32Plan
     bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
@@ -264,8 +290,8 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert "mma.m16n8k16" in why and "d = 64, 128 or 256" in why
     _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
-    _, why = tiling.forward_path(64, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
-    assert "d = 64 or 128 with allow_tf32=True (one-pass tf32)" in why
+    _, why = tiling.forward_path(128, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
+    assert "d = 64 as split tf32, 64 or 128 with allow_tf32=True (one-pass tf32)" in why
 
 
 def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=None,
@@ -275,7 +301,8 @@ def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=No
     from cuflash.backends.kernel_forward import Segments
     opts = opts or {}
     scale = D ** -0.5
-    seqs = [attention_inputs(1, H, Hkv, nq, nk, D, dtype, seed=b)[:3]
+    dt, allow_tf32 = _float32(dtype)
+    seqs = [attention_inputs(1, H, Hkv, nq, nk, D, dt, seed=b)[:3]
             for b, (nq, nk) in enumerate(zip(lens_q, lens_k))]
     q, k, v = (np.concatenate(xs, axis=2) for xs in zip(*seqs))
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
@@ -284,7 +311,7 @@ def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=No
                         cu_q=xp.asarray(cu_q), cu_k=xp.asarray(cu_k))
     o, lse = sm90.forward_sm90(backend, *map(xp.asarray, (q, k, v)), causal=causal,
                                scale=scale, segments=segments, num_blocks=num_blocks,
-                               num_splits=num_splits,
+                               num_splits=num_splits, allow_tf32=allow_tf32,
                                variants=variants_of(opts, xp) if opts else None)
     o, lse = to_host(o), to_host(lse)
     for b, (qb, kb, vb) in enumerate(seqs):
@@ -309,7 +336,6 @@ def test_packed_sequences(causal, opts):
 
 def test_the_planner_gives_packed_sequences_to_it():
     """kernel_forward.forward with packed sequences on sm_90a: the Hopper kernel."""
-    from cuflash import tiling
     from cuflash.backends import kernel_forward
     from cuflash.backends.kernel_forward import Segments
     be = emulator_backend("sm_90a")
@@ -348,21 +374,23 @@ def test_split_kv_checked_packed_and_cached():
 
 
 def test_tf32_packed_cached_and_split_checked():
-    """One-pass tf32 over packed sequences, a paged KV cache (64-key pages: its key tile)
-    and split-KV, in checked mode under a random schedule: its store of O from registers
-    stops at each sequence's end."""
+    """One-pass and split tf32 over packed sequences, a paged KV cache (64-key pages: its
+    key tile) and split-KV, in checked mode under a random schedule: its store of O from
+    registers stops at each sequence's end."""
     be = _backend(checked=True, schedule="random")
-    _packed_check(be, [30, 150], [290, 70], 2, 1, 64, True, dtype=F32, num_splits=2)
-    _packed_check(be, [70, 20], [50, 130], 2, 2, 128, False, dtype=F32)
-    _cache_check(be, [300, 130], 150, 2, 1, 64, True, page=64, dtype=F32, num_splits=3)
-    _check(be, 1, 2, 1, 130, 300, 128, True, dtype=F32, num_splits=3)
+    _packed_check(be, [30, 150], [290, 70], 2, 1, 64, True, dtype=TF32, num_splits=2)
+    _packed_check(be, [70, 20], [50, 130], 2, 2, 128, False, dtype=TF32)
+    _packed_check(be, [70, 20], [50, 130], 2, 2, 64, True, dtype=SPLIT)
+    _cache_check(be, [300, 130], 150, 2, 1, 64, True, page=64, dtype=TF32, num_splits=3)
+    _cache_check(be, [300, 130], 150, 2, 1, 64, False, page=64, dtype=SPLIT)
+    _check(be, 1, 2, 1, 130, 300, 128, True, dtype=TF32, num_splits=3)
+    _check(be, 1, 2, 1, 130, 300, 64, True, dtype=SPLIT, num_splits=2)
 
 
 def test_the_planner_splits_the_keys_on_it(monkeypatch):
     """A call whose query blocks leave SMs idle runs the Hopper kernel with split-KV
     (`tiling.split_kv_count` over its 128-row tiles): flash_attention gives the bits of
     launching it directly with that many splits, and it did split."""
-    from cuflash import tiling
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90a")
     q, k, v = attention_inputs(1, 2, 1, 100, 1000, 64, F16, seed=21)[:3]
     splits = tiling.split_kv_count(2, 8, _backend().limits()["sm_count"])
@@ -396,15 +424,16 @@ def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opt
     opts = opts or {}
     B, Ncache, scale = len(used), -(-max(used) // 128) * 128, D ** -0.5
     rng = np.random.default_rng(sum(used))
-    q = rng.standard_normal((B, H, Nq, D)).astype(dtype)
-    k, v = (rng.standard_normal((B, Hkv, Ncache, D)).astype(dtype) for _ in range(2))
+    dt, allow_tf32 = _float32(dtype)
+    q = rng.standard_normal((B, H, Nq, D)).astype(dt)
+    k, v = (rng.standard_normal((B, Hkv, Ncache, D)).astype(dt) for _ in range(2))
     xp = backend.xp
     table = None
     kc, vc = k, v
     if page is not None:   # the cache's pages, one batch row after the other, shuffled
         per_row = Ncache // page
         order = rng.permutation(B * per_row + 3)[:B * per_row]
-        kc, vc = (np.zeros((B * per_row + 3, Hkv, page, D), dtype) for _ in range(2))
+        kc, vc = (np.zeros((B * per_row + 3, Hkv, page, D), dt) for _ in range(2))
         for b in range(B):
             for j in range(per_row):
                 kc[order[b * per_row + j]] = k[b, :, j * page:(j + 1) * page]
@@ -414,6 +443,7 @@ def _cache_check(backend, used, Nq, H, Hkv, D, causal, page=None, dtype=F16, opt
                         used_k=xp.asarray(np.array(used, np.int32)), block_table=table)
     o, lse = sm90.forward_sm90(backend, *map(xp.asarray, (q, kc, vc)), causal=causal,
                                scale=scale, segments=segments, num_splits=num_splits,
+                               allow_tf32=allow_tf32,
                                variants=variants_of(opts, xp) if opts else None)
     o, lse = to_host(o), to_host(lse)
     for b, n in enumerate(used):
@@ -442,7 +472,6 @@ def test_the_planner_gives_kv_caches_to_it():
     """kernel_forward.forward_plan with a cache on sm_90a: the Hopper kernel for a prefill
     whose query blocks fill the SMs, where the pages are whole key tiles; mma.sync for a
     decode step (split-KV) and 64-row pages."""
-    from cuflash import tiling
     from cuflash.backends import kernel_forward
     from cuflash.backends.kernel_forward import Segments
     be = emulator_backend("sm_90a")
@@ -494,6 +523,11 @@ def test_inputs_it_does_not_take_yet():
         sm90.forward_sm90(be, *(x.astype(np.float64) for x in (q, k, v)), causal=False, scale=1.0)
     with pytest.raises(ValueError, match=r"head dims \(64, 128\) for float32"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 256, F32)[:3], causal=False,
+                          scale=1.0)
+    with pytest.raises(ValueError, match=r"float32 as split tf32 at head dims \(64,\) \(its lo "
+                                         r"parts leave no room above\), as one-pass tf32 "
+                                         r"\(allow_tf32=True\) at \(64, 128\); got 128"):
+        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 128, F32)[:3], causal=False,
                           scale=1.0)
     with pytest.raises(TypeError, match="alike"):
         sm90.forward_sm90(be, q, k.astype(BF16), v, causal=False, scale=1.0)

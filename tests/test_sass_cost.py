@@ -435,6 +435,7 @@ HOPPER_CEILING = {
     # its multiply-adds (the tensor cores take twice as long over them)
     ("flash_fwd_sm90_kernel", 64, "float"): (283 / 64, 64),
     ("flash_fwd_sm90_kernel", 128, "float"): (339 / 128, 128),
+    ("flash_fwd_sm90_kernel", 64, "float", "split"): (484 / 192, 192),   # three products each
 }
 
 
@@ -445,8 +446,9 @@ def hopper_rows():
     for r in rows:
         kernel, _, args = r.kernel.partition("<")
         args = [a.strip() for a in args.rstrip(">").split(",")]
-        if args[0] in ("__half", "float") and args[2:] in ([], ["false"]):   # padded rows
-            out[(kernel, int(args[1])) + (("float",) if args[0] == "float" else ())] = r
+        if args[0] in ("__half", "float") and args[2:3] in ([], ["false"]):   # padded rows
+            out[(kernel, int(args[1])) + (("float",) if args[0] == "float" else ())
+                + (("split",) if args[3:] == ["true"] else ())] = r
     return out
 
 

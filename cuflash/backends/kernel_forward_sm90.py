@@ -113,10 +113,11 @@ def check_launch(backend, scale, what: str):
 
 
 def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None, plan=None,
-                 segments=None, num_splits=1, num_blocks=None):
+                 segments=None, num_splits=1, num_blocks=None, allow_tf32=False):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan,
-    float32 as one-pass tf32). `variants` (cuflash.variants.Variants): the options, None for none.
+    float32 as split tf32 at d = 64 or, with `allow_tf32`, one-pass tf32 at 64 or 128).
+    `variants` (cuflash.variants.Variants): the options, None for none.
     `segments` (kernel_forward.Segments): lengths per batch row, seqlens.cuh's layouts —
     packed sequences (cu_q, cu_k: q, o (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse
     (1, H, total_q)), a KV cache (used_k), a paged one (block_table: k, v (pages, Hkv,
@@ -130,7 +131,12 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
     if plan is None:
         check_inputs(q, k, v, paged=table is not None)
         plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1], segments is not None,
-                                    allow_tf32=True)
+                                    allow_tf32=allow_tf32)
+        if plan is None:   # float32, split tf32 at d = 128
+            raise ValueError(f"q: the Hopper forward takes float32 as split tf32 at head dims "
+                             f"{tiling.SM90_SPLIT_HEAD_DIMS} (its lo parts leave no room above), "
+                             f"as one-pass tf32 (allow_tf32=True) at {TF32_HEAD_DIMS}; got "
+                             f"{q.shape[-1]}")
     if table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")

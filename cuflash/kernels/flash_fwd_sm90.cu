@@ -76,8 +76,11 @@ namespace {
 // tf32's B only K-major, so V_j lands as it is in memory (`v`, kRawStages slots: one at D = 128,
 // where two leave no room) and the producer's other three warps write V_jᵀ (`vt`: kBlockN / 32
 // boxes of D rows × 32 keys) for P̃ V_j, see transpose_v.
-template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
-    static constexpr bool kTf32 = sizeof(T) == 4;
+// SPLIT (split tf32, D = 64): x = hi + lo, hi = tf32(x), lo = tf32(x − hi), and a·b ≈ hi·hi
+// + hi·lo + lo·hi, three products each, as tf32_tile.cuh's; Q_i's, K_j's and V_jᵀ's lo parts
+// in shared memory beside them (at D = 128 they do not fit), P̃'s in registers.
+template <typename T, int HEAD_DIM, bool SPLIT = false> struct Sm90FwdTraits {
+    static constexpr bool kTf32 = sizeof(T) == 4, kSplit = SPLIT;
     static constexpr int kBoxCols = 128 / sizeof(T);  // elements of a 128-byte row
     static constexpr int kK = 32 / sizeof(T);         // a wgmma's k step: 32 bytes of a row
     static constexpr int kBlockM = 128, kBlockN = HEAD_DIM == 256 || kTf32 ? 64 : 128, kStages = 2;
@@ -93,17 +96,24 @@ template <typename T, int HEAD_DIM> struct Sm90FwdTraits {
     static constexpr int kProducerRegs = kTf32 ? 56 : 40, kConsumerRegs = kTf32 ? 224 : 232;
     static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
     static constexpr int kS = kBlockN / 2;      // its scores of 64 x kBlockN
+    struct Tf32Tiles {  // the V_jᵀ ring; split: the lo parts
+        T vt[kTf32 ? kStages : 1][kVtBoxes][kVtBoxElems];
+        T q_lo[SPLIT ? kBoxes : 1][SPLIT ? kBoxElems : 1];
+        T k_lo[SPLIT ? kStages : 1][kBoxes][SPLIT ? kKvBoxElems : 1];
+        T vt_lo[SPLIT ? kStages : 1][kVtBoxes][SPLIT ? kVtBoxElems : 1];
+    };
     struct __align__(1024) Smem {
         T q[kBoxes][kBoxElems];
         T k[kStages][kBoxes][kKvBoxElems];
         T v[kRawStages][kBoxes][kKvBoxElems];
-        union {  // never both: O_i's staging (16-bit) or the V_jᵀ ring (tf32)
+        union {  // never both: O_i's staging (16-bit) or the tf32 tiles
             T o[kStageO ? kBoxes : 1][kStageO ? kBoxElems : 1];
-            T vt[kTf32 ? kStages : 1][kVtBoxes][kVtBoxElems];
+            Tf32Tiles tf;
         };
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || (HEAD_DIM == 256 && !kTf32),
                   "HEAD_DIM: 64, 128 or 256 (float32: 64 or 128)");
+    static_assert(!SPLIT || (kTf32 && HEAD_DIM == 64), "SPLIT: float32, HEAD_DIM 64");
 };
 
 // acc (64 x D) += P̃ (64 x k of k step kk, in registers) · V (k x D): 16-bit V MN-major (the
@@ -140,44 +150,56 @@ template <typename T> __device__ __forceinline__ void store_pair(T* p, float a, 
     else *reinterpret_cast<unsigned*>(p) = pack2<T>(a, b);
 }
 
-// tf32: the N floats at p rounded to tf32 in place (16-byte chunks; the swizzle moves chunks
-// within rows, so any layout), by `threads` threads from `tid`. wgmma would read their upper
-// 19 bits as they are: truncated, twice the rounding's error
-template <int N> __device__ __forceinline__ void round_to_tf32(float* p, int tid, int threads) {
+// tf32: x rounded to tf32 (hi), and the rest rounded (lo: x − hi is exact in fp32)
+__device__ __forceinline__ float tf32_hi(float x) { return __uint_as_float(to_tf32(x)); }
+__device__ __forceinline__ float tf32_lo(float x, float hi) { return tf32_hi(x - hi); }
+
+// tf32: the N floats at p rounded to tf32 in place, with LO their lo parts to `lo` at the same
+// offsets (16-byte chunks; the swizzle moves chunks within rows, so any layout), by `threads`
+// threads from `tid`. wgmma would read their upper 19 bits as they are: truncated, twice the
+// rounding's error
+template <int N, bool LO>
+__device__ __forceinline__ void round_to_tf32(float* p, float* lo, int tid, int threads) {
     for (int i = 4 * tid; i < N; i += 4 * threads) {
-        float4 x = *reinterpret_cast<float4*>(p + i);
-        x = make_float4(__uint_as_float(to_tf32(x.x)), __uint_as_float(to_tf32(x.y)),
-                        __uint_as_float(to_tf32(x.z)), __uint_as_float(to_tf32(x.w)));
-        *reinterpret_cast<float4*>(p + i) = x;
+        const float4 x = *reinterpret_cast<float4*>(p + i);
+        const float4 h = make_float4(tf32_hi(x.x), tf32_hi(x.y), tf32_hi(x.z), tf32_hi(x.w));
+        *reinterpret_cast<float4*>(p + i) = h;
+        if constexpr (LO)
+            *reinterpret_cast<float4*>(lo + i) = make_float4(tf32_lo(x.x, h.x), tf32_lo(x.y, h.y),
+                                                             tf32_lo(x.z, h.z), tf32_lo(x.w, h.w));
     }
 }
 
 // tf32: V_j (kBlockN keys × D, as its TMA boxes left it: 32-float rows, 16-byte chunk c of row r
 // at chunk c ^ (r % 8)) into V_jᵀ, wgmma's K-major B of P̃ V_j (per 32 keys a box of D rows × 32
-// keys, the same swizzle), rounded to tf32, by `threads` threads from `tid`. Within each 8
-// keys, key 2i goes to position i and key 2i + 1 to i + 4: the order in which a thread's
-// accumulators of S (columns 2t, 2t + 1) become the k indices t, t + 4 of tf32's A fragment
+// keys, the same swizzle), rounded to tf32 (split: the lo parts into vt_lo), by `threads`
+// threads from `tid`. Within each 8 keys, key 2i goes to position i and key 2i + 1 to i + 4:
+// the order in which a thread's accumulators of S (columns 2t, 2t + 1) become the k indices
+// t, t + 4 of tf32's A fragment
 template <typename Tr, int D>
 __device__ __forceinline__ void transpose_v(const float (*v)[Tr::kKvBoxElems],
-                                            float (*vt)[Tr::kVtBoxElems], int tid, int threads) {
+                                            float (*vt)[Tr::kVtBoxElems],
+                                            float (*vt_lo)[Tr::kSplit ? Tr::kVtBoxElems : 1],
+                                            int tid, int threads) {
     constexpr int kQuads = D / 4, kChunks = Tr::kBlockN * kQuads;
     for (int ci = tid; ci < kChunks; ci += threads) {
         const int r = ci / kQuads, c = ci % kQuads / 8, q = ci % 8;
         const float4 x = *reinterpret_cast<const float4*>(v[c] + r * 32 + (q ^ (r % 8)) * 4);
         const int kp = r % 32, p = (kp & ~7) + (kp % 8) / 2 + 4 * (kp % 2);
-        float* box = vt[r / 32];
         const float e[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int d = 32 * c + 4 * q + i;
-            box[d * 32 + ((p / 4) ^ (d % 8)) * 4 + p % 4] = __uint_as_float(to_tf32(e[i]));
+            const int d = 32 * c + 4 * q + i, at = d * 32 + ((p / 4) ^ (d % 8)) * 4 + p % 4;
+            const float hi = tf32_hi(e[i]);
+            vt[r / 32][at] = hi;
+            if constexpr (Tr::kSplit) vt_lo[r / 32][at] = tf32_lo(e[i], hi);
         }
     }
 }
 
 }  // namespace
 
-template <typename T, int HEAD_DIM, bool VARLEN>
+template <typename T, int HEAD_DIM, bool VARLEN, bool SPLIT = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_k,
@@ -190,7 +212,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       float scale, int causal, int num_m_blocks, int num_tiles,
                       int num_splits, long long split_stride, float* __restrict__ o_part,
                       CUFLASH_VARIANT_PARAMS(T)) {
-    using Tr = Sm90FwdTraits<T, HEAD_DIM>;
+    using Tr = Sm90FwdTraits<T, HEAD_DIM, SPLIT>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
@@ -303,14 +325,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     const int tiles = var.template count_tiles<BM, BN>(x.b, x.h, x.m0, j0, x.j1);
                     for (int j = 0; j < tiles; ++j, ++it) {
                         ring_k.wait(it);
-                        round_to_tf32<Tr::kBoxes * Tr::kKvBoxElems>(sm.k[it % STAGES][0], tid,
-                                                                 Tr::kTransposers);
+                        round_to_tf32<Tr::kBoxes * Tr::kKvBoxElems, SPLIT>(
+                            sm.k[it % STAGES][0], SPLIT ? sm.tf.k_lo[it % STAGES][0] : nullptr,
+                            tid, Tr::kTransposers);
                         sm90::fence_proxy_async();  // the writes, before wgmma reads them
                         ring_kr.fill(it);
                         ring_v.wait(it);
                         ring_vt.wait_free(it);
-                        transpose_v<Tr, HEAD_DIM>(sm.v[it % Tr::kRawStages], sm.vt[it % STAGES],
-                                                  tid, Tr::kTransposers);
+                        transpose_v<Tr, HEAD_DIM>(sm.v[it % Tr::kRawStages], sm.tf.vt[it % STAGES],
+                                                  sm.tf.vt_lo[SPLIT ? it % STAGES : 0], tid,
+                                                  Tr::kTransposers);
                         sm90::fence_proxy_async();
                         ring_v.release(it);
                         ring_vt.fill(it);
@@ -347,30 +371,53 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const unsigned long long q_desc =
         sm90::desc_k_major_sw128(sm.q[0] + warpgroup * 64 * Tr::kBoxCols);
     const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0][0]);
-    const unsigned long long v_desc = Tr::kTf32 ? sm90::desc_k_major_sw128(sm.vt[0][0])
+    const unsigned long long v_desc = Tr::kTf32 ? sm90::desc_k_major_sw128(sm.tf.vt[0][0])
                                                 : sm90::desc_mn_major_sw128(sm.v[0][0], Tr::kKvBoxBytes);
+    // split: the lo parts' tiles, laid out as their hi parts' (the same offsets from each)
+    const unsigned long long q_lo_desc =
+        SPLIT ? sm90::desc_k_major_sw128(sm.tf.q_lo[0] + warpgroup * 64 * Tr::kBoxCols) : 0;
+    const unsigned long long k_lo_desc = SPLIT ? sm90::desc_k_major_sw128(sm.tf.k_lo[0][0]) : 0;
+    const unsigned long long v_lo_desc = SPLIT ? sm90::desc_k_major_sw128(sm.tf.vt_lo[0][0]) : 0;
     // Q_i's, the same at every step: held up to 8 (16 would spill: 16-bit D = 256, tf32 128)
     constexpr int kQSteps = HEAD_DIM / kK;
     unsigned long long q_descs[kQSteps];
     sm90::k_step_descs<kQSteps <= 8>(q_descs, q_desc, Tr::kBoxBytes >> 4);
+    // K_j's (or its lo part's) descriptor of slot s, k step kk
+    auto k_step = [&](unsigned long long desc, int s, int kk) {
+        return desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4);
+    };
     auto issue_s = [&](int s) {
 #pragma unroll
-        for (int kk = 0; kk < kQSteps; ++kk)
-            wgmma_s<T, BN>(sc, q_descs[kk],
-                           k_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4), kk > 0);
+        for (int kk = 0; kk < kQSteps; ++kk) {
+            if constexpr (SPLIT) {  // the small products first: hi·lo, lo·hi, then hi·hi
+                wgmma_s<T, BN>(sc, q_descs[kk], k_step(k_lo_desc, s, kk), kk > 0);
+                wgmma_s<T, BN>(sc, q_lo_desc + (kk / 4) * (Tr::kBoxBytes >> 4) + 2 * (kk % 4),
+                               k_step(k_desc, s, kk), 1);
+                wgmma_s<T, BN>(sc, q_descs[kk], k_step(k_desc, s, kk), 1);
+            } else {
+                wgmma_s<T, BN>(sc, q_descs[kk], k_step(k_desc, s, kk), kk > 0);
+            }
+        }
         sm90::wgmma_commit();
     };
     // acc += P̃ V_j of the tile in slot s, issued: k step kk takes keys k·kk .. as the A
     // fragment and 16-bit V_j's rows 16kk .. (2048 bytes on), MN-major, the next box one box
     // on (LBO); or tf32 V_jᵀ's 8 keys 32 bytes on in its box of 32, K-major
-    unsigned pa[BN / kK][4];
+    unsigned pa[BN / kK][4], pa_lo[SPLIT ? BN / kK : 1][4];  // P̃ (split: its lo part)
+    // V_j's (tf32: V_jᵀ's or its lo part's) descriptor of slot s, k step kk
+    auto v_step = [&](unsigned long long desc, int s, int kk) {
+        if constexpr (Tr::kTf32) return desc + s * kVtSlotDesc + (kk / 4) * kVtBoxDesc + 2 * (kk % 4);
+        else return desc + s * kSlotDesc + 128 * kk;
+    };
     auto issue_pv = [&](int s) {
 #pragma unroll
-        for (int kk = 0; kk < BN / kK; ++kk)
-            wgmma_pv<T, HEAD_DIM>(acc, pa[kk],
-                                  Tr::kTf32 ? v_desc + s * kVtSlotDesc + (kk / 4) * kVtBoxDesc + 2 * (kk % 4)
-                                            : v_desc + s * kSlotDesc + 128 * kk,
-                                  Tr::kKvBoxBytes);
+        for (int kk = 0; kk < BN / kK; ++kk) {
+            if constexpr (SPLIT) {
+                wgmma_pv<T, HEAD_DIM>(acc, pa_lo[kk], v_step(v_desc, s, kk), Tr::kKvBoxBytes);
+                wgmma_pv<T, HEAD_DIM>(acc, pa[kk], v_step(v_lo_desc, s, kk), Tr::kKvBoxBytes);
+            }
+            wgmma_pv<T, HEAD_DIM>(acc, pa[kk], v_step(v_desc, s, kk), Tr::kKvBoxBytes);
+        }
         sm90::wgmma_commit();
     };
     // The online softmax of tile j's S: masked keys −inf (past Nk, outside a row's causal
@@ -438,7 +485,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         for (int kk = 0; kk < BN / kK; ++kk)
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                if constexpr (Tr::kTf32)
+                if constexpr (SPLIT) {  // hi rounded by the add and a mask, lo by the add
+                    const float p = sc[4 * kk + (r % 2) * 2 + r / 2];
+                    pa[kk][r] = (__float_as_uint(p) + 0x1000u) & 0xffffe000u;
+                    pa_lo[kk][r] = __float_as_uint(p - __uint_as_float(pa[kk][r])) + 0x1000u;
+                } else if constexpr (Tr::kTf32)
                     pa[kk][r] = __float_as_uint(sc[4 * kk + (r % 2) * 2 + r / 2]) + 0x1000u;
                 else
                     pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
@@ -485,8 +536,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::mbar_wait(&q_full, n++ & 1);
         if constexpr (Tr::kTf32) {  // the warpgroup's 64 rows of Q_i rounded, in place
             for (int c = 0; c < Tr::kBoxes; ++c)
-                round_to_tf32<64 * Tr::kBoxCols>(sm.q[c] + warpgroup * 64 * Tr::kBoxCols,
-                                              threadIdx.x % 128, 128);
+                round_to_tf32<64 * Tr::kBoxCols, SPLIT>(
+                    sm.q[c] + warpgroup * 64 * Tr::kBoxCols,
+                    SPLIT ? sm.tf.q_lo[c] + warpgroup * 64 * Tr::kBoxCols : nullptr,
+                    threadIdx.x % 128, 128);
             sm90::fence_proxy_async();
             sm90::bar_sync(3 + warpgroup, 128);  // all of them, before its first S
         }

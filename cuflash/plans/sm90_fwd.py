@@ -1,6 +1,6 @@
 """The Hopper forward, `Sm90FwdTraits` (kernels/flash_fwd_sm90.cu): one tile, built for
 sm_90a alone (wgmma, TMA, setmaxnreg), taken by plain calls on a device that runs it;
-float32 as one-pass tf32 (`allow_tf32`)."""
+float32 as split tf32 (D = 64) or one-pass tf32 (`allow_tf32`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +10,7 @@ from .base import Plan, flag
 SM90_DTYPES = ("float16", "bfloat16")
 SM90_HEAD_DIMS = (64, 128, 256)
 SM90_TF32_HEAD_DIMS = (64, 128)   # float32, one-pass tf32
+SM90_SPLIT_HEAD_DIMS = (64,)      # float32, split tf32 (its lo parts fit beside D = 64 only)
 ROW_BYTES = 128              # a TMA box's row: 64 16-bit elements or 32 floats
 BOX_BYTES = 128 * ROW_BYTES  # one box of Q_i: 128 rows
 
@@ -18,8 +19,8 @@ BOX_BYTES = 128 * ROW_BYTES  # one box of Q_i: 128 rows
 class Sm90FwdPlan(Plan):
     """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN>: 128 × 128 tiles, two consumer warpgroups
     of 64 query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA
-    ring; blocks walk the tiles head by head; VARLEN: packed sequences. float32 (one-pass
-    tf32): 128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j."""
+    ring; blocks walk the tiles head by head; VARLEN: packed sequences. float32 (tf32):
+    128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j; SPLIT: split tf32."""
 
     dynamic_smem = True
     arch_specific = True
@@ -31,6 +32,7 @@ class Sm90FwdPlan(Plan):
     dtype: str                # "float16", "bfloat16" or "float32" (one-pass tf32)
     head_dim: int             # HEAD_DIM: exactly d (64, 128 or 256; float32 64 or 128)
     varlen: bool = False      # VARLEN: packed sequences (cu_q, cu_k)
+    split: bool = False       # SPLIT: float32 as split tf32 (else one-pass)
 
     @property
     def tf32(self) -> bool:
@@ -71,30 +73,37 @@ class Sm90FwdPlan(Plan):
         q_o = (2 if self.stages_o else 1) * boxes * BOX_BYTES
         kv_box = self.block_n * ROW_BYTES
         vt = self.stages * self.head_dim * self.block_n * 4 if self.tf32 else 0
-        return q_o + (self.stages + self.raw_stages) * boxes * kv_box + vt
+        # split: Q_i's, K_j's and V_jᵀ's lo parts
+        lo = boxes * BOX_BYTES + self.stages * boxes * kv_box + vt if self.split else 0
+        return q_o + (self.stages + self.raw_stages) * boxes * kv_box + vt + lo
 
     def __str__(self) -> str:
-        return (f"{self.kernel} {self.dtype} D={self.head_dim} Br={self.block_m} "
+        tf32 = (" split-tf32" if self.split else " tf32") if self.tf32 else ""
+        return (f"{self.kernel} {self.dtype}{tf32} D={self.head_dim} Br={self.block_m} "
                 f"Bc={self.block_n} warpgroups=2+1 stages={self.stages} smem={self.smem_bytes} B"
                 + (" varlen" if self.varlen else ""))
 
     @property
     def name_expression(self) -> str:
-        return self._instantiate(self.head_dim, flag(self.varlen))
+        return self._instantiate(self.head_dim, flag(self.varlen),
+                                 *([flag(True)] if self.split else []))
 
 
 def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False,
                   allow_tf32: bool = False) -> Sm90FwdPlan | None:
     """The Hopper forward's plan for `dtype` (a name) and head dim `d` (`varlen`: packed
-    sequences; float32 only with `allow_tf32`, as one-pass tf32), None if it has none."""
-    if (dtype in SM90_DTYPES and d in SM90_HEAD_DIMS) or (
-            dtype == "float32" and allow_tf32 and d in SM90_TF32_HEAD_DIMS):
+    sequences; float32 as split tf32, or with `allow_tf32` one-pass tf32), None if it has
+    none."""
+    if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
         return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen)
+    if dtype == "float32" and d in (SM90_TF32_HEAD_DIMS if allow_tf32 else SM90_SPLIT_HEAD_DIMS):
+        return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen, split=not allow_tf32)
     return None
 
 
 def all_sm90_fwd_plans() -> tuple[Sm90FwdPlan, ...]:
-    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen)
-                 for t, dims in [*((t, SM90_HEAD_DIMS) for t in SM90_DTYPES),
-                                 ("float32", SM90_TF32_HEAD_DIMS)]
+    return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen, split)
+                 for t, dims, split in [*((t, SM90_HEAD_DIMS, False) for t in SM90_DTYPES),
+                                        ("float32", SM90_SPLIT_HEAD_DIMS, True),
+                                        ("float32", SM90_TF32_HEAD_DIMS, False)]
                  for d in dims for varlen in (False, True))
