@@ -563,6 +563,15 @@ def test_on_the_gpu(dt, D, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dt,D", [(TF32, 64), (TF32, 128), (SPLIT, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tf32_on_the_gpu(dt, D, causal):
+    """float32 on the H100's tf32 wgmma: V_jᵀ by the producer's warps, the rounding (the
+    hardware's truncation of what is not rounded), split's lo parts."""
+    _check(hopper_gpu_backend(), 2, 8, 2, 1000, 1500, D, causal, seed=D, dtype=dt)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("window,causal", [((256, 0), False), ((300, -1), True), ((7, 130), False)])
 def test_window_on_the_gpu(window, causal):
     be = hopper_gpu_backend()

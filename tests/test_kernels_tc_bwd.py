@@ -321,6 +321,29 @@ def test_cuda_backward_both_ways_right_and_bitwise_reproducible(dt, workers):
             assert np.array_equal(first.view(np.uint16), cupy.asnumpy(other[i]).view(np.uint16))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+@pytest.mark.parametrize("dt", [F16, BF16])
+def test_cuda_backward_not_deterministic(dt):
+    # the real GPU's atomics from a block per key block: dq within the rule, dk and dv the
+    # deterministic backward's bits (a worker count keeps both on mma.sync, sm_90a too)
+    import cupy
+    from cuflash.backends.kernels import cuda_backend
+    be = cuda_backend()
+    args, scale = _problem(2, 4, 2, 300, 700, 64, dt, True, seed=11)
+    fast, same = (kernel_backward.backward(be, *map(cupy.asarray, args), causal=True, scale=scale,
+                                           dq_workers=2, deterministic=det)
+                  for det in (False, True))
+    ref = reference.attention_backward(*args, causal=True, scale=scale)
+    plain = plain_backward(*args, causal=True, scale=scale, dtype=dt)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_close_to_reference(cupy.asnumpy(fast[i]), ref[i], plain[i], dt, factor=3.0,
+                                  what=name)
+    for i in (1, 2):
+        assert np.array_equal(cupy.asnumpy(fast[i]).view(np.uint16),
+                              cupy.asnumpy(same[i]).view(np.uint16))
+
+
 def test_dq_workers_rule():
     # up to ⌈SMs / units⌉ workers (at most the key blocks and DQ_PARTS_MAX), the fewest
     # whose waves of one block per SM take the least time; with five GEMMs' worth of a
