@@ -519,7 +519,7 @@ def test_inputs_it_does_not_take_yet():
     be = _backend()
     q, k, v = attention_inputs(1, 2, 1, 8, 8, 64, F16)[:3]
     with pytest.raises(TypeError, match=r"the Hopper forward takes float16, bfloat16 or float32 "
-                                        r"\(one-pass tf32\), q, k, v alike; got float64"):
+                                        r"\(as tf32\), q, k, v alike; got float64"):
         sm90.forward_sm90(be, *(x.astype(np.float64) for x in (q, k, v)), causal=False, scale=1.0)
     with pytest.raises(ValueError, match=r"head dims \(64, 128\) for float32"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 256, F32)[:3], causal=False,

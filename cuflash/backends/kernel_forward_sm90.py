@@ -1,8 +1,8 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
-The kernel takes float16 or bfloat16 with head dim 64, 128 or 256, or float32 (one-pass tf32:
-the planner gives it calls with `allow_tf32`) with head dim 64 or 128, q, k, v (B, H, N, D) with strides
-TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
+The kernel takes float16 or bfloat16 with head dim 64, 128 or 256, or float32 as tf32 (split
+at head dim 64; one-pass, for calls with `allow_tf32`, at 64 or 128), q, k, v (B, H, N, D) with
+strides TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
 GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged), split-KV. The planner
 (`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
 `forward_sm90` also runs it directly on any backend whose device is sm_90a (the emulator's
@@ -66,7 +66,7 @@ def tma_ready(*arrays) -> bool:
     return True
 
 
-# The forward's head dims by dtype (float32: one-pass tf32)
+# The forward's head dims by dtype (float32 as tf32: split at SM90_SPLIT_HEAD_DIMS only)
 FORWARD_HEAD_DIMS = {"float16": HEAD_DIMS, "bfloat16": HEAD_DIMS, "float32": TF32_HEAD_DIMS}
 
 
@@ -81,7 +81,7 @@ def check_inputs(q, k, v, paged=False, head_dims=FORWARD_HEAD_DIMS, what="forwar
     the dtypes taken, by name, and their head dims; `what`: the kernel, for the messages)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if np.dtype(x.dtype).name not in head_dims or np.dtype(x.dtype) != np.dtype(q.dtype):
-            tf32 = " (one-pass tf32)" if "float32" in head_dims else ""
+            tf32 = " (as tf32)" if "float32" in head_dims else ""
             raise TypeError(f"{name}: the Hopper {what} takes {_one_of(list(head_dims))}{tf32}, "
                             f"q, k, v alike; got {np.dtype(x.dtype)}")
         if x.ndim != 4:

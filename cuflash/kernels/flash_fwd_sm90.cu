@@ -12,7 +12,8 @@
 //                            per key tile j: waits until the consumers freed K's ring slot
 //                            (empty), announces the bytes and starts the TMA boxes of K_j
 //                            (full), then the same for V_j in V's ring. The rings run on
-//                            across tiles.
+//                            across tiles. float32 (tf32): its warps 9-11 round each K_j in
+//                            place and write V_jᵀ from V_j (see Sm90FwdTraits).
 //   warpgroups 0, 1          take the registers; each owns 64 of the tile's 128 query rows.
 //   (consumers)              Per key tile j (Algorithm 1, lines 6-10):
 //                              S = Q_i K_jᵀ           wgmma m64n128k16, both from shared memory
@@ -33,10 +34,10 @@
 //                            the two warpgroups take turns to issue (ping-pong, two named
 //                            barriers), so one's products run under the other's softmax.
 //
-// Layout: q, k, v, o (B, H, N, D) in T (float16 or bfloat16), any strides TMA takes (rows
-// of contiguous elements; row, head and batch strides multiples of 16 bytes); the tensor
-// maps are 4-D (D, N, H, B), boxes of 64 head-dim columns (128-byte rows, 128-byte swizzle: wgmma's
-// K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
+// Layout: q, k, v, o (B, H, N, D) in T (float16, bfloat16 or float32), any strides TMA takes
+// (rows of contiguous elements; row, head and batch strides multiples of 16 bytes); the tensor
+// maps are 4-D (D, N, H, B), boxes of 128-byte rows (64 16-bit head-dim columns, 32 floats;
+// 128-byte swizzle: wgmma's K-major layout for Q and K, its MN-major one for V) by 128 rows; rows past a sequence's end
 // come in as zeros and are masked (keys) or dropped by the store (queries). GQA: query head h reads
 // K/V head h / group. Lengths per batch row (VARLEN, seqlens.cuh's layouts): packed
 // sequences (cu_q, cu_k: row offsets; q, k, v, o (1, H, total, D), lse (1, H, total_q), Nq
@@ -72,7 +73,7 @@ namespace {
 // boxes of kBlockN rows, on 1024-byte boundaries as the 128-byte swizzle needs. D = 256 takes
 // 64-key tiles (its 64 x 256 accumulators and Q_i leave room for no more) and stores O from
 // registers (no staging).
-// float32 (kTf32, one-pass tf32, D = 64 or 128): 64-key tiles, O from registers; wgmma takes
+// float32 (kTf32: tf32, D = 64 or 128): 64-key tiles, O from registers; wgmma takes
 // tf32's B only K-major, so V_j lands as it is in memory (`v`, kRawStages slots: one at D = 128,
 // where two leave no room) and the producer's other three warps write V_jᵀ (`vt`: kBlockN / 32
 // boxes of D rows × 32 keys) for P̃ V_j, see transpose_v.

@@ -17,7 +17,7 @@ BOX_BYTES = 128 * ROW_BYTES  # one box of Q_i: 128 rows
 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdPlan(Plan):
-    """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN>: 128 × 128 tiles, two consumer warpgroups
+    """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN[, SPLIT]>: 128 × 128 tiles, two consumer warpgroups
     of 64 query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA
     ring; blocks walk the tiles head by head; VARLEN: packed sequences. float32 (tf32):
     128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j; SPLIT: split tf32."""
@@ -29,14 +29,14 @@ class Sm90FwdPlan(Plan):
     num_threads = 384         # kThreads
 
     kernel: str               # "flash_fwd_sm90"
-    dtype: str                # "float16", "bfloat16" or "float32" (one-pass tf32)
+    dtype: str                # "float16", "bfloat16" or "float32" (tf32)
     head_dim: int             # HEAD_DIM: exactly d (64, 128 or 256; float32 64 or 128)
     varlen: bool = False      # VARLEN: packed sequences (cu_q, cu_k)
     split: bool = False       # SPLIT: float32 as split tf32 (else one-pass)
 
     @property
     def tf32(self) -> bool:
-        """kTf32: float32 operands, one-pass tf32."""
+        """kTf32: float32 operands on tf32 wgmma."""
         return self.dtype == "float32"
 
     @property
@@ -68,7 +68,8 @@ class Sm90FwdPlan(Plan):
     @property
     def smem_bytes(self) -> int:
         """Smem: Q_i (and O_i's staging) in kBoxes boxes of 128 rows of 128 bytes, the
-        rings' K_j, V_j stages in kBoxes boxes of block_n rows; float32's V_jᵀ stages."""
+        rings' K_j, V_j stages in kBoxes boxes of block_n rows; float32's V_jᵀ stages (and
+        split's lo parts)."""
         boxes = self.head_dim * self.element.bytes // ROW_BYTES
         q_o = (2 if self.stages_o else 1) * boxes * BOX_BYTES
         kv_box = self.block_n * ROW_BYTES
