@@ -6,12 +6,14 @@ takes ∂score_mod/∂score by central differences, so nothing expected comes fr
 under test. Buffer gradients are checked against finite differences of the loss.
 """
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cuflash
-from cuflash.programmable import block_mask, translate
+from cuflash.programmable import block_mask, evaluate, translate
 from cuflash.programmable.block_mask import BlockMask
 
 from conftest import assert_close_to_reference, assert_lse_close, attention_inputs
@@ -813,6 +815,56 @@ def test_reads_at_affine_indices(mod, band):
         np.testing.assert_allclose(g, r, rtol=1e-8, atol=1e-10)
     np.testing.assert_array_equal(_TRANSPOSED, saved[0])
     np.testing.assert_array_equal(_SQUARES, saved[1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_strided_reads_equal_gathers(data):
+    """evaluate._strided_read against NumPy's own fancy indexing: index arrays affine in the
+    result's axes (any steps, negative ones too, broadcast axes, scalars) give a view with
+    the gather's values; others (a permuted range) give None, never wrong values."""
+    rank = data.draw(st.integers(1, 4), label="rank")
+    arr = np.arange(math.prod(shape := data.draw(st.lists(st.integers(1, 6), min_size=rank,
+                                                          max_size=rank), label="shape")),
+                    dtype=np.float32).reshape(shape)
+    out_rank = data.draw(st.integers(1, 4), label="result rank")
+    out = data.draw(st.lists(st.integers(1, 5), min_size=out_rank, max_size=out_rank),
+                    label="result shape")
+    idx, affine = [], True
+    for n in shape:
+        axes = data.draw(st.lists(st.integers(0, out_rank - 1), max_size=2, unique=True))
+        i = np.zeros([1] * out_rank, np.int64)
+        for a in axes:   # first + step · x_a along result axis a, kept inside [0, n)
+            step = data.draw(st.integers(-2, 2))
+            x = np.arange(out[a]).reshape([out[a] if b == a else 1 for b in range(out_rank)])
+            i = i + step * x
+        i = i - i.min() + data.draw(st.integers(0, max(0, n - 1 - int(i.max() - i.min()))))
+        if i.max() >= n:
+            i = np.clip(i, 0, n - 1)   # clipped: not affine any more (or still, if flat)
+        if data.draw(st.booleans()) and i.size > 2:    # a permutation: not affine
+            i = np.ascontiguousarray(np.random.default_rng(i.size).permutation(i.ravel())
+                                     .reshape(i.shape))
+        idx.append(np.int64(i.ravel()[0]) if i.size == 1 and data.draw(st.booleans()) else i)
+    result = np.broadcast_shapes(*(np.shape(i) for i in idx))
+    steps = [st_ // arr.itemsize for st_ in arr.strides]
+    with mock.patch.object(evaluate, "_AFFINE_SHARE", 0):   # every index tested, small or not
+        view = evaluate._strided_read(arr, idx, steps, result)
+    gather = arr[tuple(np.broadcast_to(i, result) for i in idx)]
+    if view is not None:
+        assert not view.flags.writeable
+        np.testing.assert_array_equal(view, gather)
+
+
+def test_strided_reads_view_affine_indices_only():
+    """Both outcomes of the property above, drawn for certain: a bias read at (h, q_idx,
+    kv_idx) reversed along the rows is a view of the bias; a permuted row index is not."""
+    bias = np.arange(2 * 40 * 40, dtype=np.float32).reshape(2, 40, 40)
+    h, rows, cols = np.int64(1), 39 - np.arange(16)[:, None], np.arange(3, 19)[None, :]
+    view = evaluate._strided_read(bias, (h, rows, cols), [1600, 40, 1], (16, 16))
+    assert view is not None and np.shares_memory(view, bias)
+    np.testing.assert_array_equal(view, bias[1, rows, cols])
+    shuffled = np.random.default_rng(0).permutation(16)[:, None]
+    assert evaluate._strided_read(bias, (h, shuffled, cols), [1600, 40, 1], (16, 16)) is None
 
 
 def test_relative_parts_follow_their_arrays_across_calls():
