@@ -243,8 +243,8 @@ class CuflashTf32(Cuflash):
 
 
 class CuflashAtomic(Cuflash):
-    """cuflash's backward with deterministic=False: where the five-GEMM backward runs (off
-    sm_90a, 16-bit, d <= 128), a block per key block adding dQ by atomics."""
+    """cuflash's backward with deterministic=False: dQ added by atomics from the dK/dV
+    blocks (16-bit; the mma.sync five-GEMM backward at d <= 128, the Hopper one at d = 64)."""
     name = "cuflash-atomic"
 
     def passes(self, q, k, v, do, causal, scale):

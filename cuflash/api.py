@@ -205,11 +205,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     arrays score_mod captures, keyed by the names it uses for them, in their dtypes.
 
     deterministic: True (the default) gives the same bits for the same inputs on the same
-    device, every call. False lets the GPU kernels' five-GEMM backward (16-bit, d <= 128,
-    no option but causal and the window) add dq's parts by float32 atomics from a block per
-    key block, as FlashAttention-2 does: less memory and more parallel blocks, but dq's last
-    bits may change from call to call. Elsewhere (the NumPy backend, the other kernels) no
-    effect.
+    device, every call. False lets the GPU kernels add dq's parts by float32 atomics from
+    the dK/dV blocks, five GEMMs instead of seven, as FlashAttention-2 and -3 do: the
+    mma.sync backward (16-bit, d <= 128, no option but causal and the window) from a block
+    per key block, the Hopper backward (d = 64, no dbias with a query axis) without its dQ
+    pass; dq's last bits may then change from call to call. Elsewhere (the NumPy backend,
+    the other kernels) no effect.
     """
     causal = _checks.check_flag("causal", causal)
     allow_tf32 = _checks.check_flag("allow_tf32", allow_tf32)

@@ -19,7 +19,7 @@ from .kernel_forward_sm90 import (HEAD_DIMS, TENSOR_MAP_TYPES, address, check_in
 
 
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
-                  return_dbias=False, segments=None, plans=None):
+                  return_dbias=False, segments=None, plans=None, deterministic=True):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
     scale · dS K (flash_bwd_dq_sm90_kernel). `variants` (cuflash.variants.Variants): the
@@ -27,7 +27,10 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     compact shape of variants.bias in float32 (`kernel_variants.dbias_launch`).
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and D (1, Hq, total_q). `plans`: the
-    planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`')."""
+    planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`').
+    `deterministic=False` (d = 64, padded rows, no dbias with a query axis, which the dQ
+    pass writes): five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ by atomics
+    (`tiling.sm90_dq_atomic_plan`) and no dQ pass; dq's last bits may vary from call to call."""
     dims = {t: HEAD_DIMS for t in tiling.SM90_DTYPES}
     check_inputs(q, k, v, head_dims=dims, what="backward")
     check_inputs(do, k, v, head_dims=dims, what="backward")
@@ -49,6 +52,12 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     dbias, dbias_st, heads_per_launch, batch_per_launch, cols = dbias_launch(
         xp, variants if return_dbias else None, np.float32, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3   # a bias broadcast over query rows
+    atomic = (None if deterministic or segments is not None or (return_dbias and not by_cols)
+              else tiling.sm90_dq_atomic_plan(p_dkdv.dtype, p_dkdv.head_dim))
+    if atomic is not None:   # dQ's parts added here, in float32, rows padded to query blocks
+        p_dkdv = atomic
+        dq_accum = xp.zeros((B, Hq, -(-Nq // p_dkdv.streamed_rows) * p_dkdv.streamed_rows,
+                             q.shape[-1]), np.float32)
 
     def result():
         if not return_dbias:
@@ -89,8 +98,11 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     backend.get_function(p_dkdv, mods)(
         (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
-         cols, np.int32(by_cols), *sizes(p_dkdv)),
+         dq_accum if atomic is not None else None, cols, np.int32(by_cols), *sizes(p_dkdv)),
         shared_mem=p_dkdv.dynamic_smem_bytes)
+    if atomic is not None:
+        dq[...] = (dq_accum[:, :, :Nq] * np.float32(scale)).astype(dq.dtype)
+        return result()
     # the heads (batch rows) that share a row of dbias take one launch each, in stream order
     want = np.int32(return_dbias and not by_cols)
     for h0 in range(heads_per_launch):

@@ -34,7 +34,8 @@
 //                            MN-major); at the end dQ_i · scale goes out from registers.
 //
 // Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
-// backward stays bitwise deterministic. D = rowsum(dO ∘ O) comes from flash_bwd.cu's
+// backward stays bitwise deterministic. deterministic=False at D = 64 (DQ_ATOMIC): five, the
+// dK/dV pass adding dQ's parts by atomics and no dQ kernel (Sm90BwdTraits). D = rowsum(dO ∘ O) comes from flash_bwd.cu's
 // preprocess.
 //
 // Layout: q, k, v, do (B, H, N, D) in T (float16 or bfloat16) with strides TMA reads (as
@@ -68,7 +69,10 @@ namespace {
 
 // The tile and its shared memory: K_j, V_j (128 rows), and the Q_i, dO_i ring (64 rows), each
 // as D / 64 boxes of 64 columns (on 1024-byte boundaries as the 128-byte swizzle needs).
-template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
+// DQ_ATOMIC (deterministic=False, D = 64): each warpgroup's dSᵀ also goes to shared memory
+// (`ds`: its 64 keys × the block's 64 queries, 128-byte rows, the 128-byte swizzle), from which
+// dQ_i += dS K_j (wgmma, both operands MN-major) is added to a float32 dQ by atomics.
+template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits {
     static constexpr int kBlockN = 128, kBlockM = 64, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
     static constexpr int kKvBoxElems = 128 * 64, kQBoxElems = 64 * 64;
@@ -83,8 +87,11 @@ template <typename T, int HEAD_DIM> struct Sm90BwdTraits {
         float lse2[kStages][kBlockM];   // the query block's lse_log2(lse) (made on the host)
                                         // and D, with its Q_i and dO_i
         float dsum[kStages][kBlockM];
+        alignas(1024) T ds[DQ_ATOMIC ? 2 : 1][DQ_ATOMIC ? 64 * 64 : 1];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
+    static_assert(!DQ_ATOMIC || HEAD_DIM == 64, "DQ_ATOMIC: HEAD_DIM 64 (its dQ accumulators "
+                  "leave no registers at 128)");
 };
 
 // The dK/dV pass's steps in order, query block i of [i_begin, i_end) of query head hq, one
@@ -126,7 +133,7 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[D / 2], const unsigned (&a
 
 }  // namespace
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_k,
@@ -134,12 +141,12 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_do,
                            const __grid_constant__ sm90::TensorMap map_lse,
                            const __grid_constant__ sm90::TensorMap map_dsum,
-                           T* __restrict__ dk, T* __restrict__ dv,
+                           T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
                            float* __restrict__ dbias_cols, int want_dbias_cols,
                            const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Hq,
                            int group, int Nq, int Nk, float scale, int causal,
                            CUFLASH_VARIANT_PARAMS(T)) {
-    using Tr = Sm90BwdTraits<T, HEAD_DIM>;
+    using Tr = Sm90BwdTraits<T, HEAD_DIM, DQ_ATOMIC>;
     constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
@@ -220,6 +227,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const unsigned long long do_mn = sm90::desc_mn_major_sw128(sm.dout[0][0], Tr::kQBoxBytes);
     float s_t[32], dp_t[32];   // Sᵀ, dPᵀ: the warpgroup's 64 keys × the block's 64 queries
     unsigned pa[BM / 16][4], pds[BM / 16][4];
+    // DQ_ATOMIC: dQ_i's part from the warpgroup's keys (64 queries × D), its dS (A: the
+    // warpgroup's dSᵀ, queries along its 128-byte rows) and K_j's rows (B), both MN-major
+    float acc_dq[DQ_ATOMIC ? Tr::kAcc : 1];
+    const unsigned long long ds_desc =
+        DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.ds[DQ_ATOMIC ? warpgroup : 0], 0) : 0;
+    const unsigned long long k_mn =
+        DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.k[0] + warpgroup * 64 * 64, Tr::kKvBoxBytes) : 0;
 
     sm90::mbar_wait(&kv_full, 0);
     auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
@@ -302,8 +316,25 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 pa[kk][r] = pack2<T>(s_t[8 * kk + 2 * r], s_t[8 * kk + 2 * r + 1]);
                 pds[kk][r] = pack2<T>(dp_t[8 * kk + 2 * r], dp_t[8 * kk + 2 * r + 1]);
             }
+        if constexpr (DQ_ATOMIC) {  // dSᵀ to the warpgroup's tile: key row r, 16-byte chunk n
+            // (queries 8n ..) at chunk n ^ (r % 8), once the last step's dQ product read it
+            sm90::bar_sync(3 + warpgroup, 128);
+            unsigned char* rows = reinterpret_cast<unsigned char*>(sm.ds[warpgroup]);
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int n = 2 * kk + r / 2;   // pds[kk][r]: queries 8n + 2t, keys g (+ 8)
+                    const int key = (threadIdx.x / 32 % 4) * 16 + g + 8 * (r % 2);
+                    *reinterpret_cast<unsigned*>(rows + key * 128 + ((n ^ (key % 8)) * 16) + 4 * t) =
+                        pds[kk][r];
+                }
+            sm90::fence_proxy_async();
+            sm90::bar_sync(3 + warpgroup, 128);
+        }
         // dV += Pᵀ dO_i, dK += dSᵀ Q_i: k step kk takes queries 16kk .. (2048 bytes on), the
-        // next 64 columns one box (8 KB) on
+        // next 64 columns one box (8 KB) on; DQ_ATOMIC: dQ_i = dS K_j over the warpgroup's keys,
+        // k step kk its keys 16kk .. (2048 bytes on in both)
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
@@ -311,10 +342,26 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
             wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk], q_mn + s * kSlotDesc + 128 * kk);
+        if constexpr (DQ_ATOMIC) {
+#pragma unroll
+            for (int kk = 0; kk < 64 / 16; ++kk)
+                sm90::wgmma_m64n64k16_ss_tt<T>(acc_dq, ds_desc + 128 * kk, k_mn + 128 * kk, kk > 0);
+        }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         ring.release(pos);
         pos.advance();
+        if constexpr (DQ_ATOMIC) {  // the thread's dQ pairs: queries 16w + g (+ 8), 8n + 2t
+            float* rows = dq_accum + ((long long)(b * Hq + hq) * ((Nq + BM - 1) / BM * BM) + m0 +
+                                      (threadIdx.x / 32 % 4) * 16 + g) * HEAD_DIM + 2 * t;
+#pragma unroll
+            for (int i = 0; i < Tr::kAcc; i += 4) {
+                atomicAdd(reinterpret_cast<float2*>(rows + 8 * (i / 4)),
+                          make_float2(acc_dq[i], acc_dq[i + 1]));
+                atomicAdd(reinterpret_cast<float2*>(rows + 8 * HEAD_DIM + 8 * (i / 4)),
+                          make_float2(acc_dq[i + 2], acc_dq[i + 3]));
+            }
+        }
     }
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile

@@ -237,6 +237,14 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long
                  "l"(a), "l"(b), "r"(scale_d));
 }
 
+// The same, A and B both MN-major (imm-trans-a, imm-trans-b = 1): A's 16-bit rows along M
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16_ss_tt(float (&d)[32], unsigned long long a,
+                                                      unsigned long long b, int scale_d) {
+    SM90_WGMMA_T(T, "m64n64k16", "34", SM90_ACC32, "%32, %33", "1, 1, 1, 1", SM90_ACC32_OUT, d,
+                 "l"(a), "l"(b), "r"(scale_d));
+}
+
 // D (64 x N, f32) += A (64 x 16 from registers: each warp's 16 rows as mma.sync's A
 // fragment) · B (16 x N) from shared memory, MN-major (imm-trans-b = 1); N = 64 or 128
 template <typename T>

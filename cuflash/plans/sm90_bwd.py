@@ -30,6 +30,7 @@ class Sm90BwdPlan(Plan):
     kernel: str               # one of SM90_BWD_KERNELS
     dtype: str                # "float16" or "bfloat16"
     head_dim: int             # HEAD_DIM: exactly d (64 or 128)
+    dq_atomic: bool = False   # DQ_ATOMIC (dK/dV, D = 64): dQ by atomics, no dQ pass
 
     @property
     def score_tile(self) -> tuple:
@@ -44,17 +45,20 @@ class Sm90BwdPlan(Plan):
         boxes = self.head_dim // 64
         dkdv = self.kernel == "flash_bwd_dkdv_sm90"
         stats = 2 * self.stages * self.streamed_rows * 4 if dkdv else 0
-        return 2 * boxes * (BOX_BYTES[self.own_rows]
-                            + self.stages * BOX_BYTES[self.streamed_rows]) + stats
+        tiles = 2 * boxes * (BOX_BYTES[self.own_rows]
+                             + self.stages * BOX_BYTES[self.streamed_rows]) + stats
+        if self.dq_atomic:   # each warpgroup's dSᵀ (64 x 64, 16-bit), on a 1024-byte boundary
+            tiles = -(-tiles // 1024) * 1024 + 2 * 64 * 64 * 2
+        return tiles
 
     def __str__(self) -> str:
         return (f"{self.kernel} {self.dtype} D={self.head_dim} own={self.own_rows} "
                 f"streamed={self.streamed_rows} warpgroups=2+1 stages={self.stages} "
-                f"smem={self.smem_bytes} B")
+                f"smem={self.smem_bytes} B" + (" dq-atomic" if self.dq_atomic else ""))
 
     @property
     def name_expression(self) -> str:
-        return self._instantiate(self.head_dim)
+        return self._instantiate(self.head_dim, *(["true"] if self.dq_atomic else []))
 
 
 def sm90_bwd_plans(dtype: str, d: int) -> tuple[Sm90BwdPlan, Sm90BwdPlan] | None:
@@ -64,6 +68,18 @@ def sm90_bwd_plans(dtype: str, d: int) -> tuple[Sm90BwdPlan, Sm90BwdPlan] | None
     return None
 
 
+SM90_DQ_ATOMIC_HEAD_DIMS = (64,)   # deterministic=False's dK/dV with dQ by atomics
+
+
+def sm90_dq_atomic_plan(dtype: str, d: int) -> Sm90BwdPlan | None:
+    """The Hopper dK/dV plan that adds dQ by atomics (deterministic=False), None if none."""
+    if dtype in SM90_DTYPES and d in SM90_DQ_ATOMIC_HEAD_DIMS:
+        return Sm90BwdPlan(SM90_BWD_KERNELS[0], dtype, d, dq_atomic=True)
+    return None
+
+
 def all_sm90_bwd_plans() -> tuple[Sm90BwdPlan, ...]:
-    return tuple(Sm90BwdPlan(kernel, t, d) for kernel in SM90_BWD_KERNELS
-                 for t in SM90_DTYPES for d in SM90_BWD_HEAD_DIMS)
+    return tuple(sm90_dq_atomic_plan(t, d) for t in SM90_DTYPES
+                 for d in SM90_DQ_ATOMIC_HEAD_DIMS) + tuple(
+        Sm90BwdPlan(kernel, t, d) for kernel in SM90_BWD_KERNELS
+        for t in SM90_DTYPES for d in SM90_BWD_HEAD_DIMS)
