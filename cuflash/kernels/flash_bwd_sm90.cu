@@ -35,8 +35,8 @@
 //
 // Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
 // backward stays bitwise deterministic. deterministic=False at D = 64 (DQ_ATOMIC): five, the
-// dK/dV pass adding dQ's parts by atomics and no dQ kernel (Sm90BwdTraits). D = rowsum(dO ∘ O) comes from flash_bwd.cu's
-// preprocess.
+// dK/dV pass adding dQ's parts by atomics and no dQ kernel (Sm90BwdTraits).
+// D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
 //
 // Layout: q, k, v, do (B, H, N, D) in T (float16 or bfloat16) with strides TMA reads (as
 // flash_fwd_sm90.cu's), 4-D maps (D, N, H, B): K and V in boxes of 64 columns × 128 rows,
