@@ -208,8 +208,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None,
     device, every call. False lets the GPU kernels add dq's parts by float32 atomics from
     the dK/dV blocks, five GEMMs instead of seven, as FlashAttention-2 and -3 do: the
     mma.sync backward (16-bit, d <= 128, no option but causal and the window) from a block
-    per key block, the Hopper backward (d = 64, no dbias with a query axis) without its dQ
-    pass; dq's last bits may then change from call to call. Elsewhere (the NumPy backend,
+    per key block, the Hopper backward (no dbias with a query axis) without its dQ pass;
+    dq's last bits may then change from call to call. Elsewhere (the NumPy backend,
     the other kernels) no effect.
     """
     causal = _checks.check_flag("causal", causal)

@@ -279,7 +279,8 @@ def test_sm90a_gemm_reaches_hopper_machine_code(tmp_path):
             ("__half", (64, 128, 256), ""), ("__nv_bfloat16", (64, 128, 256), ""),
             ("float", (64,), ", true"), ("float", (64, 128), ""))
         for d in dims for varlen in ("false", "true")] + [
-        f"flash_bwd_dkdv_sm90_kernel<{t}, 64, true>" for t in ("__half", "__nv_bfloat16")] + [
+        f"flash_bwd_dkdv_sm90_kernel<{t}, {d}, true>" for t in ("__half", "__nv_bfloat16")
+        for d in (64, 128)] + [
         f"flash_{p}_sm90_kernel<{t}, {d}>" for p in ("bwd_dkdv", "bwd_dq")
         for t in ("__half", "__nv_bfloat16") for d in (64, 128)]
     for row in rows:

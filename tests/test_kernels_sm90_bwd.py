@@ -243,16 +243,16 @@ def test_the_whole_backward_with_it():
         "flash_bwd_preprocess", "flash_bwd_dkdv_tc", "flash_bwd_dq_tc"]
 
 
-@pytest.mark.parametrize("dt", [F16, BF16], ids=["float16", "bfloat16"])
-def test_not_deterministic_adds_dq_by_atomics(dt):
-    """deterministic=False at D = 64: five GEMMs, the dK/dV pass adding dQ's parts into a
-    float32 dQ by atomics and no dQ pass; dq within the rule, dk and dv the deterministic
-    run's bits, no hazard in checked mode under a random schedule (each warpgroup's dSᵀ
-    written, fenced and met on before its dQ product). D = 128, and dbias with a query
-    axis (the dQ pass writes it), keep both passes."""
+@pytest.mark.parametrize("dt,D", [(F16, 64), (BF16, 128)], ids=["float16-D64", "bfloat16-D128"])
+def test_not_deterministic_adds_dq_by_atomics(dt, D):
+    """deterministic=False: five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ
+    by atomics (D = 128: two halves of 64 columns) and no dQ pass; dq within the rule, dk
+    and dv the deterministic run's bits, no hazard in checked mode under a random schedule
+    (each warpgroup's dSᵀ written, fenced and met on before its dQ product). dbias with a
+    query axis (the dQ pass writes it) keeps both passes."""
     from cuflash.variants import Variants
     be = emulator_backend("sm_90a", checked=True, schedule="random")
-    (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, 64, dt, causal=True, seed=5)
+    (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, D, dt, causal=True, seed=5)
     fast = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
                                     deterministic=False)
     assert [p.kernel for p in be.take_launches()] == ["flash_bwd_preprocess", "flash_bwd_dkdv_sm90"]
@@ -264,25 +264,22 @@ def test_not_deterministic_adds_dq_by_atomics(dt):
         assert_close_to_reference(out, r, p, dt, factor=3.0, what=name)
     for x, y in zip(fast[1:], same[1:]):
         np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
-    two = ["flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
-    (do2, q2, k2, v2, o2, lse2), scale2 = backward_inputs(1, 2, 1, 70, 90, 128, dt, causal=True)
-    kernel_backward.backward(be, do2, q2, k2, v2, o2, lse2, causal=True, scale=scale2,
-                             deterministic=False)
-    assert [p.kernel for p in be.take_launches()] == two
     bias = np.random.default_rng(1).uniform(-1, 1, (2, 4, 150, 200)).astype(np.float32)
     kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
                              variants=Variants(bias=bias), return_dbias=True, deterministic=False)
-    assert [p.kernel for p in be.take_launches()] == two
+    assert [p.kernel for p in be.take_launches()] == [
+        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_not_deterministic_on_the_gpu(causal):
+def test_not_deterministic_on_the_gpu(D, causal):
     """The atomic five-GEMM pass on an H100: dq within the rule, dk and dv the two-pass
     run's bits."""
     import cupy
     be = hopper_gpu_backend()
-    (do, q, k, v, o, lse), scale = backward_inputs(2, 8, 2, 700, 900, 64, F16, causal=causal,
+    (do, q, k, v, o, lse), scale = backward_inputs(2, 8, 2, 700, 900, D, F16, causal=causal,
                                                    seed=3)
     fast, same = (kernel_backward.backward(be, *map(cupy.asarray, (do, q, k, v, o, lse)),
                                            causal=causal, scale=scale, deterministic=det)

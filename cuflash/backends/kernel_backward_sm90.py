@@ -28,8 +28,8 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and D (1, Hq, total_q). `plans`: the
     planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`').
-    `deterministic=False` (d = 64, padded rows, no dbias with a query axis, which the dQ
-    pass writes): five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ by atomics
+    `deterministic=False` (padded rows, no dbias with a query axis, which the dQ pass
+    writes): five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ by atomics
     (`tiling.sm90_dq_atomic_plan`) and no dQ pass; dq's last bits may vary from call to call."""
     dims = {t: HEAD_DIMS for t in tiling.SM90_DTYPES}
     check_inputs(q, k, v, head_dims=dims, what="backward")

@@ -34,7 +34,7 @@
 //                            MN-major); at the end dQ_i · scale goes out from registers.
 //
 // Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
-// backward stays bitwise deterministic. deterministic=False at D = 64 (DQ_ATOMIC): five, the
+// backward stays bitwise deterministic. deterministic=False (DQ_ATOMIC): five, the
 // dK/dV pass adding dQ's parts by atomics and no dQ kernel (Sm90BwdTraits).
 // D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
 //
@@ -69,7 +69,7 @@ namespace {
 
 // The tile and its shared memory: K_j, V_j (128 rows), and the Q_i, dO_i ring (64 rows), each
 // as D / 64 boxes of 64 columns (on 1024-byte boundaries as the 128-byte swizzle needs).
-// DQ_ATOMIC (deterministic=False, D = 64): each warpgroup's dSᵀ also goes to shared memory
+// DQ_ATOMIC (deterministic=False): each warpgroup's dSᵀ also goes to shared memory
 // (`ds`: its 64 keys × the block's 64 queries, 128-byte rows, the 128-byte swizzle), from which
 // dQ_i += dS K_j (wgmma, both operands MN-major) is added to a float32 dQ by atomics.
 template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits {
@@ -90,8 +90,7 @@ template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits
         alignas(1024) T ds[DQ_ATOMIC ? 2 : 1][DQ_ATOMIC ? 64 * 64 : 1];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
-    static_assert(!DQ_ATOMIC || HEAD_DIM == 64, "DQ_ATOMIC: HEAD_DIM 64 (its dQ accumulators "
-                  "leave no registers at 128)");
+
 };
 
 // The dK/dV pass's steps in order, query block i of [i_begin, i_end) of query head hq, one
@@ -229,7 +228,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     unsigned pa[BM / 16][4], pds[BM / 16][4];
     // DQ_ATOMIC: dQ_i's part from the warpgroup's keys (64 queries × D), its dS (A: the
     // warpgroup's dSᵀ, queries along its 128-byte rows) and K_j's rows (B), both MN-major
-    float acc_dq[DQ_ATOMIC ? Tr::kAcc : 1];
+    float acc_dq[32];   // 64 queries × 64 columns of dQ at a time (unused without DQ_ATOMIC)
     const unsigned long long ds_desc =
         DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.ds[DQ_ATOMIC ? warpgroup : 0], 0) : 0;
     const unsigned long long k_mn =
@@ -333,8 +332,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             sm90::bar_sync(3 + warpgroup, 128);
         }
         // dV += Pᵀ dO_i, dK += dSᵀ Q_i: k step kk takes queries 16kk .. (2048 bytes on), the
-        // next 64 columns one box (8 KB) on; DQ_ATOMIC: dQ_i = dS K_j over the warpgroup's keys,
-        // k step kk its keys 16kk .. (2048 bytes on in both)
+        // next 64 columns one box (8 KB) on
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
@@ -342,24 +340,40 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
             wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk], q_mn + s * kSlotDesc + 128 * kk);
-        if constexpr (DQ_ATOMIC) {
+        // DQ_ATOMIC: dQ_i = dS K_j over the warpgroup's keys, 64 columns (one box of K_j) at
+        // a time; k step kk its keys 16kk .. (2048 bytes on in both). D = 64 issues it with
+        // dV and dK; at D = 128 that spilled (CUDA 12.9: 28 bytes), so both halves follow them
+        constexpr bool kDqWithDkDv = Tr::kBoxes == 1;
+        auto issue_dq = [&](int box) {
 #pragma unroll
             for (int kk = 0; kk < 64 / 16; ++kk)
-                sm90::wgmma_m64n64k16_ss_tt<T>(acc_dq, ds_desc + 128 * kk, k_mn + 128 * kk, kk > 0);
-        }
+                sm90::wgmma_m64n64k16_ss_tt<T>(acc_dq, ds_desc + 128 * kk,
+                                               k_mn + box * (Tr::kKvBoxBytes >> 4) + 128 * kk,
+                                               kk > 0);
+        };
+        if constexpr (DQ_ATOMIC && kDqWithDkDv) issue_dq(0);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         ring.release(pos);
         pos.advance();
-        if constexpr (DQ_ATOMIC) {  // the thread's dQ pairs: queries 16w + g (+ 8), 8n + 2t
+        if constexpr (DQ_ATOMIC) {  // the thread's pairs (queries 16w + g (+ 8), 8n + 2t) added
             float* rows = dq_accum + ((long long)(b * Hq + hq) * ((Nq + BM - 1) / BM * BM) + m0 +
                                       (threadIdx.x / 32 % 4) * 16 + g) * HEAD_DIM + 2 * t;
 #pragma unroll
-            for (int i = 0; i < Tr::kAcc; i += 4) {
-                atomicAdd(reinterpret_cast<float2*>(rows + 8 * (i / 4)),
-                          make_float2(acc_dq[i], acc_dq[i + 1]));
-                atomicAdd(reinterpret_cast<float2*>(rows + 8 * HEAD_DIM + 8 * (i / 4)),
-                          make_float2(acc_dq[i + 2], acc_dq[i + 3]));
+            for (int box = 0; box < Tr::kBoxes; ++box) {
+                if (box > 0 || !kDqWithDkDv) {   // (the next) 64 columns
+                    sm90::wgmma_fence();
+                    issue_dq(box);
+                    sm90::wgmma_commit();
+                    sm90::wgmma_wait<0>();
+                }
+#pragma unroll
+                for (int i = 0; i < 32; i += 4) {
+                    atomicAdd(reinterpret_cast<float2*>(rows + 64 * box + 8 * (i / 4)),
+                              make_float2(acc_dq[i], acc_dq[i + 1]));
+                    atomicAdd(reinterpret_cast<float2*>(rows + 8 * HEAD_DIM + 64 * box + 8 * (i / 4)),
+                              make_float2(acc_dq[i + 2], acc_dq[i + 3]));
+                }
             }
         }
     }

@@ -30,7 +30,7 @@ class Sm90BwdPlan(Plan):
     kernel: str               # one of SM90_BWD_KERNELS
     dtype: str                # "float16" or "bfloat16"
     head_dim: int             # HEAD_DIM: exactly d (64 or 128)
-    dq_atomic: bool = False   # DQ_ATOMIC (dK/dV, D = 64): dQ by atomics, no dQ pass
+    dq_atomic: bool = False   # DQ_ATOMIC (dK/dV): dQ by atomics, no dQ pass
 
     @property
     def score_tile(self) -> tuple:
@@ -68,7 +68,7 @@ def sm90_bwd_plans(dtype: str, d: int) -> tuple[Sm90BwdPlan, Sm90BwdPlan] | None
     return None
 
 
-SM90_DQ_ATOMIC_HEAD_DIMS = (64,)   # deterministic=False's dK/dV with dQ by atomics
+SM90_DQ_ATOMIC_HEAD_DIMS = (64, 128)   # deterministic=False's dK/dV with dQ by atomics
 
 
 def sm90_dq_atomic_plan(dtype: str, d: int) -> Sm90BwdPlan | None:
