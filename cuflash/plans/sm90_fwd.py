@@ -17,10 +17,11 @@ BOX_BYTES = 128 * ROW_BYTES  # one box of Q_i: 128 rows
 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdPlan(Plan):
-    """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN[, SPLIT]>: 128 × 128 tiles, two consumer warpgroups
-    of 64 query rows and a producer warpgroup streaming K_j, V_j through a two-stage TMA
-    ring; blocks walk the tiles head by head; VARLEN: packed sequences. float32 (tf32):
-    128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j; SPLIT: split tf32."""
+    """flash_fwd_sm90_kernel<T, HEAD_DIM, VARLEN[, SPLIT]>: 128 × 128 tiles, two consumer
+    warpgroups of 64 query rows and a producer warpgroup streaming K_j, V_j through a
+    two-stage TMA ring; blocks walk the tiles head by head; VARLEN: packed sequences.
+    float32 (tf32): 128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j;
+    SPLIT: split tf32."""
 
     dynamic_smem = True
     arch_specific = True
