@@ -184,28 +184,32 @@ class _CupyImpl(Impl):
 class Cuflash(_CupyImpl):
     name = "cuflash"
     dtypes = ALL_DTYPES
+    # the keywords of its calls (the variants below: allow_tf32, deterministic=False)
+    forward_kw, backward_kw = {}, {}
 
     def describe(self, q, k, v, do):
         from cuflash.backends import kernel_backward, kernel_forward, kernels
         backend = kernels.cuda_backend()
-        fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5)
-        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True)
+        tf32 = {"allow_tf32": True} if self.forward_kw.get("allow_tf32") else {}
+        fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5, **tf32)
+        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True, **tf32)
         return f"{fwd.name_expression}; {dkdv.name_expression}; {dq.name_expression}"
 
     def passes(self, q, k, v, do, causal, scale):
         import cuflash
-        kw = dict(causal=causal, scale=scale, backend="cuda")
+        kw = dict(causal=causal, scale=scale, backend="cuda", **self.forward_kw)
+        bkw = {**kw, **self.backward_kw}
         o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
 
         def fwd():
             return cuflash.flash_attention(q, k, v, **kw)
 
         def bwd():
-            return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
+            return cuflash.flash_attention_backward(do, q, k, v, o, lse, **bkw)
 
         def fwd_bwd():
             o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
-            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
+            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **bkw)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
@@ -215,55 +219,14 @@ class CuflashTf32(Cuflash):
     name = "cuflash-tf32"
     dtypes = ("float32",)
     tolerance = {"float32": TOLERANCE["float16"]}
-
-    def describe(self, q, k, v, do):
-        from cuflash.backends import kernel_backward, kernel_forward, kernels
-        backend = kernels.cuda_backend()
-        fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5,
-                                          allow_tf32=True)
-        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True,
-                                                       allow_tf32=True)
-        return f"{fwd.name_expression}; {dkdv.name_expression}; {dq.name_expression}"
-
-    def passes(self, q, k, v, do, causal, scale):
-        import cuflash
-        kw = dict(causal=causal, scale=scale, backend="cuda", allow_tf32=True)
-        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
-
-        def fwd():
-            return cuflash.flash_attention(q, k, v, **kw)
-
-        def bwd():
-            return cuflash.flash_attention_backward(do, q, k, v, o, lse, **kw)
-
-        def fwd_bwd():
-            o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
-            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2, **kw)
-        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+    forward_kw = {"allow_tf32": True}
 
 
 class CuflashAtomic(Cuflash):
     """cuflash's backward with deterministic=False: dQ added by atomics from the dK/dV
-    blocks (16-bit; the mma.sync five-GEMM backward at d <= 128, the Hopper one at d = 64)."""
+    blocks (16-bit; the mma.sync five-GEMM backward at d <= 128, the Hopper one)."""
     name = "cuflash-atomic"
-
-    def passes(self, q, k, v, do, causal, scale):
-        import cuflash
-        kw = dict(causal=causal, scale=scale, backend="cuda")
-        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
-
-        def fwd():
-            return cuflash.flash_attention(q, k, v, **kw)
-
-        def bwd():
-            return cuflash.flash_attention_backward(do, q, k, v, o, lse, deterministic=False,
-                                                    **kw)
-
-        def fwd_bwd():
-            o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
-            return o2, cuflash.flash_attention_backward(do, q, k, v, o2, lse2,
-                                                        deterministic=False, **kw)
-        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+    backward_kw = {"deterministic": False}
 
 
 class CuflashTwoKernels(Cuflash):

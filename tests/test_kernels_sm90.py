@@ -75,8 +75,10 @@ def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
     assert to_host(o).dtype == _float32(dtype)[0]
 
 
-@pytest.mark.parametrize("dt", [F16, BF16], ids=["float16", "bfloat16"])
-@pytest.mark.parametrize("D", sm90.HEAD_DIMS)
+@pytest.mark.parametrize("dt,D", [(dt, D) for dt in (F16, BF16) for D in sm90.HEAD_DIMS]
+                         + [(TF32, D) for D in sm90.TF32_HEAD_DIMS]
+                         + [(SPLIT, D) for D in tiling.SM90_SPLIT_HEAD_DIMS],
+                         ids=lambda x: getattr(x, "name", str(x)))
 @pytest.mark.parametrize("B,H,Hkv,Nq,Nk,causal", [
     (1, 2, 1, 128, 256, False),    # whole tiles, MQA: the ring wraps
     (2, 4, 2, 200, 300, True),     # GQA, partial query and key tiles, the diagonal inside a tile
@@ -84,26 +86,12 @@ def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
     (1, 1, 1, 5, 1, False),        # one key, a few rows
 ])
 def test_forward(dt, D, B, H, Hkv, Nq, Nk, causal):
+    """16-bit; float32 as one-pass tf32 (Q_i and K_j rounded in shared memory, V_jᵀ written by
+    the producer's warps, P̃ rounded in registers: FlashAttention's rule over a plain tf32
+    attention) and at D = 64 as split tf32 (the lo parts beside them: the float32 rule)."""
     o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=dt)
     if causal and Nq > Nk:
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
-
-
-@pytest.mark.parametrize("D", sm90.TF32_HEAD_DIMS)
-@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,causal", [
-    (1, 2, 1, 128, 256, False),    # whole tiles, MQA: the rings wrap
-    (2, 4, 2, 200, 300, True),     # GQA, partial query and key tiles, the diagonal inside a tile
-    (1, 2, 2, 130, 100, True),     # Nq > Nk: the first 30 rows see no key (O = 0, lse = −inf)
-    (1, 1, 1, 5, 1, False),        # one key, a few rows
-])
-def test_forward_tf32(D, B, H, Hkv, Nq, Nk, causal):
-    """float32 as one-pass tf32: Q_i and K_j rounded in shared memory, V_jᵀ written by the
-    producer's warps, P̃ rounded in registers, by FlashAttention's rule over a plain tf32
-    attention; at D = 64 split tf32 too (the lo parts beside them), by the float32 rule."""
-    for dt in (TF32, SPLIT) if D in tiling.SM90_SPLIT_HEAD_DIMS else (TF32,):
-        o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=dt)
-        if causal and Nq > Nk:
-            assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
 @pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "split-tf32"])

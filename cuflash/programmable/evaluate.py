@@ -384,55 +384,59 @@ def _scatter(acc, idx, g):
                                               minlength=hi - lo + 1)
 
 
-def _affine(i, ndim):
-    """(first value, per-axis steps over `ndim` trailing-aligned axes) where the index
-    array i is first + Σ step_p·x_p over its axes, else None. Checked on i itself, which
-    is small where it is affine (a row of positions, a column of heads); kept for the
-    read-only arrays a loop passes again and again (the backends' cached positions)."""
-    if np.ndim(i) == 0:
-        return int(i), (0,) * ndim
-    key = (id(i), ndim)
-    kept = _AFFINE_KEPT.get(key)
-    if kept is not None and kept[0] is i:
-        return kept[1]
-    first = int(i.reshape(-1)[0]) if i.size else 0
-    steps = [0] * ndim
-    fit = np.full((1,) * i.ndim, first, _INT)
-    for p, s in enumerate(i.shape):
-        if s > 1:
-            at = [0] * i.ndim
-            at[p] = 1
-            steps[ndim - i.ndim + p] = int(i[tuple(at)]) - first
-            fit = fit + steps[ndim - i.ndim + p] * np.arange(s).reshape(
-                [s if q == p else 1 for q in range(i.ndim)])
-    out = (first, tuple(steps)) if np.array_equal(np.broadcast_to(fit, i.shape), i) else None
-    if not i.flags.writeable:
-        if len(_AFFINE_KEPT) >= _DIAGONALS_KEPT:
-            _AFFINE_KEPT.clear()
-        _AFFINE_KEPT[key] = (i, out)
-    return out
-
-
-def _as_int(x, it):
-    """The index argument x in the integer dtype `it`; for a read-only array (the
-    backends' cached positions), a read-only copy kept with it, as `_affine`'s."""
-    if type(x) is not np.ndarray or x.flags.writeable or x.dtype == it:
-        return np.asarray(x, it)
-    key = (id(x), it)
-    kept = _INT_KEPT.get(key)
+def _kept(x, tag, make):
+    """make(x), kept (with x, so that its id is not reused while kept) where x is a
+    read-only array: the backends' cached positions, which a loop passes again and again.
+    Cleared when full."""
+    if x.flags.writeable:
+        return make(x)
+    key = (id(x), tag)
+    kept = _KEPT.get(key)
     if kept is None or kept[0] is not x:
-        if len(_INT_KEPT) >= _DIAGONALS_KEPT:
-            _INT_KEPT.clear()
-        y = x.astype(it)
-        y.flags.writeable = False
-        kept = _INT_KEPT[key] = (x, y)
+        if len(_KEPT) >= _DIAGONALS_KEPT:
+            _KEPT.clear()
+        kept = _KEPT[key] = (x, make(x))
     return kept[1]
 
 
-# `_as_int`'s copies and `_affine`'s results for read-only index arrays, each kept with
-# its array (so that its id is not reused while kept); cleared when full.
-_INT_KEPT = {}
-_AFFINE_KEPT = {}
+_KEPT = {}
+
+
+def _affine(i, ndim):
+    """(first value, per-axis steps over `ndim` trailing-aligned axes) where the index
+    array i is first + Σ step_p·x_p over its axes, else None. Checked on i itself, which
+    is small where it is affine (a row of positions, a column of heads); `_kept`."""
+    if np.ndim(i) == 0:
+        return int(i), (0,) * ndim
+
+    def fit(i):
+        first = int(i.reshape(-1)[0]) if i.size else 0
+        steps = [0] * ndim
+        fit = np.full((1,) * i.ndim, first, _INT)
+        for p, s in enumerate(i.shape):
+            if s > 1:
+                at = [0] * i.ndim
+                at[p] = 1
+                steps[ndim - i.ndim + p] = int(i[tuple(at)]) - first
+                fit = fit + steps[ndim - i.ndim + p] * np.arange(s).reshape(
+                    [s if q == p else 1 for q in range(i.ndim)])
+        return (first, tuple(steps)) if np.array_equal(np.broadcast_to(fit, i.shape), i) else None
+    return _kept(i, ("affine", ndim), fit)
+
+
+def _as_int(x, it):
+    """The index argument x in the integer dtype `it`; for a read-only array a read-only
+    copy, `_kept`."""
+    if type(x) is not np.ndarray or x.dtype == it:
+        return np.asarray(x, it)
+
+    def copy(x):
+        y = x.astype(it)
+        y.flags.writeable = x.flags.writeable
+        return y
+    return _kept(x, ("int", it), copy)
+
+
 # An index array is tested for `_affine` only up to this share of the read's elements.
 _AFFINE_SHARE = 8
 
