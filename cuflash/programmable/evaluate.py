@@ -244,14 +244,16 @@ class Bound:
         want = self.score_path | (self.buffer_path if into is not None else set())
         val = evaluation or self.evaluate(env, tile)   # only the values the rules ask for
         # adjoints as (tile, factor): a constant factor (a product with or a quotient by
-        # a constant, a negation) is carried along, not multiplied into the tile, until a
-        # rule or a sum needs it
+        # a constant, a negation) is carried along, through the rules too (each is linear
+        # in the adjoint), not multiplied into the tile until a sum of adjoints with other
+        # factors, a buffer's scatter or the score's gradient needs it (softcap's 20 and
+        # 1/20 then meet as 1: no pass)
         adj = {id(self.mod.expr): (seed, 1.0)}
 
         def add(key, g, f):
             if key in adj:
                 g0, f0 = adj[key]
-                g, f = _scaled(g0, f0) + _scaled(g, f), 1.0
+                g, f = (g0 + g, f) if f0 == f else (_scaled(g0, f0) + _scaled(g, f), 1.0)
             adj[key] = (g, f)
 
         dscore = None
@@ -268,10 +270,11 @@ class Bound:
                     if id(arg) in want:
                         add(id(arg), g, f * c[id(arg)])
             else:
-                g = _scaled(g, f)
+                if f == 0:                           # a rule may guard g == 0 (pow's log)
+                    g, f = _scaled(g, f), 1.0
                 for arg, adjoint in _rule(n, _Values(val, n.args), lambda n=n: val(n), g):
                     if id(arg) in want:
-                        add(id(arg), adjoint(), 1.0)
+                        add(id(arg), adjoint(), f)
         if dscore is None:
             dscore = np.zeros_like(seed)
         return np.broadcast_to(dscore, seed.shape)
@@ -527,6 +530,14 @@ def _times(g, d):
     return g * d
 
 
+def _one_and_square(x, sign):
+    """1 + sign·x², in one new tile (tanh's and tan's derivatives)."""
+    t = np.square(x)
+    if type(t) is not np.ndarray:
+        return 1 + sign * t
+    return (np.add if sign > 0 else np.subtract)(1, t, out=t)
+
+
 def _scaled(g, f):
     """The adjoint tile g times its carried constant factor f."""
     return g if f == 1.0 else g * f
@@ -595,9 +606,9 @@ def _rule(n, a, y, g):
     d = {"exp": y, "exp2": lambda: y() * math.log(2), "expm1": lambda: y() + 1,
          "log": lambda: 1 / a[0], "log2": lambda: 1 / (a[0] * math.log(2)),
          "log10": lambda: 1 / (a[0] * math.log(10)), "log1p": lambda: 1 / (1 + a[0]),
-         "sqrt": lambda: 0.5 / y(), "tanh": lambda: 1 - y() ** 2, "sinh": lambda: np.cosh(a[0]),
+         "sqrt": lambda: 0.5 / y(), "tanh": lambda: _one_and_square(y(), -1), "sinh": lambda: np.cosh(a[0]),
          "cosh": lambda: np.sinh(a[0]), "sin": lambda: np.cos(a[0]), "cos": lambda: -np.sin(a[0]),
-         "tan": lambda: 1 + y() ** 2, "arctan": lambda: 1 / (1 + a[0] * a[0]),
+         "tan": lambda: _one_and_square(y(), 1), "arctan": lambda: 1 / (1 + a[0] * a[0]),
          "abs": lambda: np.sign(a[0]), "square": lambda: 2 * a[0]}.get(f)
     if d is None:                                     # floor, ceil, trunc, sign: flat
         return []
