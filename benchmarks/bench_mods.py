@@ -1,7 +1,8 @@
 """Programmable attention on the CPU backend: what a score_mod, a mask_mod and a block mask
 cost against plain attention, and what a block mask costs to make.
 
-1. Mods: forward and backward, float32, B=1, H=8, N=2048, d=64 (--n, --heads, --d): plain,
+1. Mods: forward and backward, float32, B=1, H=8, N=2048, d=64 (--n, --heads, --d; every
+   case causal with --causal): plain,
    the built-in softcap / ALiBi / bias, and the same written as score_mods, a T5-style table
    lookup, a document mask_mod, and the document mask as a block mask. Interleaved runs,
    each timed against the plain call of its repetition: the median of those paired ratios
@@ -12,9 +13,9 @@ cost against plain attention, and what a block mask costs to make.
    building its generated kernel (the T5 table and the document mask in the SIMT forward)
    for the emulator (g++) and, where NVRTC is installed, NVRTC + ptxas for sm_80.
 
-Writes benchmarks/results/bench_mods.csv.
+Writes benchmarks/results/bench_mods.csv (bench_mods_causal.csv with --causal).
 
-    python benchmarks/bench_mods.py [--n 2048] [--repeat 7] [--mask-n 16384]
+    python benchmarks/bench_mods.py [--n 2048] [--repeat 7] [--mask-n 16384] [--causal]
 """
 import argparse
 import csv
@@ -69,10 +70,10 @@ def cases(N, H, rng):
     }
 
 
-def time_mods(N, H, d, repeat):
+def time_mods(N, H, d, repeat, causal=False):
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((1, H, N, d), np.float32) for _ in range(4))
-    runs = cases(N, H, rng)
+    runs = {name: dict(kw, causal=causal) for name, kw in cases(N, H, rng).items()}
     saved = {name: cuflash.flash_attention(q, k, v, return_lse=True, **kw)
              for name, kw in runs.items()}
     fwd = {name: [] for name in runs}
@@ -155,14 +156,15 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--mask-n", type=int, default=16384)
+    ap.add_argument("--causal", action="store_true")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     where = machine()
     print(f"# cuflash programmable attention, CPU backend — {where['cpu']}, {os.cpu_count()} "
           f"CPUs ({where['simd']}), numpy {np.__version__} with {where['blas']}")
-    rows = time_mods(args.n, args.heads, args.d, args.repeat)
-    print(f"\nB=1, H={args.heads}, N={args.n}, d={args.d}, float32; medians of {args.repeat} "
-          f"interleaved runs")
+    rows = time_mods(args.n, args.heads, args.d, args.repeat, args.causal)
+    print(f"\nB=1, H={args.heads}, N={args.n}, d={args.d}, float32{', causal' * args.causal}; "
+          f"medians of {args.repeat} interleaved runs")
     print(f"{'':28} {'pass':4} {'ms':>8} {'× plain':>8}")
     for name, kind, ms, ratio in rows:
         print(f"{name:28} {kind:4} {ms:8.1f} {ratio:8.2f}")
@@ -175,13 +177,14 @@ def main(argv=None):
     for what, s in times.items():
         print(f"{what:40} {s * 1e3:9.1f} ms")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_mods.csv")
+    path = os.path.join(args.out, "bench_mods_causal.csv" if args.causal else "bench_mods.csv")
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["case", "pass", "median_ms", "paired_vs_plain", "N", "H", "d", "cpu", "blas"])
+        w.writerow(["case", "pass", "median_ms", "paired_vs_plain", "N", "H", "d", "cpu", "blas",
+                    "causal"])
         for name, kind, ms, ratio in rows:
             w.writerow([name, kind, f"{ms:.2f}", f"{ratio:.3f}", args.n, args.heads, args.d,
-                        where["cpu"], where["blas"]])
+                        where["cpu"], where["blas"], args.causal])
         w.writerow(["block_mask document N", "make", f"{seconds * 1e3:.1f}",
                     f"peak {peak / 2**20:.1f} MiB", args.mask_n, 1, ""])
         for what, s in times.items():
