@@ -52,12 +52,14 @@ from .schedule import NEG_INF, head_ranges
 # for softcap, causal ALiBi, bias, dropout and a causal table-lookup score_mod, at N = 1024,
 # 2048 (d = 64) and 4096 (d = 128): fewer NumPy calls per score outweigh the bigger tile.
 _ROWS, _KEYS, _WINDOW_BLOCK = 512, 256, 128
-# Rows of a forward's tile without causal: the plain forward's (1024 × 256, 1 MB of
-# float32). On a 2-core Zen 5 (1 MB L2 per core), H = 8, medians of interleaved runs, the
-# ratio to plain attention of softcap, an ALiBi and a table-lookup score_mod went from
-# 1.12–1.31× to 1.05–1.23× at N = 1024, 2048, 4096 (d = 64) and 2048 (d = 128). Causal
-# keeps 512 (1024: 1.6× plain causal against 1.3–1.5×), the backward too (two tiles alive).
-_FULL_ROWS = 1024
+# Rows of a forward's tile (the backward keeps _ROWS: two tiles alive). On a 2-core Zen 5
+# (1 MB L2 per core), H = 8, d = 64, medians of interleaved runs, the forward's ratio to
+# plain attention for softcap, an ALiBi and a table-lookup score_mod, with 512 / 1024 /
+# 2048 rows: 1.12–1.25× / 1.10–1.20× / 1.09–1.13× at N = 2048; causal (its steps past the
+# first computing only the rows that see their keys, frozen_steps) 1.23–1.57× with 512,
+# 1.07–1.31× with 2048 (N = 1024: 1.27–1.49× → 1.17–1.37×). Fewer, bigger NumPy calls
+# per score: the calls' Python and the GIL between them, not the cache, set the pace.
+_FORWARD_ROWS = 2048
 # Rows (per query head) of a Q tile, keys of a K/V tile under a band: its span across is
 # these plus the band's width, so fewer compute fewer hidden scores, until the matmuls'
 # few rows cost more per score than they save (see _tile_sizes).
@@ -376,7 +378,7 @@ def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
     same; 64 was 3–7% faster at windows of 1024 and 2048. The backward's K/V tiles: 32
     keys took 0.72–0.87× the time of 16, 64 the same. Wider bands take _WINDOW_BLOCK
     steps across, so that few hidden scores are computed."""
-    most = _FULL_ROWS if outer == "q" and not causal else _ROWS
+    most = _FORWARD_ROWS if outer == "q" else _ROWS
     rows = max(1, min(Nq, most // G if G <= most else 1))
     keys = min(Nk, _KEYS)
     if window is not None and window[0] >= 0 and (window[1] >= 0 or causal):
@@ -387,6 +389,11 @@ def _tile_sizes(Nq, Nk, G, causal, window, *, outer="q"):
                     else (min(Nq, span), min(Nk, _BAND_BLOCK)))
         rows, keys = min(rows, _WINDOW_BLOCK), min(keys, _WINDOW_BLOCK)
     return rows, keys
+
+
+def _cost(task):
+    """The scores a pool task (bh, batch of runs) computes."""
+    return sum(n * rows * sum(c1 - c0 for c0, c1, _ in steps) for _, rows, n, steps in task[1])
 
 
 # A pure function of its arguments, and calls of one shape repeat (layers, steps): made
@@ -407,9 +414,14 @@ def forward(q, k, v, causal, scale, config, var):
     acc_t = accum_dtype(q.dtype)
     chain = ScoreChain(var, B, Hq, Hkv, Nq, Nk, causal, acc_t)
     Br, Bc = _tile_sizes(Nq, Nk, G, causal, var.window)
+    # Few heads (one long sequence): shorter Q tiles, down to _ROWS, until each worker
+    # gets one (causal, whose tiles differ: two); the biggest first (the bottom rows see
+    # the most keys), so that the last to start are short.
+    while Br > _ROWS // G and BH * -(-Nq // Br) < config.workers * (1 + causal):
+        Br = max(_ROWS // G, Br // 2)
     o = np.empty((B, Hq, Nq, d), q.dtype)
     lse = np.empty((B, Hq, Nq), lse_dtype(q.dtype))
-    tasks = _tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "q")
+    tasks = sorted(_tasks(var, Nq, Nk, Br, Bc, G, Hkv, BH, causal, "q"), key=lambda t: -_cost(t))
     # scale = s_q·s_k, split so that neither s_q·Q nor Q Kᵀ overflows alone (split_scale).
     s_q, s_k = (acc_t.type(f) for f in split_scale(scale, acc_t))
     # The frozen reference (frozen_steps) but under dropout, whose ℓ is summed before
@@ -729,9 +741,7 @@ def backward(do, q, k, v, o, lse, causal, scale, config, var, return_dbias,
         dk[b, hkv, c0:c1] = dK_j.reshape(n * bc, d)
         dv[b, hkv, c0:c1] = dV_j.reshape(n * bc, d)
 
-    cost = lambda t: sum(n * rows * sum(c1 - c0 for c0, c1, _ in steps)
-                         for _, rows, n, steps in t[1])
-    parts = run_tasks(run_lane, lanes(tasks, config.workers, cost), config.workers)
+    parts = run_tasks(run_lane, lanes(tasks, config.workers, _cost), config.workers)
     dq = parts[0].dq
     if per_lane:
         dbias = parts[0].dbias
