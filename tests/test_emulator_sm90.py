@@ -56,7 +56,9 @@ extern "C" __global__ void wgmma_kernel(const unsigned char* image, int image_by
     extern __shared__ __align__(1024) unsigned char smem[];
     for (int i = threadIdx.x; i < image_bytes; i += blockDim.x) smem[i] = image[i];
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#ifndef NO_BARRIER
     __syncthreads();
+#endif
     const unsigned long long base = (__cvta_generic_to_shared(smem) >> 4) & 0x3fff;
     const unsigned long long da = desc[0] + base, db = desc[1] + base;
     unsigned a[4];
@@ -85,9 +87,10 @@ def integers(rng, shape, dtype):
 
 
 def run_wgmma(n, kind, *, a_major="K", b_major="K", swizzle_a="128B", swizzle_b="128B", a_regs=False,
-              scale_d=1, checked=False, seed=0, neg_a=False, data=None):
+              scale_d=1, checked=False, seed=0, neg_a=False, data=None, module=None):
     """(the emulator's D, A @ B + C by NumPy) for one wgmma laid out by the model; `data`:
-    (A, B as N x K, C) to use instead of random integers."""
+    (A, B as N x K, C) to use instead of random integers; `module`, a wgmma_module built
+    another way."""
     rng = np.random.default_rng(seed)
     dt, k = DTYPES[kind], 8 if kind == "tf32" else 16
     eb = np.dtype(dt).itemsize
@@ -113,7 +116,7 @@ def run_wgmma(n, kind, *, a_major="K", b_major="K", swizzle_a="128B", swizzle_b=
     d_out = np.full_like(c_in, np.nan)
     variant = ({("K", "K"): 0, ("K", "MN"): 1, ("MN", "K"): 2, ("MN", "MN"): 3}[a_major, b_major]
                if not a_regs else int(b_major == "MN"))
-    mod = wgmma_module(n, kind, a_regs, checked, ("-DSCALE_A=-1",) if neg_a else ())
+    mod = module or wgmma_module(n, kind, a_regs, checked, ("-DSCALE_A=-1",) if neg_a else ())
     f = mod.get_function("wgmma_kernel")
     f.max_dynamic_shared_size_bytes = IMAGE
     f((1,), (128,), (image, np.int32(IMAGE), np.array([desc_a, desc_b], np.uint64), a_frag.reshape(-1),
@@ -222,6 +225,14 @@ def test_sm90a_defines_the_feature_macro():
 
 # ---------------------------------------------------------------------------------------------
 # asynchronous hazards, planted
+def test_wgmma_operands_written_without_a_barrier_are_a_hazard():
+    # every thread copies a 128th of the operands and fences, and the wgmma reads them all: the
+    # four warps that issue it must meet the writers on a barrier first
+    mod = wgmma_module(64, "f16", False, True, ("-DNO_BARRIER",))
+    with pytest.raises(AsyncHazardError, match=r"read by the wgmma.mma_async at .* with no barrier between them"):
+        run_wgmma(64, "f16", checked=True, module=mod)
+
+
 def test_reading_an_accumulator_before_the_wait_is_a_hazard():
     guard = "if (d[0] == 12345.0f) d_out[0] = 1.0f;   // PLANTED: reads an accumulator in flight"
     D, ref = run_wgmma(8, "f16")
@@ -307,6 +318,11 @@ def test_bulk_store_and_its_hazards():
     assert f"sm90.cu:{sm90_line('tile[i] = 2.0f * i')}" in str(ei.value), str(ei.value)
     with pytest.raises(AsyncHazardError, match=r"cp.async.bulk \(store\) at .* still reads this shared memory") as ei:
         sm90_module("WRITE_IN_FLIGHT", checked=True).get_function("bulk_store")((1,), (128,), (out,))
+    # thread 0 stores what the others wrote, with no barrier after their writes
+    with pytest.raises(AsyncHazardError, match=r"read by the cp.async.bulk \(store\) at .* with no barrier "
+                                               r"between them") as ei:
+        sm90_module("NO_BARRIER", checked=True).get_function("bulk_store")((1,), (128,), (out,))
+    assert f"sm90.cu:{sm90_line('tile[i] = 2.0f * i')}" in str(ei.value), str(ei.value)
 
 
 def test_named_barriers():

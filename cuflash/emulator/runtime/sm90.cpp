@@ -117,9 +117,18 @@ void sm90_shared_access(Worker* w, SShadow& s, uintptr_t a, int size, bool wr, v
     }
 }
 
-// The async proxy reads `size` shared bytes at p for `op` (checked mode): a generic write of them
-// must be followed by its thread's fence.proxy.async, and no bulk copy may still be writing them.
-static void async_read(Worker* w, uintptr_t p, int size, const AsyncOp* op, uint32_t reader) {
+// A generic write by `writer` (in the current barrier epoch) is ordered before an operation that
+// `issuer` starts: its own write, or one by its warp before a __syncwarp. A wgmma (issuer -1) is
+// started by four warps, each of which may read any of its operands: every write needs a barrier.
+static bool ordered_before(const Worker* w, int issuer, int writer, uint32_t wsync) {
+    return issuer >= 0 && (writer == issuer || ((writer >> 5) == (issuer >> 5) && w->warp_sync[issuer >> 5] > wsync));
+}
+
+// The async proxy reads `size` shared bytes at p for `op` (checked mode), issued by thread `issuer`
+// (-1: a warpgroup): a generic write of them must be followed by its thread's fence.proxy.async and
+// ordered before the issue by a barrier (bar.sync, a named barrier, an mbarrier phase) where another
+// thread wrote it, and no bulk copy may still be writing them.
+static void async_read(Worker* w, uintptr_t p, int size, const AsyncOp* op, uint32_t reader, int issuer) {
     int space;
     int64_t off;
     SShadow* sh = shared_shadow(w, p, &space, &off);
@@ -142,6 +151,22 @@ static void async_read(Worker* w, uintptr_t p, int size, const AsyncOp* op, uint
                 e->thread[0] = o.tid.x; e->thread[1] = o.tid.y; e->thread[2] = o.tid.z;
                 emsg(e, "this generic-proxy write of shared memory is read by the async proxy (%s at %s:%d) with "
                         "no fence.proxy.async by the writing thread in between", op->what, op->file, op->line);
+            }
+            abort_fiber(w);
+        }
+        if (s.w_tid >= 0 && s.w_epoch == w->epoch && !ordered_before(w, issuer, s.w_tid, s.w_wsync)) {
+            const Fiber& o = w->fibers[s.w_tid];
+            EmuError* e = begin_error(w, EMU_ERROR_HAZARD);
+            if (e) {
+                e->addr = p + b;
+                e->pc = s.w_pc;
+                e->size = 1;
+                e->is_write = 1;
+                e->thread[0] = o.tid.x; e->thread[1] = o.tid.y; e->thread[2] = o.tid.z;
+                emsg(e, "this write of shared memory is read by the %s at %s:%d with no barrier between them: the "
+                        "threads that write an asynchronous operation's operand meet its issuers on a barrier "
+                        "(bar.sync, a named barrier or an mbarrier phase) after their fence.proxy.async",
+                     op->what, op->file, op->line);
             }
             abort_fiber(w);
         }
@@ -250,7 +275,7 @@ static void wg_gather(Worker* w, AsyncOp* op, uint64_t desc, bool k_major, int e
             uint32_t v = 0;
             memcpy(&v, (const void*)p, elem);
             out[mn * mn_stride + kk * k_stride] = v;
-            if (checked) async_read(w, p, elem, op, (uint32_t)w->sm90.ops.size());
+            if (checked) async_read(w, p, elem, op, (uint32_t)w->sm90.ops.size(), -1);
         }
 }
 
@@ -615,7 +640,7 @@ static void bulk_store(Worker* w, char* dst, const char* src, size_t size,
                        void* pc, const char* what, const char* file, int line) {
     Sm90Fiber& f = w->cur->sm90;
     AsyncOp* op = new_op(w, 1, what, file, line);
-    if (w->L->checked) async_read(w, (uintptr_t)src, (int)size, op, (uint32_t)w->sm90.ops.size());
+    if (w->L->checked) async_read(w, (uintptr_t)src, (int)size, op, (uint32_t)w->sm90.ops.size(), w->cur->linear);
     f.stores.push_back({dst, src, size, std::move(map), elem, -1, op, (uint32_t)rel_pc(pc)});
 }
 
