@@ -46,8 +46,8 @@ from .forward_tiles import reference_served
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF, head_ranges
 
-# Rows (per query head) and keys of a score tile; a wide window's band is visited in steps
-# of _WINDOW_BLOCK. 512 rows against 128, on a 2-core Zen 4 (1 MB L2 per core), float32,
+# Rows (per query head) of a backward's score tile, keys of every score tile; a wide
+# window's band is visited in steps of _WINDOW_BLOCK. 512 rows against 128, on a 2-core Zen 4 (1 MB L2 per core), float32,
 # H = 8, medians of 3 interleaved runs: 0.55–0.9× the time forward and 0.7–0.85× backward
 # for softcap, causal ALiBi, bias, dropout and a causal table-lookup score_mod, at N = 1024,
 # 2048 (d = 64) and 4096 (d = 128): fewer NumPy calls per score outweigh the bigger tile.
@@ -459,8 +459,7 @@ def forward(q, k, v, causal, scale, config, var):
         forward's frozen_max_tile: per step Q Kᵀ, the chain's values, the exponential
         and P̃ [V_j | 1] (ℓ from the column of ones), the masks zeroing probabilities
         after the exponential; no max, rescale or row sum. A step past the first takes
-        only the rows that see one of its keys: a causal tile's last step, its diagonal,
-        half as many (at N = 2048, causal, 56% of the square instead of 62.5%).
+        only the rows that see one of its keys (causal, N = 2048: 56% of the square).
 
         Scores are in the config's base b, except with a bias (natural units: the bias is
         read once, not scaled, and np.exp takes them) or a score_mod, whose input is the
