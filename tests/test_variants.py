@@ -467,6 +467,39 @@ def test_numpy_band_tiles(monkeypatch, whole, window, causal):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11, err_msg=name)
 
 
+# 256 rows over 2 heads: 128 a head, 3 tiles; causal, 2 workers, wants 4 tasks: 64 rows, 5
+# tiles; 8 workers want 16: 48 rows (the backward's 96 over 2 heads), no fewer
+@pytest.mark.parametrize("causal, workers, want", [(False, 2, 128), (True, 2, 64), (True, 8, 48)])
+def test_numpy_forward_tiles_for_few_heads(monkeypatch, causal, workers, want):
+    """One K/V head, two query heads, one long sequence (tiles shrunk to show it at a small
+    size): the forward's Q tiles shorten until each worker gets one (causal: two, its
+    tiles differ), never below the backward's; built-ins and a score_mod give the
+    reference's output, every causal step past the first computing only its rows."""
+    import dataclasses
+    from cuflash.backends import numpy_backend
+    from cuflash.backends.numpy_backend import variants as loops
+    monkeypatch.setattr(numpy_backend.BACKEND, "config",
+                        dataclasses.replace(numpy_backend.BACKEND.config, workers=workers))
+    monkeypatch.setattr(loops, "_FORWARD_ROWS", 256)
+    monkeypatch.setattr(loops, "_ROWS", 96)
+    rows = []
+    tasks = loops._tasks
+    monkeypatch.setattr(loops, "_tasks", lambda *a: rows.append(a[3]) or tasks(*a))
+    rng = np.random.default_rng(21)
+    q, k, v = rand(rng, (1, 2, 300, 8)), rand(rng, (1, 1, 330, 8)), rand(rng, (1, 1, 330, 8))
+    slopes = rng.uniform(0.05, 0.5, 2)
+
+    def alibi(score, b, h, q_idx, kv_idx):                 # ALiBi, bottom-right aligned
+        return score - slopes[h] * abs(q_idx + 30 - kv_idx)
+
+    for opts, ref_opts in ((dict(softcap=0.8, alibi_slopes=slopes),) * 2,
+                           (dict(score_mod=alibi), dict(alibi_slopes=slopes))):
+        o = cuflash.flash_attention(q, k, v, causal=causal, backend="numpy", **opts)
+        ref = reference.naive_attention(q, k, v, causal=causal, **ref_opts)
+        np.testing.assert_allclose(o, ref, rtol=1e-10, atol=1e-12)
+    assert rows == [want, want]
+
+
 @pytest.mark.parametrize("outer", ["q", "k"])
 def test_numpy_band_is_one_step_per_tile(outer):
     """N = 8192, causal window of 256 keys: each block of 32 on the loop's axis (Q rows,
