@@ -166,20 +166,23 @@ def _outside_band(rows, cols, t, L, R):
 
 def hide_outside_band(S, t, L, R, fill=NEG_INF):
     """S (…, rows, cols) = fill where key y is outside row x's band (see _outside_band),
-    testing only the columns that can hold such keys: those left of the band's left edge
-    at the last row, and right of its right edge at the first row (a band's tile is
-    mostly inside it)."""
+    testing only the columns and rows that can hold such keys: left of the band's left
+    edge at the last row, in the rows whose edge is past the first key; right of its
+    right edge at the first row, in the rows whose edge is before the last key (a band's
+    tile is mostly inside it; a causal step of many rows has its diagonal at the top)."""
     rows, cols = S.shape[-2:]
     left = min(cols, max(0, t - L + rows - 1))  # y < left: outside for some row, on the left
     right = min(cols, max(0, t + R + 1))        # y ≥ right: outside for some row, on the right
     if left >= right:
         np.copyto(S, fill, where=_outside_band(rows, cols, t, L, R))
         return
-    if left:
-        np.copyto(S[..., :left], fill, where=_outside_band(rows, left, t, L, R))
-    if right < cols:
-        np.copyto(S[..., right:], fill,
-                  where=_outside_band(rows, cols - right, t - right, L, R))
+    top = min(rows, max(0, L - t + 1))          # rows x ≥ top: outside on the left
+    bottom = min(rows, max(0, cols - 1 - t - R))  # rows x < bottom: outside on the right
+    if left and top < rows:
+        np.copyto(S[..., top:, :left], fill, where=_outside_band(rows - top, left, t + top, L, R))
+    if right < cols and bottom:
+        np.copyto(S[..., :bottom, right:], fill,
+                  where=_outside_band(bottom, cols - right, t - right, L, R))
 
 
 def _hide_where_not(S, keep, fill):
