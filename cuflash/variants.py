@@ -41,8 +41,8 @@ _SHIFT32 = np.uint64(32)
 # -- Philox4x32-10 ---------------------------------------------------------------------
 
 def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
-    """Philox4x32-`rounds` of broadcastable uint32 arrays: counter (c0, c1, c2, c3),
-    key (k0, k1). Returns the four output words as uint32 arrays.
+    """Philox4x32-`rounds` of broadcastable uint32 arrays counter (c0, c1, c2, c3) and
+    the key (k0, k1), two ints. Returns the four output words as uint32 arrays.
 
     One round: (hi0, lo0) = M0·c0, (hi1, lo1) = M1·c2 (64-bit products),
     c ← (hi1 ⊕ c1 ⊕ k0, lo1, hi0 ⊕ c3 ⊕ k1, lo0); then the key is bumped by (W0, W1).
