@@ -217,6 +217,22 @@ def test_frozen_max_hands_over(monkeypatch):
     np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
+def test_failed_reference_hands_over_at_once(monkeypatch):
+    """A frozen reference that fails at a step (ℓ past 2^64: ℓ only grows) hands the tile
+    to the running max there, not after its last step: one Q tile, four K/V steps, scores
+    100× larger from the second — two frozen steps, then four running-max ones."""
+    from cuflash.backends.numpy_backend import forward_tiles
+    steps = []
+    scores = forward_tiles._scores
+    monkeypatch.setattr(forward_tiles, "_scores", lambda *a: steps.append(1) or scores(*a))
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, 1, 1, 1, 16, 96, 4, np.float32)
+    k[:, :, 24:] *= 100
+    o, _ = _backend(workers=1).forward(q, k, v, causal=False, scale=_scale(q))
+    assert len(steps) == 2 + 4
+    np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
+
+
 def test_exp_range_bound(exp_base):
     """in_range promises |S_b − m_b| within BASE.exp's fast range, from norms alone."""
     rng = np.random.default_rng(10)

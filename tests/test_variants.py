@@ -500,6 +500,27 @@ def test_numpy_forward_tiles_for_few_heads(monkeypatch, causal, workers, want):
     assert rows == [want, want]
 
 
+def test_numpy_failed_reference_hands_over_at_once(monkeypatch):
+    """As the plain forward's: a variant tile whose frozen reference fails at a step goes
+    to the running max there. One Q tile, four K/V steps (keys shrunk to 24), ALiBi,
+    scores 100× larger from the second step: the reference's sample, two frozen steps,
+    then four running-max ones, each evaluating the chain once."""
+    from cuflash.backends.numpy_backend import variants as loops
+    monkeypatch.setattr(loops, "_KEYS", 24)
+    evaluations = []
+    values = loops.ScoreChain.values
+    monkeypatch.setattr(loops.ScoreChain, "values",
+                        lambda *a, **kw: evaluations.append(1) or values(*a, **kw))
+    rng = np.random.default_rng(12)
+    q, k, v = rand(rng, (1, 1, 16, 4)), rand(rng, (1, 1, 96, 4)), rand(rng, (1, 1, 96, 4))
+    k[:, :, 24:] *= 300
+    slopes = np.array([0.01])
+    o = cuflash.flash_attention(q, k, v, alibi_slopes=slopes, backend="numpy")
+    assert len(evaluations) == 1 + 2 + 4
+    np.testing.assert_allclose(o, reference.naive_attention(q, k, v, alibi_slopes=slopes),
+                               rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("outer", ["q", "k"])
 def test_numpy_band_is_one_step_per_tile(outer):
     """N = 8192, causal window of 256 keys: each block of 32 on the loop's axis (Q rows,

@@ -42,7 +42,7 @@ from ...programmable.evaluate import Bound, toeplitz
 from .arrays import CALL_BUFFERS, Scratch, as_dtype, column_shift, split_scale, with_ones
 from .band import batches, diagonal_windows, runs, windows
 from .expbase import BASE_E, exp_limit
-from .forward_tiles import reference_served
+from .forward_tiles import reference_failed, reference_served
 from .pool import lanes, run_tasks
 from .schedule import NEG_INF, head_ranges
 
@@ -539,6 +539,8 @@ def forward(q, k, v, causal, scale, config, var):
                 accx += (S.reshape(n, G * br, span) @ V_j).reshape(accx.shape)
             else:
                 accx[:, :, rows] += S @ V_j[:, None]
+            if reference_failed(accx[..., d]):
+                return None
         accx = accx.reshape(n, G * br, d + 1)
         l_i = accx[..., d]
         if not reference_served(l_i[l_i > 0], accx):   # ℓ = 0: a row every key is hidden from
