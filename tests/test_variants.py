@@ -4,6 +4,7 @@ Every option alone and in combination against the float64 reference (whose score
 is `reference.attention_scores`), on every backend; gradients against the reference and
 central differences; dropout's Philox against the Random123 known answers.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -475,7 +476,6 @@ def test_numpy_forward_tiles_for_few_heads(monkeypatch, causal, workers, want):
     size): the forward's Q tiles shorten until each worker gets one (causal: two, its
     tiles differ), never below the backward's; built-ins and a score_mod give the
     reference's output, every causal step past the first computing only its rows."""
-    import dataclasses
     from cuflash.backends import numpy_backend
     from cuflash.backends.numpy_backend import variants as loops
     monkeypatch.setattr(numpy_backend.BACKEND, "config",
