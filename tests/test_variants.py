@@ -200,6 +200,19 @@ def test_dropout_mask_is_the_documented_map():
         assert m[b, h, i, j] == (int(words[j % 4]) >= t)
 
 
+@pytest.mark.parametrize("blocks", [1, 7, 64, 1 << 16])
+def test_keep_tiles_in_chunks_are_the_map(monkeypatch, blocks):
+    """keep_tile draws its rows in chunks of about _PHILOX_BLOCKS Philox blocks: any chunk
+    size gives keep_mask's entries (one Philox call per entry), unaligned keys included."""
+    monkeypatch.setattr(variants, "_PHILOX_BLOCKS", blocks)
+    seed, t = (3 << 32) | 9, variants.dropout_threshold(0.4)
+    h = np.array([1, 4])
+    got = variants.keep_tile(seed, t, 2, h, 3, 40, 5, 50)
+    want = variants.keep_mask(seed, t, 2, h[:, None, None], np.arange(3, 40)[None, :, None],
+                              np.arange(5, 50)[None, None, :])
+    np.testing.assert_array_equal(got, want)
+
+
 def test_dropout_keep_fraction():
     p, n = 0.3, 1024 * 1024
     m = cuflash.dropout_mask((1, 1, 1024, 1024), p, seed=2024)
