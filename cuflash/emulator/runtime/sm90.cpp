@@ -124,6 +124,21 @@ static bool ordered_before(const Worker* w, int issuer, int writer, uint32_t wsy
     return issuer >= 0 && (writer == issuer || ((writer >> 5) == (issuer >> 5) && w->warp_sync[issuer >> 5] > wsync));
 }
 
+// A hazard report naming the last generic write of the shared byte at `addr` (shadow s): its
+// thread and line; the caller adds the message (when the report is taken) and aborts.
+static EmuError* write_hazard(Worker* w, const SShadow& s, uintptr_t addr) {
+    EmuError* e = begin_error(w, EMU_ERROR_HAZARD);
+    if (e) {
+        const Fiber& o = w->fibers[s.w_tid];
+        e->addr = addr;
+        e->pc = s.w_pc;
+        e->size = 1;
+        e->is_write = 1;
+        e->thread[0] = o.tid.x; e->thread[1] = o.tid.y; e->thread[2] = o.tid.z;
+    }
+    return e;
+}
+
 // The async proxy reads `size` shared bytes at p for `op` (checked mode), issued by thread `issuer`
 // (-1: a warpgroup): a generic write of them must be followed by its thread's fence.proxy.async and
 // ordered before the issue by a barrier (bar.sync, a named barrier, an mbarrier phase) where another
@@ -141,33 +156,17 @@ static void async_read(Worker* w, uintptr_t p, int size, const AsyncOp* op, uint
         }
         if (s.w_tid >= 0 && s.w_epoch >= w->block_epoch && s.w_epoch != 0 &&
             w->fibers[s.w_tid].sm90.proxy_fences == s.w_fence) {
-            const Fiber& o = w->fibers[s.w_tid];
-            EmuError* e = begin_error(w, EMU_ERROR_HAZARD);
-            if (e) {
-                e->addr = p + b;
-                e->pc = s.w_pc;
-                e->size = 1;
-                e->is_write = 1;
-                e->thread[0] = o.tid.x; e->thread[1] = o.tid.y; e->thread[2] = o.tid.z;
+            if (EmuError* e = write_hazard(w, s, p + b))
                 emsg(e, "this generic-proxy write of shared memory is read by the async proxy (%s at %s:%d) with "
                         "no fence.proxy.async by the writing thread in between", op->what, op->file, op->line);
-            }
             abort_fiber(w);
         }
         if (s.w_tid >= 0 && s.w_epoch == w->epoch && !ordered_before(w, issuer, s.w_tid, s.w_wsync)) {
-            const Fiber& o = w->fibers[s.w_tid];
-            EmuError* e = begin_error(w, EMU_ERROR_HAZARD);
-            if (e) {
-                e->addr = p + b;
-                e->pc = s.w_pc;
-                e->size = 1;
-                e->is_write = 1;
-                e->thread[0] = o.tid.x; e->thread[1] = o.tid.y; e->thread[2] = o.tid.z;
+            if (EmuError* e = write_hazard(w, s, p + b))
                 emsg(e, "this write of shared memory is read by the %s at %s:%d with no barrier between them: the "
                         "threads that write an asynchronous operation's operand meet its issuers on a barrier "
                         "(bar.sync, a named barrier or an mbarrier phase) after their fence.proxy.async",
                      op->what, op->file, op->line);
-            }
             abort_fiber(w);
         }
         if (reader) s.async_rd = reader;
