@@ -286,16 +286,17 @@ def _is_tile_io(ins):
 
 def main_loop(blocks: list[Block]) -> tuple[int, set[int]] | None:
     """(head, blocks) of the natural loop holding the most HMMA, or None where no loop holds
-    one. A loop around a main loop, one holding another loop with HMMA and a barrier (e.g.
-    over a worker's key blocks), holds more but is not one; a rolled loop of products
-    without a barrier inside the main loop does not disqualify it."""
+    one. A loop around a main loop, one holding another loop with HMMA and a barrier (a
+    BAR, or an mbarrier's SYNCS; e.g. over a worker's key blocks or a persistent block's
+    tiles), holds more but is not one; a rolled loop of products without a barrier inside
+    the main loop does not disqualify it."""
     loops = natural_loops(blocks)
 
     def count(body, pred):
         return sum(pred(i) for b in body for i in blocks[b].instructions)
 
     tiled = {h for h, body in loops.items()
-             if count(body, _is_mma) and count(body, lambda i: i.root == "BAR")}
+             if count(body, _is_mma) and count(body, lambda i: i.root in ("BAR", "SYNCS"))}
     best, key = None, (0, 0)
     for head, body in loops.items():
         n = count(body, _is_mma)

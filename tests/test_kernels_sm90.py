@@ -77,7 +77,7 @@ def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
 
 @pytest.mark.parametrize("dt,D", [(dt, D) for dt in (F16, BF16) for D in sm90.HEAD_DIMS]
                          + [(TF32, D) for D in sm90.TF32_HEAD_DIMS]
-                         + [(SPLIT, D) for D in tiling.SM90_SPLIT_HEAD_DIMS],
+                         + [(SPLIT, D) for D in sm90.TF32_HEAD_DIMS],
                          ids=lambda x: getattr(x, "name", str(x)))
 @pytest.mark.parametrize("B,H,Hkv,Nq,Nk,causal", [
     (1, 2, 1, 128, 256, False),    # whole tiles, MQA: the ring wraps
@@ -88,17 +88,19 @@ def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
 def test_forward(dt, D, B, H, Hkv, Nq, Nk, causal):
     """16-bit; float32 as one-pass tf32 (Q_i and K_j rounded in shared memory, V_jᵀ written by
     the producer's warps, P̃ rounded in registers: FlashAttention's rule over a plain tf32
-    attention) and at D = 64 as split tf32 (the lo parts beside them: the float32 rule)."""
+    attention) and as split tf32 (the lo parts beside them; at D = 128 one consumer
+    warpgroup and 32-key tiles: the float32 rule)."""
     o, lse = _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=Nq + Nk + D, dtype=dt)
     if causal and Nq > Nk:
         assert np.all(o[..., :Nq - Nk, :] == 0) and np.all(np.isneginf(lse[..., :Nq - Nk]))
 
 
-@pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "split-tf32"])
-def test_tf32_nan_reaches_its_row(allow_tf32):
+@pytest.mark.parametrize("allow_tf32,D", [(True, 64), (False, 64), (False, 128)],
+                         ids=["tf32", "split-tf32", "split-tf32-128"])
+def test_tf32_nan_reaches_its_row(allow_tf32, D):
     """A NaN in one query row: that row's O and lse are NaN (through ℓ: P̃'s tf32 rounding
     may turn a NaN into a tiny number), every other row as without it."""
-    q, k, v = attention_inputs(1, 2, 1, 150, 200, 64, F32, seed=4)[:3]
+    q, k, v = attention_inputs(1, 2, 1, 150, 200, D, F32, seed=4)[:3]
 
     def run():
         return (to_host(x) for x in sm90.forward_sm90(_backend(), q, k, v, causal=True,
@@ -114,7 +116,8 @@ def test_tf32_nan_reaches_its_row(allow_tf32):
 
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16),
                                            (256, "random", F16), (64, "random", TF32),
-                                           (128, "reversed", TF32), (64, "random", SPLIT)])
+                                           (128, "reversed", TF32), (64, "random", SPLIT),
+                                           (128, "random", SPLIT)])
 def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks (a wgmma's A registers, the ring's slots,
     the copies' bytes), and the same bits as round-robin."""
@@ -146,14 +149,17 @@ def test_window(window, causal, Nq, Nk):
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, BF16),
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, TF32),
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, SPLIT),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, (SPLIT, 128)),
 ], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
 def test_variants(names, causal, dt):
     """Every attention variant, alone and all at once, against the float64 reference
     (dropout's keep decisions are cuflash.dropout_mask's: the reference draws the same);
-    GQA, partial tiles, two blocks walking the tiles."""
+    GQA, partial tiles, two blocks walking the tiles; D = 64 (split tf32 also at 128, its
+    64 x 32 tiles)."""
+    dt, D = dt if isinstance(dt, tuple) else (dt, 64)
     B, H, Hkv, Nq, Nk = 2, 2, 1, 150, 200
-    _check(_backend(), B, H, Hkv, Nq, Nk, 64, causal, seed=7, dtype=dt, num_blocks=2,
-           opts=variant_options(names, _float32(dt)[0], (B, H, Hkv, Nq, Nk, 64)))
+    _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=7, dtype=dt, num_blocks=2,
+           opts=variant_options(names, _float32(dt)[0], (B, H, Hkv, Nq, Nk, D)))
 
 
 @pytest.mark.parametrize("D", [128, 256])
@@ -171,6 +177,7 @@ def test_variants_checked_at_ragged_sizes(D):
     (128, BF16, 300, 100, True, "reversed"),  # Nq > Nk: tiles with no key amid the walk
     (64, BF16, 260, 390, False, "random"),
     (256, F16, 300, 200, True, "random"),     # 64-key tiles, O from registers
+    (128, SPLIT, 200, 150, True, "random"),   # one consumer warpgroup: 64-row tiles
 ])
 def test_persistent_blocks_walk_many_tiles(D, dt, Nq, Nk, causal, schedule):
     """Two blocks walk every (query block, head, batch) tile: the K/V ring, Q_i and the O
@@ -264,7 +271,11 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert tf32.smem_bytes == (2 * 16 + (2 + 2) * 2 * 8 + 2 * 16) * 1024   # Q; K, V; V_jᵀ
     f32_128 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 128, F16)[:3]]
     assert plan(*f32_128, allow_tf32=True).smem_bytes == (4 * 16 + (2 + 1) * 4 * 8 + 2 * 32) * 1024
-    assert type(plan(*f32_128)) is tiling.Tf32Plan                   # split at 128: mma.sync
+    narrow = plan(*f32_128)                                          # split at 128: 64 x 32
+    assert isinstance(narrow, tiling.Sm90FwdPlan) and narrow.split and narrow.block_m == 64
+    assert (narrow.block_n, narrow.num_threads) == (32, 256)
+    # Q_i and K_j, V_j's two slots, V_jᵀ's two, and the lo parts of Q_i, K_j, V_jᵀ
+    assert narrow.smem_bytes == (32 + 2 * 16 + 2 * 16 + 2 * 16 + 32 + 2 * 16 + 2 * 16) * 1024
     f32_96 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3]]
     assert type(plan(*f32_96, allow_tf32=True)) is tiling.Tf32Plan
     bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
@@ -279,7 +290,9 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     _, why = tiling.forward_path(128, "bfloat16", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
     _, why = tiling.forward_path(128, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
-    assert "d = 64 as split tf32, 64 or 128 with allow_tf32=True (one-pass tf32)" in why
+    assert "wgmma on sm_90a" in why
+    _, why = tiling.forward_path(96, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
+    assert "d = 64 or 128 as split tf32 or, with allow_tf32=True, one-pass tf32" in why
 
 
 def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=None,
@@ -373,6 +386,9 @@ def test_tf32_packed_cached_and_split_checked():
     _cache_check(be, [300, 130], 150, 2, 1, 64, False, page=64, dtype=SPLIT)
     _check(be, 1, 2, 1, 130, 300, 128, True, dtype=TF32, num_splits=3)
     _check(be, 1, 2, 1, 130, 300, 64, True, dtype=SPLIT, num_splits=2)
+    # split at D = 128: 32-key tiles (and pages), one consumer warpgroup
+    _packed_check(be, [70, 20], [50, 130], 2, 1, 128, True, dtype=SPLIT, num_splits=2)
+    _cache_check(be, [300, 130], 150, 2, 1, 128, True, page=32, dtype=SPLIT)
 
 
 def test_the_planner_splits_the_keys_on_it(monkeypatch):
@@ -512,11 +528,6 @@ def test_inputs_it_does_not_take_yet():
     with pytest.raises(ValueError, match=r"head dims \(64, 128\) for float32"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 256, F32)[:3], causal=False,
                           scale=1.0)
-    with pytest.raises(ValueError, match=r"float32 as split tf32 at head dims \(64,\) \(its lo "
-                                         r"parts leave no room above\), as one-pass tf32 "
-                                         r"\(allow_tf32=True\) at \(64, 128\); got 128"):
-        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 128, F32)[:3], causal=False,
-                          scale=1.0)
     with pytest.raises(TypeError, match="alike"):
         sm90.forward_sm90(be, q, k.astype(BF16), v, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="head dims"):
@@ -551,7 +562,7 @@ def test_on_the_gpu(dt, D, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dt,D", [(TF32, 64), (TF32, 128), (SPLIT, 64)])
+@pytest.mark.parametrize("dt,D", [(TF32, 64), (TF32, 128), (SPLIT, 64), (SPLIT, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tf32_on_the_gpu(dt, D, causal):
     """float32 on the H100's tf32 wgmma: V_jᵀ by the producer's warps, the rounding (the

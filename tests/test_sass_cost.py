@@ -187,6 +187,17 @@ def test_main_loop_inside_a_walk_and_its_reductions(red):
                                      "branch/barrier": 3})
 
 
+def test_main_loop_waiting_on_an_mbarrier_inside_a_walk():
+    """A Hopper loop waits on its ring's mbarriers (SYNCS), not a BAR: the tile walk around
+    it, with one consumer warpgroup and so no named barrier inside, is still not the main
+    loop."""
+    text = WALKED.replace("/*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0",
+                          "/*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ], R3")
+    cost = sass_cost.loop_cost(text)
+    assert (cost.found, cost.loop_blocks, cost.path_blocks, cost.total) == (True, 3, 3, 9)
+    assert cost.hmma == 2
+
+
 def test_hgmma_counts_as_the_hmma_it_equals():
     """A warpgroup MMA's shape is in its opcode (lower-case x's): HGMMA.64x128x16 is 16
     HMMA.16816 of work per warp (16 rows x 128 x 16), HGMMA.64x64x16 8; the instruction

@@ -7,14 +7,15 @@
 // of one block per SM whose tiles' prologues and epilogues run under their neighbours'
 // products (launch's choice).
 //
-//   warpgroup 2 (producer)   gives its registers up; one elected thread, per tile: waits
+//   warpgroup 2 (producer)   gives its registers up (split tf32 at D = 128: warpgroup 1); one elected thread, per tile: waits
 //                            until the consumers are done with Q (q_empty), loads Q_i, then
 //                            per key tile j: waits until the consumers freed K's ring slot
 //                            (empty), announces the bytes and starts the TMA boxes of K_j
 //                            (full), then the same for V_j in V's ring. The rings run on
-//                            across tiles. float32 (tf32): its warps 9-11 round each K_j in
-//                            place and write V_jᵀ from V_j (see Sm90FwdTraits).
-//   warpgroups 0, 1          take the registers; each owns 64 of the tile's 128 query rows.
+//                            across tiles. float32 (tf32): its last three warps round each
+//                            K_j in place and write V_jᵀ from V_j (see Sm90FwdTraits).
+//   warpgroups 0, 1          take the registers; each owns 64 of the tile's 128 query rows
+//                            (split tf32 at D = 128: warpgroup 0 alone, 64 rows).
 //   (consumers)              Per key tile j (Algorithm 1, lines 6-10):
 //                              S = Q_i K_jᵀ           wgmma m64n128k16, both from shared memory
 //                              m_new = max(m_i, rowmax S · c), P̃ = exp2(S·c − m_new), ℓ
@@ -68,8 +69,8 @@ using namespace cuflash;
 
 namespace {
 
-// The tile and its shared memory: Q_i (and O_i's staging) as D / kBoxCols boxes of 128 rows ×
-// 128 bytes (16 KB; kBoxCols = 64 16-bit elements or 32 floats), the K_j, V_j rings as such
+// The tile and its shared memory: Q_i (and O_i's staging) as D / kBoxCols boxes of kBlockM rows
+// × 128 bytes (kBoxCols = 64 16-bit elements or 32 floats), the K_j, V_j rings as such
 // boxes of kBlockN rows, on 1024-byte boundaries as the 128-byte swizzle needs. D = 256 takes
 // 64-key tiles (its 64 x 256 accumulators and Q_i leave room for no more) and stores O from
 // registers (no staging).
@@ -77,24 +78,33 @@ namespace {
 // tf32's B only K-major, so V_j lands as it is in memory (`v`, kRawStages slots: one at D = 128,
 // where two leave no room) and the producer's other three warps write V_jᵀ (`vt`: kBlockN / 32
 // boxes of D rows × 32 keys) for P̃ V_j, see transpose_v.
-// SPLIT (split tf32, D = 64): x = hi + lo, hi = tf32(x), lo = tf32(x − hi), and a·b ≈ hi·hi
-// + hi·lo + lo·hi, three products each, as tf32_tile.cuh's; Q_i's, K_j's and V_jᵀ's lo parts
-// in shared memory beside them (at D = 128 they do not fit), P̃'s in registers.
+// SPLIT (split tf32): x = hi + lo, hi = tf32(x), lo = tf32(x − hi), and a·b ≈ hi·hi + hi·lo
+// + lo·hi, three products each, as tf32_tile.cuh's; Q_i's, K_j's and V_jᵀ's lo parts in shared
+// memory beside them, P̃'s in registers. At D = 128 they fit only beside a tile of 64 query
+// rows (one consumer warpgroup, kNarrow) by 32 keys: 224 KB with both rings' two slots.
 template <typename T, int HEAD_DIM, bool SPLIT = false> struct Sm90FwdTraits {
     static constexpr bool kTf32 = sizeof(T) == 4, kSplit = SPLIT;
     static constexpr int kBoxCols = 128 / sizeof(T);  // elements of a 128-byte row
     static constexpr int kK = 32 / sizeof(T);         // a wgmma's k step: 32 bytes of a row
-    static constexpr int kBlockM = 128, kBlockN = HEAD_DIM == 256 || kTf32 ? 64 : 128, kStages = 2;
-    static constexpr int kRawStages = kTf32 && HEAD_DIM == 128 ? 1 : kStages;  // V_j's ring
+    // split tf32 at D = 128: one consumer warpgroup and 32-key tiles, the rest leave the lo
+    // parts no room
+    static constexpr bool kNarrow = SPLIT && HEAD_DIM == 128;
+    static constexpr int kConsumers = kNarrow ? 1 : 2;  // warpgroups of 64 query rows
+    static constexpr int kBlockM = 64 * kConsumers, kStages = 2;
+    static constexpr int kBlockN = kNarrow ? 32 : HEAD_DIM == 256 || kTf32 ? 64 : 128;
+    static constexpr int kRawStages = kTf32 && HEAD_DIM == 128 && !kNarrow ? 1 : kStages;  // V_j's
     static constexpr int kBoxes = HEAD_DIM / kBoxCols;
-    static constexpr int kBoxElems = 128 * kBoxCols, kKvBoxElems = kBlockN * kBoxCols;
-    static constexpr unsigned kBoxBytes = 128 * 128, kKvBoxBytes = kBlockN * 128;
+    static constexpr int kBoxElems = kBlockM * kBoxCols, kKvBoxElems = kBlockN * kBoxCols;
+    static constexpr unsigned kBoxBytes = kBlockM * 128, kKvBoxBytes = kBlockN * 128;
     static constexpr int kVtBoxes = kTf32 ? kBlockN / kBoxCols : 1;
     static constexpr int kVtBoxElems = kTf32 ? HEAD_DIM * kBoxCols : 1;
     static constexpr bool kStageO = HEAD_DIM != 256 && !kTf32;  // O through shared memory and TMA
-    static constexpr int kThreads = 384;
-    static constexpr int kTransposers = 96;     // the producer's warps 9-11 (tf32)
-    static constexpr int kProducerRegs = kTf32 ? 56 : 40, kConsumerRegs = kTf32 ? 224 : 232;
+    static constexpr int kConsumerThreads = 128 * kConsumers, kThreads = kConsumerThreads + 128;
+    static constexpr int kTransposers = 96;     // the producer's last three warps (tf32)
+    // of the 64 K registers: 128 · 40 + 256 · 232 (16-bit), 128 · 56 + 256 · 224 (tf32);
+    // one consumer warpgroup takes all a thread may hold (no fewer than its launch gave it)
+    static constexpr int kProducerRegs = kTf32 ? 56 : 40;
+    static constexpr int kConsumerRegs = kNarrow ? 256 : kTf32 ? 224 : 232;
     static constexpr int kOAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
     static constexpr int kS = kBlockN / 2;      // its scores of 64 x kBlockN
     struct Tf32Tiles {  // the V_jᵀ ring; split: the lo parts
@@ -114,7 +124,7 @@ template <typename T, int HEAD_DIM, bool SPLIT = false> struct Sm90FwdTraits {
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || (HEAD_DIM == 256 && !kTf32),
                   "HEAD_DIM: 64, 128 or 256 (float32: 64 or 128)");
-    static_assert(!SPLIT || (kTf32 && HEAD_DIM == 64), "SPLIT: float32, HEAD_DIM 64");
+    static_assert(!SPLIT || kTf32, "SPLIT: float32");
 };
 
 // acc (64 x D) += P̃ (64 x k of k step kk, in registers) · V (k x D): 16-bit V MN-major (the
@@ -136,11 +146,13 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a
     }
 }
 
-// acc (64 x N) = Q (64 x k of k step kk) · K (k x N), both K-major: N = 128 or 64
+// acc (64 x N) = Q (64 x k of k step kk) · K (k x N), both K-major: N = 128 or 64 (tf32: 64
+// or 32)
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_s(float (&acc)[N / 2], unsigned long long q_desc,
                                         unsigned long long k_desc, int scale_d) {
-    if constexpr (sizeof(T) == 4) sm90::wgmma_m64n64k8_ss_tf32(acc, q_desc, k_desc, scale_d);
+    if constexpr (sizeof(T) == 4 && N == 32) sm90::wgmma_m64n32k8_ss_tf32(acc, q_desc, k_desc, scale_d);
+    else if constexpr (sizeof(T) == 4) sm90::wgmma_m64n64k8_ss_tf32(acc, q_desc, k_desc, scale_d);
     else if constexpr (N == 128) sm90::wgmma_m64n128k16_ss<T>(acc, q_desc, k_desc, scale_d);
     else sm90::wgmma_m64n64k16_ss<T>(acc, q_desc, k_desc, scale_d);
 }
@@ -201,7 +213,7 @@ __device__ __forceinline__ void transpose_v(const float (*v)[Tr::kKvBoxElems],
 }  // namespace
 
 template <typename T, int HEAD_DIM, bool VARLEN, bool SPLIT = false>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(Sm90FwdTraits<T, HEAD_DIM, SPLIT>::kThreads, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       const __grid_constant__ sm90::TensorMap map_k,
                       const __grid_constant__ sm90::TensorMap map_v,
@@ -215,6 +227,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM, SPLIT>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
+    constexpr int PRODUCER = Tr::kConsumers, CONSUMERS = Tr::kConsumerThreads;  // its warpgroup
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
     __shared__ __align__(8) unsigned long long q_full, q_empty;
@@ -264,28 +277,26 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         return x;
     };
 
-    if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
+    if (threadIdx.x == CONSUMERS) {  // the producer's first thread, while thread 0 sets the barriers
         sm90::prefetch_tensormaps(map_q, map_k, map_v);
         if (Tr::kStageO && !VARLEN) sm90::prefetch_tensormaps(map_o);
     }
     if (threadIdx.x == 0) {
         sm90::mbar_init(&q_full, 1);
-        sm90::mbar_init(&q_empty, 256);
-        ring_k.init(256);
-        ring_v.init(Tr::kTf32 ? Tr::kTransposers : 256);
+        sm90::mbar_init(&q_empty, CONSUMERS);
+        ring_k.init(CONSUMERS);
+        ring_v.init(Tr::kTf32 ? Tr::kTransposers : CONSUMERS);
         if (Tr::kTf32) {
-            ring_kr.init(256, Tr::kTransposers);  // its "empty" side unused: ring_k's serves
-            ring_vt.init(256, Tr::kTransposers);
+            ring_kr.init(CONSUMERS, Tr::kTransposers);  // its "empty" side unused: ring_k's serves
+            ring_vt.init(CONSUMERS, Tr::kTransposers);
         }
         sm90::mbar_init_fence();
     }
     __syncthreads();
 
-    if (warpgroup == 2) {  // the producer
-        // 128 · 40 + 256 · 232 of the 64 K registers; the warps that write V_jᵀ (tf32) walk the
-        // tiles too, in 56 (128 · 56 + 256 · 224)
+    if (warpgroup == PRODUCER) {  // gives registers up (the warps that write V_jᵀ walk the tiles too)
         sm90::regs_dec<Tr::kProducerRegs>();
-        if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
+        if (threadIdx.x / 32 == 4 * PRODUCER && sm90::elect_one()) {
             int it = 0;  // key tiles loaded so far: the rings' slot and phase
             int n = 0;   // tiles loaded so far: q_empty's phase
             for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -316,8 +327,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 }
             }
         } else if constexpr (Tr::kTf32) {
-            if (threadIdx.x >= 288) {  // warps 9-11: K_j rounded, V_j into V_jᵀ, as they land
-                const int tid = threadIdx.x - 288;
+            if (threadIdx.x >= CONSUMERS + 32) {  // K_j rounded, V_j into V_jᵀ, as they land
+                const int tid = threadIdx.x - CONSUMERS - 32;
                 int it = 0;
                 for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
                     const Tile x = tile_at(tile);
@@ -500,8 +511,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // -- the two consumers take turns to issue their products (FlashAttention-3's ping-pong):
     // a warpgroup waits for its named barrier (1 + its index), issues, then lets the other
     // go; so one's products run while the other's softmax does. Warpgroup 1 lets 0 start.
-    auto my_turn = [&] { sm90::bar_sync(1 + warpgroup, 256); };
-    auto your_turn = [&] { sm90::bar_arrive(2 - warpgroup, 256); };
+    // One consumer (split tf32 at D = 128) issues when it is ready
+    auto my_turn = [&] {
+        if constexpr (Tr::kConsumers == 2) sm90::bar_sync(1 + warpgroup, 256);
+    };
+    auto your_turn = [&] {
+        if constexpr (Tr::kConsumers == 2) sm90::bar_arrive(2 - warpgroup, 256);
+    };
     if (warpgroup == 1) your_turn();
 
     // -- the pipeline within the warpgroup (FlashAttention-3): the softmax of tile j runs

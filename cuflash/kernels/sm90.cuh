@@ -187,6 +187,10 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 }
 // wgmma's accumulator operands, N / 2 f32 registers per thread of an m64nN tile (an asm
 // statement takes literal strings: macros, one per N)
+#define SM90_ACC16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define SM90_ACC16_OUT(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define SM90_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define SM90_ACC32_OUT(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -265,6 +269,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsign
 __device__ __forceinline__ void wgmma_m64n64k8_ss_tf32(float (&d)[32], unsigned long long a,
                                                        unsigned long long b, int scale_d) {
     SM90_WGMMA("tf32", "m64n64k8", "34", SM90_ACC32, "%32, %33", "1, 1", SM90_ACC32_OUT, d,
+               "l"(a), "l"(b), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n32k8_ss_tf32(float (&d)[16], unsigned long long a,
+                                                       unsigned long long b, int scale_d) {
+    SM90_WGMMA("tf32", "m64n32k8", "18", SM90_ACC16, "%16, %17", "1, 1", SM90_ACC16_OUT, d,
                "l"(a), "l"(b), "r"(scale_d));
 }
 // D (64 x N) += A (64 x 8 from registers, mma.sync's tf32 A fragment) · B (8 x N, K-major)

@@ -1,6 +1,6 @@
 """The Hopper forward, `Sm90FwdTraits` (kernels/flash_fwd_sm90.cu): one tile, built for
 sm_90a alone (wgmma, TMA, setmaxnreg), taken by plain calls on a device that runs it;
-float32 as split tf32 (D = 64) or one-pass tf32 (`allow_tf32`)."""
+float32 as split tf32 or one-pass tf32 (`allow_tf32`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,10 +9,8 @@ from .base import Plan, flag
 
 SM90_DTYPES = ("float16", "bfloat16")
 SM90_HEAD_DIMS = (64, 128, 256)
-SM90_TF32_HEAD_DIMS = (64, 128)   # float32, one-pass tf32
-SM90_SPLIT_HEAD_DIMS = (64,)      # float32, split tf32 (its lo parts fit beside D = 64 only)
+SM90_TF32_HEAD_DIMS = (64, 128)   # float32, split or one-pass tf32
 ROW_BYTES = 128              # a TMA box's row: 64 16-bit elements or 32 floats
-BOX_BYTES = 128 * ROW_BYTES  # one box of Q_i: 128 rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,13 +19,11 @@ class Sm90FwdPlan(Plan):
     warpgroups of 64 query rows and a producer warpgroup streaming K_j, V_j through a
     two-stage TMA ring; blocks walk the tiles head by head; VARLEN: packed sequences.
     float32 (tf32): 128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j;
-    SPLIT: split tf32."""
+    SPLIT: split tf32 (at D = 128 64 × 32 tiles, one consumer warpgroup)."""
 
     dynamic_smem = True
     arch_specific = True
-    block_m = 128             # kBlockM
     stages = 2                # kStages
-    num_threads = 384         # kThreads
 
     kernel: str               # "flash_fwd_sm90"
     dtype: str                # "float16", "bfloat16" or "float32" (tf32)
@@ -41,15 +37,38 @@ class Sm90FwdPlan(Plan):
         return self.dtype == "float32"
 
     @property
+    def narrow(self) -> bool:
+        """kNarrow: split tf32 at D = 128, whose lo parts fit only beside 64 × 32 tiles."""
+        return self.split and self.head_dim == 128
+
+    @property
+    def consumers(self) -> int:
+        """kConsumers: warpgroups of 64 query rows (one where narrow)."""
+        return 1 if self.narrow else 2
+
+    @property
+    def block_m(self) -> int:
+        """kBlockM: the consumers' query rows."""
+        return 64 * self.consumers
+
+    @property
+    def num_threads(self) -> int:
+        """kThreads: the consumers and the producer warpgroup."""
+        return 128 * (self.consumers + 1)
+
+    @property
     def block_n(self) -> int:
         """kBlockN: 64-key tiles at D = 256 (its accumulators and Q_i leave room for no
-        more) and for float32, 128 otherwise."""
+        more) and for float32 (narrow: 32), 128 otherwise."""
+        if self.narrow:
+            return 32
         return 64 if self.head_dim == 256 or self.tf32 else 128
 
     @property
     def raw_stages(self) -> int:
-        """kRawStages: V_j's slots as loaded (float32 D = 128: one, two leave no room)."""
-        return 1 if self.tf32 and self.head_dim == 128 else self.stages
+        """kRawStages: V_j's slots as loaded (one-pass float32 at D = 128: one, two leave
+        no room)."""
+        return 1 if self.tf32 and self.head_dim == 128 and not self.narrow else self.stages
 
     @property
     def score_tile(self) -> tuple:
@@ -68,21 +87,22 @@ class Sm90FwdPlan(Plan):
 
     @property
     def smem_bytes(self) -> int:
-        """Smem: Q_i (and O_i's staging) in kBoxes boxes of 128 rows of 128 bytes, the
+        """Smem: Q_i (and O_i's staging) in kBoxes boxes of block_m rows of 128 bytes, the
         rings' K_j, V_j stages in kBoxes boxes of block_n rows; float32's V_jᵀ stages (and
         split's lo parts)."""
         boxes = self.head_dim * self.element.bytes // ROW_BYTES
-        q_o = (2 if self.stages_o else 1) * boxes * BOX_BYTES
+        q_box = self.block_m * ROW_BYTES
+        q_o = (2 if self.stages_o else 1) * boxes * q_box
         kv_box = self.block_n * ROW_BYTES
         vt = self.stages * self.head_dim * self.block_n * 4 if self.tf32 else 0
         # split: Q_i's, K_j's and V_jᵀ's lo parts
-        lo = boxes * BOX_BYTES + self.stages * boxes * kv_box + vt if self.split else 0
+        lo = boxes * q_box + self.stages * boxes * kv_box + vt if self.split else 0
         return q_o + (self.stages + self.raw_stages) * boxes * kv_box + vt + lo
 
     def __str__(self) -> str:
         tf32 = (" split-tf32" if self.split else " tf32") if self.tf32 else ""
         return (f"{self.kernel} {self.dtype}{tf32} D={self.head_dim} Br={self.block_m} "
-                f"Bc={self.block_n} warpgroups=2+1 stages={self.stages} smem={self.smem_bytes} B"
+                f"Bc={self.block_n} warpgroups={self.consumers}+1 stages={self.stages} smem={self.smem_bytes} B"
                 + (" varlen" if self.varlen else ""))
 
     @property
@@ -98,7 +118,7 @@ def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False,
     none."""
     if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
         return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen)
-    if dtype == "float32" and d in (SM90_TF32_HEAD_DIMS if allow_tf32 else SM90_SPLIT_HEAD_DIMS):
+    if dtype == "float32" and d in SM90_TF32_HEAD_DIMS:
         return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen, split=not allow_tf32)
     return None
 
@@ -106,6 +126,5 @@ def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False,
 def all_sm90_fwd_plans() -> tuple[Sm90FwdPlan, ...]:
     return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen, split)
                  for t, dims, split in [*((t, SM90_HEAD_DIMS, False) for t in SM90_DTYPES),
-                                        ("float32", SM90_SPLIT_HEAD_DIMS, True),
-                                        ("float32", SM90_TF32_HEAD_DIMS, False)]
+                                        *(("float32", SM90_TF32_HEAD_DIMS, s) for s in (True, False))]
                  for d in dims for varlen in (False, True))
