@@ -26,8 +26,8 @@ from .plans.simt_bwd import (BWD_HEAD_DIM_BUCKETS, BWD_KERNELS, BwdPreprocessPla
 from .plans.simt_fwd import (HEAD_DIM_BUCKETS, SimtFwdPlan, all_simt_fwd_plans,
                              attention_smem_bytes, head_dim_bucket, simt_forward_plan)
 from .plans.sm90_bwd import Sm90BwdPlan, all_sm90_bwd_plans, sm90_bwd_plans, sm90_dq_atomic_plan
-from .plans.sm90_fwd import (SM90_DTYPES, SM90_HEAD_DIMS, SM90_TF32_HEAD_DIMS, Sm90FwdPlan,
-                             all_sm90_fwd_plans, sm90_fwd_plan)
+from .plans.sm90_fwd import (SM90_DTYPES, SM90_HEAD_DIMS, SM90_SPLIT_HEAD_DIMS,
+                             SM90_TF32_HEAD_DIMS, Sm90FwdPlan, all_sm90_fwd_plans, sm90_fwd_plan)
 from .plans.softmax import (SOFTMAX_COLS_MIN_Q, SOFTMAX_THREADS, SoftmaxPlan, all_softmax_plans,
                             plan_softmax)
 from .plans.tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, TcBwdPlan,
@@ -45,7 +45,7 @@ __all__ = [
     "all_simt_bwd_plans", "bwd_head_dim_bucket", "bwd_head_dim_chunks", "bwd_preprocess_plan",
     "bwd_smem_bytes", "simt_backward_plans", "HEAD_DIM_BUCKETS", "SimtFwdPlan",
     "all_simt_fwd_plans", "attention_smem_bytes", "head_dim_bucket", "simt_forward_plan",
-    "Sm90BwdPlan", "all_sm90_bwd_plans", "sm90_bwd_plans", "sm90_dq_atomic_plan", "SM90_DTYPES", "SM90_HEAD_DIMS", "SM90_TF32_HEAD_DIMS", "Sm90FwdPlan", "all_sm90_fwd_plans", "sm90_fwd_plan",
+    "Sm90BwdPlan", "all_sm90_bwd_plans", "sm90_bwd_plans", "sm90_dq_atomic_plan", "SM90_DTYPES", "SM90_HEAD_DIMS", "SM90_SPLIT_HEAD_DIMS", "SM90_TF32_HEAD_DIMS", "Sm90FwdPlan", "all_sm90_fwd_plans", "sm90_fwd_plan",
     "SOFTMAX_COLS_MIN_Q", "SOFTMAX_THREADS", "SoftmaxPlan", "all_softmax_plans", "plan_softmax",
     "TC_BWD_HEAD_DIMS", "TC_BWD_KERNELS", "TcBwdPlan", "Tf32BwdPlan",
     "all_tc_bwd_plans", "all_tf32_bwd_plans", "tc_bwd_smem_bytes", "TC_DTYPES", "TC_HEAD_DIMS",

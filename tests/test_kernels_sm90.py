@@ -77,7 +77,7 @@ def _assert_attention(o, lse, q, k, v, causal, scale, dtype, opts, what):
 
 @pytest.mark.parametrize("dt,D", [(dt, D) for dt in (F16, BF16) for D in sm90.HEAD_DIMS]
                          + [(TF32, D) for D in sm90.TF32_HEAD_DIMS]
-                         + [(SPLIT, D) for D in sm90.TF32_HEAD_DIMS],
+                         + [(SPLIT, D) for D in tiling.SM90_SPLIT_HEAD_DIMS],
                          ids=lambda x: getattr(x, "name", str(x)))
 @pytest.mark.parametrize("B,H,Hkv,Nq,Nk,causal", [
     (1, 2, 1, 128, 256, False),    # whole tiles, MQA: the ring wraps
@@ -116,8 +116,8 @@ def test_tf32_nan_reaches_its_row(allow_tf32, D):
 
 @pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16),
                                            (256, "random", F16), (64, "random", TF32),
-                                           (128, "reversed", TF32), (64, "random", SPLIT),
-                                           (128, "random", SPLIT)])
+                                           (128, "reversed", TF32), (256, "random", TF32),
+                                           (64, "random", SPLIT), (128, "random", SPLIT)])
 def test_checked_and_schedules(D, schedule, dt):
     """No hazard of any kind the emulator checks (a wgmma's A registers, the ring's slots,
     the copies' bytes), and the same bits as round-robin."""
@@ -150,12 +150,13 @@ def test_window(window, causal, Nq, Nk):
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, TF32),
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, SPLIT),
     (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, (SPLIT, 128)),
+    (["window", "softcap", "alibi", "bias", "mask", "dropout"], True, (TF32, 256)),
 ], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
 def test_variants(names, causal, dt):
     """Every attention variant, alone and all at once, against the float64 reference
     (dropout's keep decisions are cuflash.dropout_mask's: the reference draws the same);
-    GQA, partial tiles, two blocks walking the tiles; D = 64 (split tf32 also at 128, its
-    64 x 32 tiles)."""
+    GQA, partial tiles, two blocks walking the tiles; D = 64 (float32's 64 x 32 tiles too:
+    split at 128, one-pass at 256)."""
     dt, D = dt if isinstance(dt, tuple) else (dt, 64)
     B, H, Hkv, Nq, Nk = 2, 2, 1, 150, 200
     _check(_backend(), B, H, Hkv, Nq, Nk, D, causal, seed=7, dtype=dt, num_blocks=2,
@@ -276,6 +277,11 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     assert (narrow.block_n, narrow.num_threads) == (32, 256)
     # Q_i and K_j, V_j's two slots, V_jᵀ's two, and the lo parts of Q_i, K_j, V_jᵀ
     assert narrow.smem_bytes == (32 + 2 * 16 + 2 * 16 + 2 * 16 + 32 + 2 * 16 + 2 * 16) * 1024
+    f32_256 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 256, F16)[:3]]
+    wide = plan(*f32_256, allow_tf32=True)                           # one-pass at 256: 64 x 32
+    assert isinstance(wide, tiling.Sm90FwdPlan) and (wide.block_m, wide.block_n) == (64, 32)
+    assert wide.smem_bytes == (64 + 2 * 32 + 32 + 2 * 32) * 1024     # Q; K; one V slot; V_jᵀ
+    assert type(plan(*f32_256)) is tiling.Tf32Plan                   # split at 256: mma.sync
     f32_96 = [x.astype(np.float32) for x in attention_inputs(1, 2, 1, 100, 120, 96, F16)[:3]]
     assert type(plan(*f32_96, allow_tf32=True)) is tiling.Tf32Plan
     bnhd = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
@@ -292,7 +298,7 @@ def test_what_the_planner_gives_the_mma_sync_kernel():
     _, why = tiling.forward_path(128, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
     assert "wgmma on sm_90a" in why
     _, why = tiling.forward_path(96, "float32", (9, 0), max_smem=232448, sm90a=True, plain=True)
-    assert "d = 64 or 128 as split tf32 or, with allow_tf32=True, one-pass tf32" in why
+    assert "d = 64 or 128 as split tf32, 64, 128 or 256 with allow_tf32=True (one-pass" in why
 
 
 def _packed_check(backend, lens_q, lens_k, H, Hkv, D, causal, dtype=F16, opts=None,
@@ -386,9 +392,11 @@ def test_tf32_packed_cached_and_split_checked():
     _cache_check(be, [300, 130], 150, 2, 1, 64, False, page=64, dtype=SPLIT)
     _check(be, 1, 2, 1, 130, 300, 128, True, dtype=TF32, num_splits=3)
     _check(be, 1, 2, 1, 130, 300, 64, True, dtype=SPLIT, num_splits=2)
-    # split at D = 128: 32-key tiles (and pages), one consumer warpgroup
+    # split at D = 128 and one-pass at 256: 32-key tiles (and pages), one consumer warpgroup
     _packed_check(be, [70, 20], [50, 130], 2, 1, 128, True, dtype=SPLIT, num_splits=2)
     _cache_check(be, [300, 130], 150, 2, 1, 128, True, page=32, dtype=SPLIT)
+    _packed_check(be, [70, 20], [50, 130], 2, 2, 256, False, dtype=TF32)
+    _cache_check(be, [300, 130], 150, 2, 1, 256, True, page=32, dtype=TF32, num_splits=2)
 
 
 def test_the_planner_splits_the_keys_on_it(monkeypatch):
@@ -525,7 +533,12 @@ def test_inputs_it_does_not_take_yet():
     with pytest.raises(TypeError, match=r"the Hopper forward takes float16, bfloat16 or float32 "
                                         r"\(as tf32\), q, k, v alike; got float64"):
         sm90.forward_sm90(be, *(x.astype(np.float64) for x in (q, k, v)), causal=False, scale=1.0)
-    with pytest.raises(ValueError, match=r"head dims \(64, 128\) for float32"):
+    with pytest.raises(ValueError, match=r"head dims \(64, 128, 256\) for float32"):
+        sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 96, F32)[:3], causal=False,
+                          scale=1.0, allow_tf32=True)
+    with pytest.raises(ValueError, match=r"float32 as split tf32 at head dims \(64, 128\) \(its "
+                                         r"lo parts leave no room above\), as one-pass tf32 "
+                                         r"\(allow_tf32=True\) at \(64, 128, 256\); got 256"):
         sm90.forward_sm90(be, *attention_inputs(1, 2, 1, 8, 8, 256, F32)[:3], causal=False,
                           scale=1.0)
     with pytest.raises(TypeError, match="alike"):
@@ -562,7 +575,7 @@ def test_on_the_gpu(dt, D, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dt,D", [(TF32, 64), (TF32, 128), (SPLIT, 64), (SPLIT, 128)])
+@pytest.mark.parametrize("dt,D", [(TF32, 64), (TF32, 128), (TF32, 256), (SPLIT, 64), (SPLIT, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tf32_on_the_gpu(dt, D, causal):
     """float32 on the H100's tf32 wgmma: V_jᵀ by the producer's warps, the rounding (the

@@ -1,7 +1,7 @@
 """The Hopper forward (kernels/flash_fwd_sm90.cu, sm_90a): its inputs, tensor maps and launch.
 
-The kernel takes float16 or bfloat16 with head dim 64, 128 or 256, or float32 as tf32 (split,
-or one-pass for calls with `allow_tf32`, at head dim 64 or 128), q, k, v (B, H, N, D) with
+The kernel takes float16 or bfloat16 with head dim 64, 128 or 256, or float32 as tf32 (split
+at head dim 64 or 128; one-pass, for calls with `allow_tf32`, at 64, 128 or 256), q, k, v (B, H, N, D) with
 strides TMA can read (`tma_ready`), causal or not, every attention variant (kernels/variants.cuh),
 GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged), split-KV. The planner
 (`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
@@ -66,7 +66,7 @@ def tma_ready(*arrays) -> bool:
     return True
 
 
-# The forward's head dims by dtype (float32 as tf32)
+# The forward's head dims by dtype (float32 as tf32: split at SM90_SPLIT_HEAD_DIMS only)
 FORWARD_HEAD_DIMS = {"float16": HEAD_DIMS, "bfloat16": HEAD_DIMS, "float32": TF32_HEAD_DIMS}
 
 
@@ -116,7 +116,8 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
                  segments=None, num_splits=1, num_blocks=None, allow_tf32=False):
     """(o, lse) of attention on `backend`'s sm_90a device by flash_fwd_sm90_kernel (`plan`:
     the planner's `Sm90FwdPlan` for these inputs; None: this function's checks and plan,
-    float32 as split tf32 or, with `allow_tf32`, one-pass tf32).
+    float32 as split tf32 at d = 64 or 128 or, with `allow_tf32`, one-pass tf32 at 64, 128
+    or 256).
     `variants` (cuflash.variants.Variants): the options, None for none.
     `segments` (kernel_forward.Segments): lengths per batch row, seqlens.cuh's layouts —
     packed sequences (cu_q, cu_k: q, o (1, H, total_q, d), k, v (1, Hkv, total_k, d), lse
@@ -132,6 +133,11 @@ def forward_sm90(backend, q, k, v, *, causal: bool, scale: float, variants=None,
         check_inputs(q, k, v, paged=table is not None)
         plan = tiling.sm90_fwd_plan(np.dtype(q.dtype).name, q.shape[-1], segments is not None,
                                     allow_tf32=allow_tf32)
+        if plan is None:   # float32, split tf32 at d = 256
+            raise ValueError(f"q: the Hopper forward takes float32 as split tf32 at head dims "
+                             f"{tiling.SM90_SPLIT_HEAD_DIMS} (its lo parts leave no room above), "
+                             f"as one-pass tf32 (allow_tf32=True) at {TF32_HEAD_DIMS}; got "
+                             f"{q.shape[-1]}")
     if table is not None and k.shape[2] % plan.block_n:
         raise ValueError(f"page_size {k.shape[2]} is not a multiple of the key tile "
                          f"({plan.block_n} keys of {plan}): gather the pages first")

@@ -7,7 +7,7 @@
 // of one block per SM whose tiles' prologues and epilogues run under their neighbours'
 // products (launch's choice).
 //
-//   warpgroup 2 (producer)   gives its registers up (split tf32 at D = 128: warpgroup 1); one elected thread, per tile: waits
+//   warpgroup 2 (producer)   gives its registers up (one consumer, kNarrow: warpgroup 1); one elected thread, per tile: waits
 //                            until the consumers are done with Q (q_empty), loads Q_i, then
 //                            per key tile j: waits until the consumers freed K's ring slot
 //                            (empty), announces the bytes and starts the TMA boxes of K_j
@@ -15,7 +15,7 @@
 //                            across tiles. float32 (tf32): its last three warps round each
 //                            K_j in place and write V_jᵀ from V_j (see Sm90FwdTraits).
 //   warpgroups 0, 1          take the registers; each owns 64 of the tile's 128 query rows
-//                            (split tf32 at D = 128: warpgroup 0 alone, 64 rows).
+//                            (float32's narrow tiles: warpgroup 0 alone, 64 rows).
 //   (consumers)              Per key tile j (Algorithm 1, lines 6-10):
 //                              S = Q_i K_jᵀ           wgmma m64n128k16, both from shared memory
 //                              m_new = max(m_i, rowmax S · c), P̃ = exp2(S·c − m_new), ℓ
@@ -74,25 +74,27 @@ namespace {
 // boxes of kBlockN rows, on 1024-byte boundaries as the 128-byte swizzle needs. D = 256 takes
 // 64-key tiles (its 64 x 256 accumulators and Q_i leave room for no more) and stores O from
 // registers (no staging).
-// float32 (kTf32: tf32, D = 64 or 128): 64-key tiles, O from registers; wgmma takes
-// tf32's B only K-major, so V_j lands as it is in memory (`v`, kRawStages slots: one at D = 128,
-// where two leave no room) and the producer's other three warps write V_jᵀ (`vt`: kBlockN / 32
-// boxes of D rows × 32 keys) for P̃ V_j, see transpose_v.
-// SPLIT (split tf32): x = hi + lo, hi = tf32(x), lo = tf32(x − hi), and a·b ≈ hi·hi + hi·lo
-// + lo·hi, three products each, as tf32_tile.cuh's; Q_i's, K_j's and V_jᵀ's lo parts in shared
-// memory beside them, P̃'s in registers. At D = 128 they fit only beside a tile of 64 query
-// rows (one consumer warpgroup, kNarrow) by 32 keys: 224 KB with both rings' two slots.
+// float32 (kTf32: tf32): 64-key tiles, O from registers; wgmma takes tf32's B only K-major,
+// so V_j lands as it is in memory (`v`, kRawStages slots: one at D ≥ 128 one-pass, where two
+// leave no room) and the producer's other three warps write V_jᵀ (`vt`: kBlockN / 32 boxes of
+// D rows × 32 keys) for P̃ V_j, see transpose_v. At D = 256 the tile is 64 query rows (one
+// consumer warpgroup, kNarrow) by 32 keys: Q_i 64 KB, K_j 2 × 32, V_j 32, V_jᵀ 2 × 32.
+// SPLIT (split tf32, D = 64 or 128): x = hi + lo, hi = tf32(x), lo = tf32(x − hi), and a·b ≈
+// hi·hi + hi·lo + lo·hi, three products each, as tf32_tile.cuh's; Q_i's, K_j's and V_jᵀ's lo
+// parts in shared memory beside them, P̃'s in registers. At D = 128 they fit only beside a
+// narrow tile, 64 × 32: 224 KB with both rings' two slots.
 template <typename T, int HEAD_DIM, bool SPLIT = false> struct Sm90FwdTraits {
     static constexpr bool kTf32 = sizeof(T) == 4, kSplit = SPLIT;
     static constexpr int kBoxCols = 128 / sizeof(T);  // elements of a 128-byte row
     static constexpr int kK = 32 / sizeof(T);         // a wgmma's k step: 32 bytes of a row
-    // split tf32 at D = 128: one consumer warpgroup and 32-key tiles, the rest leave the lo
-    // parts no room
-    static constexpr bool kNarrow = SPLIT && HEAD_DIM == 128;
+    // split tf32 at D = 128, one-pass at D = 256: one consumer warpgroup and 32-key tiles,
+    // which leave room for the lo parts and for D = 256's four-byte rows
+    static constexpr bool kNarrow = kTf32 && HEAD_DIM == (SPLIT ? 128 : 256);
     static constexpr int kConsumers = kNarrow ? 1 : 2;  // warpgroups of 64 query rows
     static constexpr int kBlockM = 64 * kConsumers, kStages = 2;
     static constexpr int kBlockN = kNarrow ? 32 : HEAD_DIM == 256 || kTf32 ? 64 : 128;
-    static constexpr int kRawStages = kTf32 && HEAD_DIM == 128 && !kNarrow ? 1 : kStages;  // V_j's
+    // V_j's ring: one slot where two leave no room (one-pass tf32 at D = 128 and 256)
+    static constexpr int kRawStages = kTf32 && !SPLIT && HEAD_DIM >= 128 ? 1 : kStages;
     static constexpr int kBoxes = HEAD_DIM / kBoxCols;
     static constexpr int kBoxElems = kBlockM * kBoxCols, kKvBoxElems = kBlockN * kBoxCols;
     static constexpr unsigned kBoxBytes = kBlockM * 128, kKvBoxBytes = kBlockN * 128;
@@ -122,19 +124,26 @@ template <typename T, int HEAD_DIM, bool SPLIT = false> struct Sm90FwdTraits {
             Tf32Tiles tf;
         };
     };
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || (HEAD_DIM == 256 && !kTf32),
-                  "HEAD_DIM: 64, 128 or 256 (float32: 64 or 128)");
-    static_assert(!SPLIT || kTf32, "SPLIT: float32");
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM: 64, 128 or 256");
+    static_assert(!SPLIT || (kTf32 && HEAD_DIM != 256), "SPLIT: float32, HEAD_DIM 64 or 128");
 };
 
 // acc (64 x D) += P̃ (64 x k of k step kk, in registers) · V (k x D): 16-bit V MN-major (the
 // next 64 columns `box` bytes on), D = 256 as two products of 128 columns; tf32 Vᵀ K-major
+// (D = 256: its rows 128 .. 128 rows of 128 bytes on)
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
                                          unsigned long long v_desc, unsigned box) {
     if constexpr (sizeof(T) == 4) {
-        if constexpr (D == 64) sm90::wgmma_m64n64k8_rs_tf32(acc, a, v_desc, 1);
-        else sm90::wgmma_m64n128k8_rs_tf32(acc, a, v_desc, 1);
+        if constexpr (D == 64) {
+            sm90::wgmma_m64n64k8_rs_tf32(acc, a, v_desc, 1);
+        } else if constexpr (D == 128) {
+            sm90::wgmma_m64n128k8_rs_tf32(acc, a, v_desc, 1);
+        } else {
+            sm90::wgmma_m64n128k8_rs_tf32(reinterpret_cast<float(&)[64]>(acc[0]), a, v_desc, 1);
+            sm90::wgmma_m64n128k8_rs_tf32(reinterpret_cast<float(&)[64]>(acc[64]), a,
+                                          v_desc + (128 * 128 >> 4), 1);
+        }
     } else if constexpr (D == 64) {
         sm90::wgmma_m64n64k16_rs<T>(acc, a, v_desc, 1);
     } else if constexpr (D == 128) {

@@ -9,7 +9,8 @@ from .base import ELEMENTS, dtype_name
 from .simt_bwd import simt_backward_plans
 from .simt_fwd import simt_forward_plan
 from .sm90_bwd import SM90_BWD_HEAD_DIMS, sm90_bwd_plans
-from .sm90_fwd import SM90_DTYPES, SM90_HEAD_DIMS, SM90_TF32_HEAD_DIMS, sm90_fwd_plan
+from .sm90_fwd import (SM90_DTYPES, SM90_HEAD_DIMS, SM90_SPLIT_HEAD_DIMS, SM90_TF32_HEAD_DIMS,
+                       sm90_fwd_plan)
 from .tc_bwd import (TC_BWD_HEAD_DIMS, TC_BWD_KERNELS, DqSumPlan, dq_parts_tiles,
                      tc_bwd_candidates)
 from .tc_fwd import TC_HEAD_DIMS, TF32_DTYPE, TF32_HEAD_DIMS, tc_fwd_candidates
@@ -121,8 +122,8 @@ def forward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int,
     why = f"tensor cores: {_instruction(name, cc, allow_tf32)}"
     if sm90a and (name in SM90_DTYPES or name == TF32_DTYPE):   # the Hopper forward did not
         takes = (f"d = {_one_of(SM90_HEAD_DIMS)}" if name in SM90_DTYPES else   # take it
-                 f"d = {_one_of(SM90_TF32_HEAD_DIMS)} as split tf32 or, with "
-                 f"allow_tf32=True, one-pass tf32,")
+                 f"d = {_one_of(SM90_SPLIT_HEAD_DIMS)} as split tf32, "
+                 f"{_one_of(SM90_TF32_HEAD_DIMS)} with allow_tf32=True (one-pass tf32),")
         why += (f" (the sm_90a wgmma forward takes {takes} and plain calls: q, k, v with rows "
                 f"whole and strides multiples of 16 bytes, a positive scale)")
     return plan, why

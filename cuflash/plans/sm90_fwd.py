@@ -9,7 +9,8 @@ from .base import Plan, flag
 
 SM90_DTYPES = ("float16", "bfloat16")
 SM90_HEAD_DIMS = (64, 128, 256)
-SM90_TF32_HEAD_DIMS = (64, 128)   # float32, split or one-pass tf32
+SM90_TF32_HEAD_DIMS = (64, 128, 256)   # float32, one-pass tf32
+SM90_SPLIT_HEAD_DIMS = (64, 128)       # float32, split tf32
 ROW_BYTES = 128              # a TMA box's row: 64 16-bit elements or 32 floats
 
 
@@ -19,7 +20,8 @@ class Sm90FwdPlan(Plan):
     warpgroups of 64 query rows and a producer warpgroup streaming K_j, V_j through a
     two-stage TMA ring; blocks walk the tiles head by head; VARLEN: packed sequences.
     float32 (tf32): 128 × 64 tiles, the producer's other warps writing V_jᵀ for P̃ V_j;
-    SPLIT: split tf32 (at D = 128 64 × 32 tiles, one consumer warpgroup)."""
+    SPLIT: split tf32. Narrow (split at D = 128, one-pass at 256): 64 × 32 tiles, one
+    consumer warpgroup."""
 
     dynamic_smem = True
     arch_specific = True
@@ -38,8 +40,9 @@ class Sm90FwdPlan(Plan):
 
     @property
     def narrow(self) -> bool:
-        """kNarrow: split tf32 at D = 128, whose lo parts fit only beside 64 × 32 tiles."""
-        return self.split and self.head_dim == 128
+        """kNarrow: split tf32 at D = 128 and one-pass at 256, whose lo parts or rows fit
+        only beside 64 × 32 tiles."""
+        return self.tf32 and self.head_dim == (128 if self.split else 256)
 
     @property
     def consumers(self) -> int:
@@ -66,9 +69,9 @@ class Sm90FwdPlan(Plan):
 
     @property
     def raw_stages(self) -> int:
-        """kRawStages: V_j's slots as loaded (one-pass float32 at D = 128: one, two leave
+        """kRawStages: V_j's slots as loaded (one-pass float32 at D ≥ 128: one, two leave
         no room)."""
-        return 1 if self.tf32 and self.head_dim == 128 and not self.narrow else self.stages
+        return 1 if self.tf32 and not self.split and self.head_dim >= 128 else self.stages
 
     @property
     def score_tile(self) -> tuple:
@@ -118,7 +121,7 @@ def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False,
     none."""
     if dtype in SM90_DTYPES and d in SM90_HEAD_DIMS:
         return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen)
-    if dtype == "float32" and d in SM90_TF32_HEAD_DIMS:
+    if dtype == "float32" and d in (SM90_TF32_HEAD_DIMS if allow_tf32 else SM90_SPLIT_HEAD_DIMS):
         return Sm90FwdPlan("flash_fwd_sm90", dtype, d, varlen, split=not allow_tf32)
     return None
 
@@ -126,5 +129,6 @@ def sm90_fwd_plan(dtype: str, d: int, varlen: bool = False,
 def all_sm90_fwd_plans() -> tuple[Sm90FwdPlan, ...]:
     return tuple(Sm90FwdPlan("flash_fwd_sm90", t, d, varlen, split)
                  for t, dims, split in [*((t, SM90_HEAD_DIMS, False) for t in SM90_DTYPES),
-                                        *(("float32", SM90_TF32_HEAD_DIMS, s) for s in (True, False))]
+                                        ("float32", SM90_SPLIT_HEAD_DIMS, True),
+                                        ("float32", SM90_TF32_HEAD_DIMS, False)]
                  for d in dims for varlen in (False, True))
