@@ -7,8 +7,9 @@
 // of one block per SM whose tiles' prologues and epilogues run under their neighbours'
 // products (launch's choice).
 //
-//   warpgroup 2 (producer)   gives its registers up (one consumer, kNarrow: warpgroup 1); one elected thread, per tile: waits
-//                            until the consumers are done with Q (q_empty), loads Q_i, then
+//   warpgroup 2 (producer)   gives its registers up (warpgroup 1 where one consumer runs,
+//                            kNarrow); one elected thread, per tile: waits until the
+//                            consumers are done with Q (q_empty), loads Q_i, then
 //                            per key tile j: waits until the consumers freed K's ring slot
 //                            (empty), announces the bytes and starts the TMA boxes of K_j
 //                            (full), then the same for V_j in V's ring. The rings run on
@@ -130,7 +131,7 @@ template <typename T, int HEAD_DIM, bool SPLIT = false> struct Sm90FwdTraits {
 
 // acc (64 x D) += P̃ (64 x k of k step kk, in registers) · V (k x D): 16-bit V MN-major (the
 // next 64 columns `box` bytes on), D = 256 as two products of 128 columns; tf32 Vᵀ K-major
-// (D = 256: its rows 128 .. 128 rows of 128 bytes on)
+// (D = 256: its rows 128 … 16 KB on in its box)
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_pv(float (&acc)[D / 2], const unsigned (&a)[4],
                                          unsigned long long v_desc, unsigned box) {
@@ -236,7 +237,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                       CUFLASH_VARIANT_PARAMS(T)) {
     using Tr = Sm90FwdTraits<T, HEAD_DIM, SPLIT>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, STAGES = Tr::kStages;
-    constexpr int PRODUCER = Tr::kConsumers, CONSUMERS = Tr::kConsumerThreads;  // its warpgroup
+    constexpr int PRODUCER = Tr::kConsumers;           // the producer's warpgroup
+    constexpr int CONSUMERS = Tr::kConsumerThreads;    // the consumers' threads, before it
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
     __shared__ __align__(8) unsigned long long q_full, q_empty;
@@ -520,7 +522,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // -- the two consumers take turns to issue their products (FlashAttention-3's ping-pong):
     // a warpgroup waits for its named barrier (1 + its index), issues, then lets the other
     // go; so one's products run while the other's softmax does. Warpgroup 1 lets 0 start.
-    // One consumer (split tf32 at D = 128) issues when it is ready
+    // One consumer (kNarrow) issues when it is ready
     auto my_turn = [&] {
         if constexpr (Tr::kConsumers == 2) sm90::bar_sync(1 + warpgroup, 256);
     };
