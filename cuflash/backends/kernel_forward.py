@@ -14,8 +14,9 @@ backend's array module (CuPy on "cuda", NumPy on "emulator"):
   launch for float32 on sm_80+ (d a multiple of 4 up to 256): split tf32, or one-pass tf32
   with `allow_tf32=True`.
 * The Hopper forward (`flash_fwd_sm90_kernel`, `kernel_forward_sm90`): on an sm_90a device,
-  float16/bfloat16 calls with d = 64, 128 or 256, packed sequences, KV caches, split-KV
-  (`plain_call`, `tiling.forward_path`).
+  float16/bfloat16 calls with d = 64, 128 or 256, float32 as split tf32 (d = 64 or 128) or
+  one-pass tf32 (d = 64, 128 or 256), packed sequences, KV caches, split-KV (`plain_call`,
+  `tiling.forward_path`).
 
 Every launch takes the attention variants' arguments (`variant_args`, kernels/variants.cuh):
 the same plan serves a plain call and one with variants. The FA2 launches also take the
@@ -64,7 +65,7 @@ def forward_plan(backend, q, k, v, *, algorithm="fa2", allow_tf32=False, scale=N
     backend. The Hopper forward takes a call that is `plain_call` with q, k, v its tensor
     maps can read (`kernel_forward_sm90.tma_ready`; `scale` None: a call it does not take)
     unless a paged cache's pages are not whole key tiles of it, or the queries fill less
-    than half its 128-row tile (a decode step: mma.sync's smaller tiles and split-KV)."""
+    than half its query tile (a decode step: mma.sync's smaller tiles and split-KV)."""
     lim = backend.limits()
 
     def path(plain):
@@ -107,7 +108,7 @@ def forward(backend, q, k, v, *, causal, scale, algorithm, variants=None, allow_
     plan = forward_plan(backend, q, k, v, algorithm=algorithm, allow_tf32=allow_tf32,
                         scale=scale, segments=segments, num_splits=num_splits)
     if isinstance(plan, tiling.Sm90FwdPlan):
-        if num_splits is None:  # its 128-row tiles, one block per SM
+        if num_splits is None:  # its query tiles, one block per SM
             blocks = -(-max_q // plan.block_m) * Hq * B
             num_splits = tiling.split_kv_count(blocks, -(-max_k // plan.block_n), lim["sm_count"])
         return kernel_forward_sm90.forward_sm90(backend, q, k, v, causal=causal, scale=scale,
