@@ -105,7 +105,8 @@ class Sm90FwdPlan(Plan):
     def __str__(self) -> str:
         tf32 = (" split-tf32" if self.split else " tf32") if self.tf32 else ""
         return (f"{self.kernel} {self.dtype}{tf32} D={self.head_dim} Br={self.block_m} "
-                f"Bc={self.block_n} warpgroups={self.consumers}+1 stages={self.stages} smem={self.smem_bytes} B"
+                f"Bc={self.block_n} warpgroups={self.consumers}+1 stages={self.stages} "
+                f"smem={self.smem_bytes} B"
                 + (" varlen" if self.varlen else ""))
 
     @property
