@@ -4,10 +4,9 @@ The kernel takes float16 or bfloat16 with head dim 64, 128 or 256, or float32 as
 at head dim 64 or 128; one-pass, for calls with `allow_tf32`, at 64, 128 or 256), q, k, v
 (B, H, N, D) with strides TMA can read (`tma_ready`), causal or not, every attention variant
 (kernels/variants.cuh), GQA/MQA, packed sequences (varlen), a KV cache (contiguous or paged),
-split-KV. The planner
-(`tiling.forward_path`) gives such calls on an sm_90a device its plan (`Sm90FwdPlan`);
-`forward_sm90` also runs it directly on any backend whose device is sm_90a (the emulator's
-sm_90a, or an H100), for the tests and the GPU check.
+split-KV. The planner (`tiling.forward_path`) gives such calls on an sm_90a device its plan
+(`Sm90FwdPlan`); `forward_sm90` also runs it directly on any backend whose device is sm_90a
+(the emulator's sm_90a, or an H100), for the tests and the GPU check.
 """
 from __future__ import annotations
 
