@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import wgmma_model as model
-from cuflash.emulator import (AsyncHazardError, DeadlockError, EmulatorCompileError, EmulatorError, RawModule,
+from cuflash.emulator import (AsyncHazardError, DeadlockError, EmulatorCompileError, EmulatorError, RaceError,
+                              RawModule,
                               archs)
 
 SWIZZLES = ("none", "32B", "64B", "128B")
@@ -323,6 +324,21 @@ def test_bulk_store_and_its_hazards():
                                                r"between them") as ei:
         sm90_module("NO_BARRIER", checked=True).get_function("bulk_store")((1,), (128,), (out,))
     assert f"sm90.cu:{sm90_line('tile[i] = 2.0f * i')}" in str(ei.value), str(ei.value)
+
+
+def test_bulk_reduce_adds_as_atomics():
+    """cp.reduce.async.bulk .add.f32 from four blocks into one array: the sum, in checked mode
+    under a random schedule no race (the adds are atomic, unlike plain adds of the same
+    values); the tile written while the reduction still reads it is a hazard."""
+    for checked, schedule in ((False, "round-robin"), (True, "random")):
+        out = np.full(256, 0.5, np.float32)
+        RawModule(path=SM90_CU, arch="sm_90a", checked=checked, schedule=schedule, seed=5,
+                  options=sm90_options(())).get_function("bulk_reduce_add")((4,), (128,), (out,))
+        np.testing.assert_array_equal(out, 0.5 + 4 * np.arange(256) + 6)
+    with pytest.raises(RaceError):
+        sm90_module("ADD", checked=True).get_function("bulk_reduce_add")((4,), (128,), (out,))
+    with pytest.raises(AsyncHazardError, match=r"cp.reduce.async.bulk at .* still reads this shared memory"):
+        sm90_module("WRITE_IN_FLIGHT", checked=True).get_function("bulk_reduce_add")((4,), (128,), (out,))
 
 
 def test_named_barriers():

@@ -13,7 +13,8 @@ import re
 
 SUPPORTED = ("mbarrier.{init,inval,arrive,arrive.expect_tx,expect_tx,complete_tx,try_wait,test_wait}{,.parity}, "
              "cp.async.mbarrier.arrive{,.noinc}, cp.async.bulk{,.tensor.{1..5}d} (global to shared with an mbarrier, "
-             "shared to global with a bulk group), cp.async.bulk.{commit_group,wait_group{,.read}}, "
+             "shared to global with a bulk group), cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32, "
+             "cp.async.bulk.{commit_group,wait_group{,.read}}, "
              "prefetch.tensormap, fence.proxy.async, "
              "fence.mbarrier_init, bar/barrier.{sync,arrive} with an id and count, elect.sync, "
              "stmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.b16, mov (sm_90); setmaxnreg, wgmma.fence, "
@@ -26,6 +27,7 @@ _CP_MBAR = re.compile(r"cp\.async\.mbarrier\.arrive((?:\.[\w:]+)*)\.b64")
 _BULK = re.compile(r"cp\.async\.bulk\.(shared::cluster|shared::cta|global)\.(global|shared::cta)((?:\.[\w:]+)*)")
 _TENSOR = re.compile(r"cp\.async\.bulk\.tensor\.([1-5])d\.(shared::cluster|shared::cta|global)\.(global|shared::cta)"
                      r"((?:\.[\w:]+)*)")
+_BULK_RED = re.compile(r"cp\.reduce\.async\.bulk\.(global)\.(shared::cta)((?:\.[\w:]+)*)")
 _BULK_WAIT = re.compile(r"cp\.async\.bulk\.wait_group(\.read)?")
 _BAR = re.compile(r"(bar|barrier)(?:\.cta)?\.(sync|arrive)(\.aligned)?")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32")
@@ -48,7 +50,7 @@ class Sm90Instructions:
 
     def patterns(self):
         return ((_WGMMA, self._wgmma), (_MBARRIER, self._mbarrier), (_CP_MBAR, self._cp_mbar),
-                (_TENSOR, self._tensor), (_BULK, self._bulk),
+                (_TENSOR, self._tensor), (_BULK, self._bulk), (_BULK_RED, self._bulk_reduce),
                 (_BULK_WAIT, self._bulk_wait), (_BAR, self._bar), (_SETMAXNREG, self._setmaxnreg),
                 (_STMATRIX, self._stmatrix), (_MOV, self._mov))
 
@@ -234,6 +236,21 @@ class Sm90Instructions:
                 f"{self._where()});")
         else:
             self._unknown(instr)
+
+    def _bulk_reduce(self, instr, m):
+        """cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: the floats at the shared
+        source added to those at the global destination, as atomics, when the group completes."""
+        self._need(instr.opcode, 900)
+        quals = _quals(m.group(3))
+        hint = "L2::cache_hint" in quals
+        if [q for q in quals if q != "L2::cache_hint"] != ["bulk_group", "add", "f32"]:
+            self._unknown(instr)
+        self._count(instr, 4 if hint else 3)
+        ops = instr.operands
+        self.calls.append(
+            f"__emu_ptx_bulk_reduce_add_f32({self._addr(ops[0], 'cp.reduce.async.bulk destination')}, "
+            f"{self._addr(ops[1], 'cp.reduce.async.bulk source')}, "
+            f"{self._reg(ops[2], 32, 'cp.reduce.async.bulk size')}, {self._where()});")
 
     def _tensor(self, instr, m):
         self._need(instr.opcode, 900)

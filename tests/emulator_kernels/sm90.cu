@@ -88,6 +88,28 @@ extern "C" __global__ void bulk_store(float* out) {
     }
 }
 
+// Every block fills a shared tile (block b: b + i at i), one thread adds it to out by
+// cp.reduce.async.bulk .add.f32: out gains the sum over the blocks, whatever their order.
+extern "C" __global__ void bulk_reduce_add(float* out) {
+    __shared__ __align__(128) float tile[TILE];
+    for (int i = threadIdx.x; i < TILE; i += blockDim.x) tile[i] = blockIdx.x + (float)i;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                     :: "l"(out), "r"(smem_addr(tile)), "r"(TILE * 4) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#ifdef PLANT_WRITE_IN_FLIGHT
+        tile[5] = -1.0f;
+#endif
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+#ifdef PLANT_ADD   // the same sum by plain adds: a race between the blocks
+    if (threadIdx.x == 0)
+        for (int i = 0; i < TILE; ++i) out[i] += tile[i];
+#endif
+}
+
 // Warps 0-3 write, bar.arrive on barrier 1; warps 4-7 bar.sync on it and read.
 extern "C" __global__ void named_barrier(float* out) {
     __shared__ float x[128];

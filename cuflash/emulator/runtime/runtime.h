@@ -80,7 +80,8 @@ struct BulkStore {
     size_t size;
     std::vector<std::pair<int64_t, int64_t>> map;   // tensor stores: (global, shared) byte offsets of the elements
                                                     // in bounds (none where the box is wholly outside)
-    int elem;                 // a tensor store's element bytes; 0 for a plain bulk store
+    int elem;                 // a tensor store's element bytes; 0 for a plain bulk store, -1 for a
+                              // bulk reduce-add of floats
     int group;                // bulk async-group, -1 until cp.async.bulk.commit_group
     AsyncOp* op;
     uint32_t pc;

@@ -160,6 +160,7 @@ int __emu_ptx_mbar_wait(uint64_t addr, int generic, uint64_t phase, int parity, 
 void __emu_ptx_cp_async_mbar_arrive(uint64_t addr, int generic, int noinc, const char* file, int line);
 void __emu_ptx_bulk_load(uint64_t dst, uint64_t src, uint32_t size, uint64_t mbar, const char* file, int line);
 void __emu_ptx_bulk_store(uint64_t dst, uint64_t src, uint32_t size, const char* file, int line);
+void __emu_ptx_bulk_reduce_add_f32(uint64_t dst, uint64_t src, uint32_t size, const char* file, int line);
 void __emu_ptx_bulk_commit(void);
 void __emu_ptx_tensor_load(int dim, uint64_t dst, uint64_t map, const int32_t* coords, uint64_t mbar, const char* file,
                            int line);

@@ -654,6 +654,36 @@ EMU_EXPORT void __emu_ptx_bulk_store(uint64_t dst, uint64_t src, uint32_t size, 
     bulk_store(w, (char*)(uintptr_t)dst, s, size, {}, 0, __builtin_return_address(0), what, file, line);
 }
 
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], size: the floats land
+// as atomic adds (other blocks may add to the same ones) when the group completes
+EMU_EXPORT void __emu_ptx_bulk_reduce_add_f32(uint64_t dst, uint64_t src, uint32_t size, const char* file,
+                                              int line) {
+    Worker* w = __emu_t_worker;
+    const char* what = "cp.reduce.async.bulk";
+    if (size == 0 || size % 16 || dst % 16)
+        ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: size %u must be a positive multiple of 16 and the global "
+                 "destination 0x%llx 16-byte aligned", what, file, line, size, (unsigned long long)dst);
+    const char* s = (const char*)(tls_base() + shared_addr(w, src, 0, (int)size, what, file, line));
+    bulk_store(w, (char*)(uintptr_t)dst, s, size, {}, -1, __builtin_return_address(0), what, file, line);
+}
+
+static void add_floats(char* dst, const char* src, size_t size) {
+    for (size_t i = 0; i < size; i += 4) {
+        uint32_t* p = reinterpret_cast<uint32_t*>(dst + i);
+        float v;
+        memcpy(&v, src + i, 4);
+        uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
+        for (;;) {
+            float o;
+            memcpy(&o, &old, 4);
+            const float n = o + v;
+            uint32_t nu;
+            memcpy(&nu, &n, 4);
+            if (__atomic_compare_exchange_n(p, &old, nu, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) break;
+        }
+    }
+}
+
 EMU_EXPORT void __emu_ptx_bulk_commit(void) {
     Sm90Fiber& f = __emu_t_worker->cur->sm90;
     for (BulkStore& s : f.stores)
@@ -676,6 +706,10 @@ EMU_EXPORT void __emu_ptx_bulk_wait(int n, const char* file, int line) {
         if (s.elem == 0) {   // a plain bulk store
             if (w->L->checked) check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc));
             memcpy(s.dst, s.src, s.size);
+        } else if (s.elem < 0) {   // a bulk reduce-add: atomics
+            if (w->L->checked)
+                check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc), true);
+            add_floats(s.dst, s.src, s.size);
         } else {   // a tensor store: the elements in bounds (none for a box wholly outside)
             for (const auto& e : s.map) {
                 if (w->L->checked) check_access((uintptr_t)(s.dst + e.first), s.elem, true, (void*)(g_module_base + s.pc));
