@@ -18,6 +18,17 @@ from .kernel_forward_sm90 import (HEAD_DIMS, TENSOR_MAP_TYPES, address, check_in
                                   check_launch, tensor_map_4d, tma_strides)
 
 
+def dq_from_tiles(acc):
+    """dQ (B, Hq, Nq', D) from the not-deterministic dK/dV pass's float32 accumulator of the
+    same shape, whose tiles of 64 queries (its query blocks) hold a warpgroup's wgmma
+    accumulators in order (flash_bwd_sm90.cu, `dq`): float4 c of thread x = 32w + 4g + t at
+    16 (128c + x) bytes, its floats (query 16w + g, columns 8c + 2t, 8c + 2t + 1), then
+    the same columns of query 16w + g + 8."""
+    B, H, n, D = acc.shape
+    tiles = acc.reshape(B, H, n // 64, D // 8, 4, 8, 4, 2, 2)   # (c, w, g, t, row + 8?, col)
+    return tiles.transpose(0, 1, 2, 4, 7, 5, 3, 6, 8).reshape(B, H, n, D)
+
+
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
                   return_dbias=False, segments=None, plans=None, deterministic=True):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
@@ -29,8 +40,9 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and D (1, Hq, total_q). `plans`: the
     planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`').
     `deterministic=False` (padded rows, no dbias with a query axis, which the dQ pass
-    writes): five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ by atomics
-    (`tiling.sm90_dq_atomic_plan`) and no dQ pass; dq's last bits may vary from call to call."""
+    writes): five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ by bulk
+    reduce-adds (`tiling.sm90_dq_atomic_plan`, `dq_from_tiles`) and no dQ pass; dq's last
+    bits may vary from call to call."""
     dims = {t: HEAD_DIMS for t in tiling.SM90_DTYPES}
     check_inputs(q, k, v, head_dims=dims, what="backward")
     check_inputs(do, k, v, head_dims=dims, what="backward")
@@ -54,7 +66,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     by_cols = return_dbias and cols.ndim == 3   # a bias broadcast over query rows
     atomic = (None if deterministic or segments is not None or (return_dbias and not by_cols)
               else tiling.sm90_dq_atomic_plan(p_dkdv.dtype, p_dkdv.head_dim))
-    if atomic is not None:   # dQ's parts added here, in float32, rows padded to query blocks
+    if atomic is not None:   # dQ's parts added here, in float32, in tiles of query blocks
         p_dkdv = atomic
         dq_accum = xp.zeros((B, Hq, -(-Nq // p_dkdv.streamed_rows) * p_dkdv.streamed_rows,
                              q.shape[-1]), np.float32)
@@ -101,7 +113,8 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
          dq_accum if atomic is not None else None, cols, np.int32(by_cols), *sizes(p_dkdv)),
         shared_mem=p_dkdv.dynamic_smem_bytes)
     if atomic is not None:
-        dq[...] = (dq_accum[:, :, :Nq] * np.float32(scale)).astype(dq.dtype)
+        dq[...] = (dq_from_tiles(dq_accum)[:, :, :Nq]
+                   * np.float32(scale)).astype(dq.dtype)
         return result()
     # the heads (batch rows) that share a row of dbias take one launch each, in stream order
     want = np.int32(return_dbias and not by_cols)

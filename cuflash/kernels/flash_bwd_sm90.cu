@@ -35,7 +35,7 @@
 //
 // Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
 // backward stays bitwise deterministic. deterministic=False (DQ_ATOMIC): five, the
-// dK/dV pass adding dQ's parts by atomics and no dQ kernel (Sm90BwdTraits).
+// dK/dV pass adding dQ's parts by bulk reduce-adds and no dQ kernel (Sm90BwdTraits).
 // D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
 //
 // Layout: q, k, v, do (B, H, N, D) in T (float16 or bfloat16) with strides TMA reads (as
@@ -71,7 +71,9 @@ namespace {
 // as D / 64 boxes of 64 columns (on 1024-byte boundaries as the 128-byte swizzle needs).
 // DQ_ATOMIC (deterministic=False): each warpgroup's dSᵀ also goes to shared memory
 // (`ds`: its 64 keys × the block's 64 queries, 128-byte rows, the 128-byte swizzle), from which
-// dQ_i += dS K_j (wgmma, both operands MN-major) is added to a float32 dQ by atomics.
+// it computes its part of dQ_i = dS K_j (wgmma, both operands MN-major), stores it to `dq`
+// in its accumulators' order (float4 c of thread x at c · 128 + x: no bank conflict) and adds
+// it to a float32 dQ laid out in that order, 64 queries × D a tile, by one bulk reduce-add.
 template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits {
     static constexpr int kBlockN = 128, kBlockM = 64, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
@@ -88,6 +90,7 @@ template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits
                                         // and D, with its Q_i and dO_i
         float dsum[kStages][kBlockM];
         alignas(1024) T ds[DQ_ATOMIC ? 2 : 1][DQ_ATOMIC ? 64 * 64 : 1];
+        float4 dq[DQ_ATOMIC ? 2 : 1][DQ_ATOMIC ? HEAD_DIM / 4 * 64 : 1];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 
@@ -356,9 +359,10 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         sm90::wgmma_wait<0>();
         ring.release(pos);
         pos.advance();
-        if constexpr (DQ_ATOMIC) {  // the thread's pairs (queries 16w + g (+ 8), 8n + 2t) added
-            float* rows = dq_accum + ((long long)(b * Hq + hq) * ((Nq + BM - 1) / BM * BM) + m0 +
-                                      (threadIdx.x / 32 % 4) * 16 + g) * HEAD_DIM + 2 * t;
+        if constexpr (DQ_ATOMIC) {  // its part of dQ_i to `dq`, once the last step's add read it
+            const int tid = threadIdx.x % 128;
+            if (tid == 0) sm90::bulk_wait_read();
+            sm90::bar_sync(3 + warpgroup, 128);
 #pragma unroll
             for (int box = 0; box < Tr::kBoxes; ++box) {
                 if (box > 0 || !kDqWithDkDv) {   // (the next) 64 columns
@@ -368,15 +372,21 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     sm90::wgmma_wait<0>();
                 }
 #pragma unroll
-                for (int i = 0; i < 32; i += 4) {
-                    atomicAdd(reinterpret_cast<float2*>(rows + 64 * box + 8 * (i / 4)),
-                              make_float2(acc_dq[i], acc_dq[i + 1]));
-                    atomicAdd(reinterpret_cast<float2*>(rows + 8 * HEAD_DIM + 64 * box + 8 * (i / 4)),
-                              make_float2(acc_dq[i + 2], acc_dq[i + 3]));
-                }
+                for (int i = 0; i < 32; i += 4)
+                    sm.dq[warpgroup][(8 * box + i / 4) * 128 + tid] =
+                        make_float4(acc_dq[i], acc_dq[i + 1], acc_dq[i + 2], acc_dq[i + 3]);
+            }
+            sm90::fence_proxy_async();
+            sm90::bar_sync(3 + warpgroup, 128);
+            if (tid == 0) {   // the tile of query block i of head hq
+                const long long tile = (long long)(b * Hq + hq) * ((Nq + BM - 1) / BM) + step.i;
+                sm90::bulk_reduce_add(dq_accum + tile * (BM * HEAD_DIM), sm.dq[warpgroup],
+                                      BM * HEAD_DIM * 4);
+                sm90::bulk_commit();
             }
         }
     }
+    if (DQ_ATOMIC && threadIdx.x % 128 == 0) sm90::bulk_wait_read();   // shared memory outlives it
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
 #pragma unroll

@@ -159,6 +159,12 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap& map, int c0, int c
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
                  :: "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem(src)) : "memory");
 }
+// The `bytes` of floats at src (shared) added to those at dst (global) in one asynchronous
+// operation, as atomics: committed and waited for as bulk stores are
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const void* src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(smem(src)), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // until the committed stores have read their shared memory
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

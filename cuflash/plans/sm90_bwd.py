@@ -47,8 +47,9 @@ class Sm90BwdPlan(Plan):
         stats = 2 * self.stages * self.streamed_rows * 4 if dkdv else 0
         tiles = 2 * boxes * (BOX_BYTES[self.own_rows]
                              + self.stages * BOX_BYTES[self.streamed_rows]) + stats
-        if self.dq_atomic:   # each warpgroup's dSᵀ (64 x 64, 16-bit), on a 1024-byte boundary
-            tiles = -(-tiles // 1024) * 1024 + 2 * 64 * 64 * 2
+        if self.dq_atomic:   # each warpgroup's dSᵀ (64 x 64, 16-bit), on a 1024-byte boundary,
+            # and its part of dQ_i (64 x D, float32)
+            tiles = -(-tiles // 1024) * 1024 + 2 * 64 * 64 * 2 + 2 * 64 * self.head_dim * 4
         return tiles
 
     def __str__(self) -> str:
