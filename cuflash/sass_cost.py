@@ -45,7 +45,8 @@ _BY_ROOT = {
                      "WARPGROUP", "MEMBAR", "SYNCS", "ARRIVES", "NANOSLEEP", "BPT", "KILL",
                      "ERRBAR"), "branch/barrier"),
     **dict.fromkeys(("LDS", "STS", "ATOMS"), "LDS/STS"),
-    **dict.fromkeys(("LDG", "STG", "LD", "ST", "RED", "REDG", "ATOM", "ATOMG"), "LDG/STG"),
+    **dict.fromkeys(("LDG", "STG", "LD", "ST", "RED", "REDG", "ATOM", "ATOMG", "UBLKRED"),
+                    "LDG/STG"),
     **dict.fromkeys(("LDL", "STL"), "LDL/STL"),
 }
 
@@ -281,7 +282,7 @@ def mma_work(opcode: str) -> int:
 
 
 def _is_tile_io(ins):
-    return ins.root in ("LDGSTS", "UTMALDG", "RED", "REDG", "ATOM", "ATOMG")
+    return ins.root in ("LDGSTS", "UTMALDG", "RED", "REDG", "ATOM", "ATOMG", "UBLKRED")
 
 
 def main_loop(blocks: list[Block]) -> tuple[int, set[int]] | None:

@@ -176,9 +176,11 @@ def test_cheapest_path_skips_the_mask_and_keeps_the_copy():
     assert cost.per_hmma == 7.0
 
 
-@pytest.mark.parametrize("red", ["RED.E.ADD", "REDG.E.ADD"], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("red", ["RED.E.ADD", "REDG.E.ADD", "UBLKRED.G.S.ADD"],
+                         ids=["sm_80", "sm_90", "sm_90 bulk"])
 def test_main_loop_inside_a_walk_and_its_reductions(red):
-    # (sm_90's ptxas spells the global reduction REDG, with a descriptor)
+    # (sm_90's ptxas spells the global reduction REDG, with a descriptor; a bulk reduce-add
+    # from shared memory is UBLKRED)
     cost = sass_cost.loop_cost(WALKED.replace("RED.E.ADD", red))
     # the inner loop: 0x30 (4) → 0x70, the red.add (2) → 0x90 (3); not the outer loop's
     # 3 HMMA, and not the cheaper path around the red.add
@@ -447,6 +449,13 @@ HOPPER_CEILING = {
     ("flash_fwd_sm90_kernel", 64, "float"): (283 / 64, 64),
     ("flash_fwd_sm90_kernel", 128, "float"): (339 / 128, 128),
     ("flash_fwd_sm90_kernel", 64, "float", "split"): (484 / 192, 192),   # three products each
+    # one consumer warpgroup, 32-key tiles: split at D = 128, one-pass at 256
+    ("flash_fwd_sm90_kernel", 128, "float", "split"): (441 / 192, 192),
+    ("flash_fwd_sm90_kernel", 256, "float"): (347 / 128, 128),
+    # deterministic=False: five GEMMs, dQ's part by a bulk reduce-add (the path through the
+    # thread that issues it)
+    ("flash_bwd_dkdv_sm90_kernel", 64, "atomic"): (364 / 160, 160),
+    ("flash_bwd_dkdv_sm90_kernel", 128, "atomic"): (412 / 320, 320),
 }
 
 
@@ -457,9 +466,12 @@ def hopper_rows():
     for r in rows:
         kernel, _, args = r.kernel.partition("<")
         args = [a.strip() for a in args.rstrip(">").split(",")]
-        if args[0] in ("__half", "float") and args[2:3] in ([], ["false"]):   # padded rows
-            out[(kernel, int(args[1])) + (("float",) if args[0] == "float" else ())
-                + (("split",) if args[3:] == ["true"] else ())] = r
+        key = (kernel, int(args[1])) + (("float",) if args[0] == "float" else ())
+        atomic = kernel == "flash_bwd_dkdv_sm90_kernel" and args[2:] == ["true"]   # DQ_ATOMIC
+        if atomic and args[0] == "__half":
+            out[key + ("atomic",)] = r
+        elif args[0] in ("__half", "float") and args[2:3] in ([], ["false"]):   # padded rows
+            out[key + (("split",) if args[3:] == ["true"] else ())] = r
     return out
 
 

@@ -236,6 +236,11 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.ds[DQ_ATOMIC ? warpgroup : 0], 0) : 0;
     const unsigned long long k_mn =
         DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.k[0] + warpgroup * 64 * 64, Tr::kKvBoxBytes) : 0;
+    // ... added to dQ's tile (b, hq, i), tile (b·Hq + hq)·q_tiles + i (a 32-bit count: the
+    // tiles of 64 x D floats number fewer than 2^31)
+    const unsigned q_tiles = (unsigned)(Nq + BM - 1) / BM, head_tiles = (unsigned)b * Hq * q_tiles;
+    // by the warpgroup's first thread (one of warps 1 and 7 measured 7 instructions more)
+    const bool adder = DQ_ATOMIC && threadIdx.x % 128 == 0;
 
     sm90::mbar_wait(&kv_full, 0);
     auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
@@ -361,7 +366,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         pos.advance();
         if constexpr (DQ_ATOMIC) {  // its part of dQ_i to `dq`, once the last step's add read it
             const int tid = threadIdx.x % 128;
-            if (tid == 0) sm90::bulk_wait_read();
+            if (adder) sm90::bulk_wait_read();
             sm90::bar_sync(3 + warpgroup, 128);
 #pragma unroll
             for (int box = 0; box < Tr::kBoxes; ++box) {
@@ -378,15 +383,15 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             }
             sm90::fence_proxy_async();
             sm90::bar_sync(3 + warpgroup, 128);
-            if (tid == 0) {   // the tile of query block i of head hq
-                const long long tile = (long long)(b * Hq + hq) * ((Nq + BM - 1) / BM) + step.i;
-                sm90::bulk_reduce_add(dq_accum + tile * (BM * HEAD_DIM), sm.dq[warpgroup],
+            if (adder) {
+                const unsigned tile = head_tiles + hq * q_tiles + step.i;
+                sm90::bulk_reduce_add(dq_accum + (size_t)tile * (BM * HEAD_DIM), sm.dq[warpgroup],
                                       BM * HEAD_DIM * 4);
                 sm90::bulk_commit();
             }
         }
     }
-    if (DQ_ATOMIC && threadIdx.x % 128 == 0) sm90::bulk_wait_read();   // shared memory outlives it
+    if (adder) sm90::bulk_wait_read();   // the block's shared memory outlives the adds
 
     // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
 #pragma unroll
