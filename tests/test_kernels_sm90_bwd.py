@@ -246,10 +246,11 @@ def test_the_whole_backward_with_it():
 @pytest.mark.parametrize("dt,D", [(F16, 64), (BF16, 128)], ids=["float16-D64", "bfloat16-D128"])
 def test_not_deterministic_adds_dq_by_atomics(dt, D):
     """deterministic=False: five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ
-    by atomics (D = 128: two halves of 64 columns) and no dQ pass; dq within the rule, dk
-    and dv the deterministic run's bits, no hazard in checked mode under a random schedule
-    (each warpgroup's dSᵀ written, fenced and met on before its dQ product). dbias with a
-    query axis (the dQ pass writes it) keeps both passes."""
+    by bulk reduce-adds (D = 128: two halves of 64 columns) and no dQ pass; dq within the
+    rule, dk and dv the deterministic run's bits, no hazard in checked mode under a random
+    schedule (each warpgroup's dSᵀ written, fenced and met on before its dQ product; its
+    dQ part fenced and met on before the add, written again only once the add read it).
+    dbias with a query axis (the dQ pass writes it) keeps both passes."""
     from cuflash.variants import Variants
     be = emulator_backend("sm_90a", checked=True, schedule="random")
     (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, D, dt, causal=True, seed=5)
@@ -275,8 +276,8 @@ def test_not_deterministic_adds_dq_by_atomics(dt, D):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_not_deterministic_on_the_gpu(D, causal):
-    """The atomic five-GEMM pass on an H100: dq within the rule, dk and dv the two-pass
-    run's bits."""
+    """The five-GEMM pass on an H100 (dQ by bulk reduce-adds): dq within the rule, dk and
+    dv the two-pass run's bits."""
     import cupy
     be = hopper_gpu_backend()
     (do, q, k, v, o, lse), scale = backward_inputs(2, 8, 2, 700, 900, D, F16, causal=causal,

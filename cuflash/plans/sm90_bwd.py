@@ -30,7 +30,7 @@ class Sm90BwdPlan(Plan):
     kernel: str               # one of SM90_BWD_KERNELS
     dtype: str                # "float16" or "bfloat16"
     head_dim: int             # HEAD_DIM: exactly d (64 or 128)
-    dq_atomic: bool = False   # DQ_ATOMIC (dK/dV): dQ by atomics, no dQ pass
+    dq_atomic: bool = False   # DQ_ATOMIC (dK/dV): dQ by bulk reduce-adds, no dQ pass
 
     @property
     def score_tile(self) -> tuple:
@@ -69,11 +69,12 @@ def sm90_bwd_plans(dtype: str, d: int) -> tuple[Sm90BwdPlan, Sm90BwdPlan] | None
     return None
 
 
-SM90_DQ_ATOMIC_HEAD_DIMS = (64, 128)   # deterministic=False's dK/dV with dQ by atomics
+SM90_DQ_ATOMIC_HEAD_DIMS = (64, 128)   # deterministic=False's dK/dV adding dQ itself
 
 
 def sm90_dq_atomic_plan(dtype: str, d: int) -> Sm90BwdPlan | None:
-    """The Hopper dK/dV plan that adds dQ by atomics (deterministic=False), None if none."""
+    """The Hopper dK/dV plan that adds dQ by bulk reduce-adds, atomic (deterministic=False),
+    None if none."""
     if dtype in SM90_DTYPES and d in SM90_DQ_ATOMIC_HEAD_DIMS:
         return Sm90BwdPlan(SM90_BWD_KERNELS[0], dtype, d, dq_atomic=True)
     return None
