@@ -236,10 +236,11 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.ds[DQ_ATOMIC ? warpgroup : 0], 0) : 0;
     const unsigned long long k_mn =
         DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.k[0] + warpgroup * 64 * 64, Tr::kKvBoxBytes) : 0;
-    // ... added to dQ's tile (b, hq, i), tile (b·Hq + hq)·q_tiles + i (a 32-bit count: the
-    // tiles of 64 x D floats number fewer than 2^31)
+    // DQ_ATOMIC: the warpgroup's first thread adds its dQ part to dQ's tile (b·Hq + hq)·q_tiles
+    // + i, a 32-bit count (the tiles of 64 x D floats number fewer than 2^31; the host puts
+    // them back in rows, kernel_backward_sm90.dq_from_tiles). A thread of warps 1 and 7,
+    // off the producer's SMSP, took 7 instructions more
     const unsigned q_tiles = (unsigned)(Nq + BM - 1) / BM, head_tiles = (unsigned)b * Hq * q_tiles;
-    // by the warpgroup's first thread (one of warps 1 and 7 measured 7 instructions more)
     const bool adder = DQ_ATOMIC && threadIdx.x % 128 == 0;
 
     sm90::mbar_wait(&kv_full, 0);
