@@ -209,7 +209,7 @@ def test_the_consumers_take_turns(monkeypatch):
 
 def test_the_planner_takes_it_for_plain_calls(monkeypatch):
     """On an sm_90a device a plain 16-bit call with d = 64, 128 or 256 (float32 with
-    allow_tf32 and d = 64 or 128) runs the Hopper forward:
+    allow_tf32 and d = 64, 128 or 256, split at 64 or 128) runs the Hopper forward:
     flash_attention gives the bits of launching it directly, not those of the mma.sync
     kernel (which sm_90 without the "a" features runs)."""
     monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_90a")
