@@ -16,8 +16,7 @@ import pytest
 
 import wgmma_model as model
 from cuflash.emulator import (AsyncHazardError, DeadlockError, EmulatorCompileError, EmulatorError, RaceError,
-                              RawModule,
-                              archs)
+                              RawModule, archs)
 
 SWIZZLES = ("none", "32B", "64B", "128B")
 DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16, "tf32": np.float32}
