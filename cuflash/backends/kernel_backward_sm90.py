@@ -113,8 +113,7 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
          dq_accum if atomic is not None else None, cols, np.int32(by_cols), *sizes(p_dkdv)),
         shared_mem=p_dkdv.dynamic_smem_bytes)
     if atomic is not None:
-        dq[...] = (dq_from_tiles(dq_accum)[:, :, :Nq]
-                   * np.float32(scale)).astype(dq.dtype)
+        dq[...] = dq_from_tiles(dq_accum)[:, :, :Nq] * np.float32(scale)   # cast as it goes in
         return result()
     # the heads (batch rows) that share a row of dbias take one launch each, in stream order
     want = np.int32(return_dbias and not by_cols)

@@ -643,28 +643,28 @@ static void bulk_store(Worker* w, char* dst, const char* src, size_t size,
     f.stores.push_back({dst, src, size, std::move(map), elem, -1, op, (uint32_t)rel_pc(pc)});
 }
 
-// cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size
-EMU_EXPORT void __emu_ptx_bulk_store(uint64_t dst, uint64_t src, uint32_t size, const char* file, int line) {
+// A store from shared memory to global memory that lands at its thread's wait (elem 0: copied,
+// -1: its floats added), from the address of the kernel's call `pc`
+static void bulk_store_from(uint64_t dst, uint64_t src, uint32_t size, int elem, void* pc, const char* what,
+                            const char* file, int line) {
     Worker* w = __emu_t_worker;
-    const char* what = "cp.async.bulk (store)";
     if (size == 0 || size % 16 || dst % 16)
         ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: size %u must be a positive multiple of 16 and the global "
                  "destination 0x%llx 16-byte aligned", what, file, line, size, (unsigned long long)dst);
     const char* s = (const char*)(tls_base() + shared_addr(w, src, 0, (int)size, what, file, line));
-    bulk_store(w, (char*)(uintptr_t)dst, s, size, {}, 0, __builtin_return_address(0), what, file, line);
+    bulk_store(w, (char*)(uintptr_t)dst, s, size, {}, elem, pc, what, file, line);
+}
+
+// cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size
+EMU_EXPORT void __emu_ptx_bulk_store(uint64_t dst, uint64_t src, uint32_t size, const char* file, int line) {
+    bulk_store_from(dst, src, size, 0, __builtin_return_address(0), "cp.async.bulk (store)", file, line);
 }
 
 // cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], size: the floats land
 // as atomic adds (other blocks may add to the same ones) when the group completes
 EMU_EXPORT void __emu_ptx_bulk_reduce_add_f32(uint64_t dst, uint64_t src, uint32_t size, const char* file,
                                               int line) {
-    Worker* w = __emu_t_worker;
-    const char* what = "cp.reduce.async.bulk";
-    if (size == 0 || size % 16 || dst % 16)
-        ptx_fail(w, EMU_ERROR_GENERIC, "%s at %s:%d: size %u must be a positive multiple of 16 and the global "
-                 "destination 0x%llx 16-byte aligned", what, file, line, size, (unsigned long long)dst);
-    const char* s = (const char*)(tls_base() + shared_addr(w, src, 0, (int)size, what, file, line));
-    bulk_store(w, (char*)(uintptr_t)dst, s, size, {}, -1, __builtin_return_address(0), what, file, line);
+    bulk_store_from(dst, src, size, -1, __builtin_return_address(0), "cp.reduce.async.bulk", file, line);
 }
 
 static void add_floats(char* dst, const char* src, size_t size) {
