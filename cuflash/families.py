@@ -34,6 +34,7 @@ FLASH_BWD_DQ_TC = KernelFamily("flash_bwd_dq_tc", "flash_bwd_tc.cu")      # dQ o
 FLASH_BWD_DQ_SUM = KernelFamily("flash_bwd_dq_sum", "flash_bwd_tc.cu")    # dQ from its partials
 FLASH_BWD_DKDV_SM90 = KernelFamily("flash_bwd_dkdv_sm90", "flash_bwd_sm90.cu")  # dK, dV on wgmma
 FLASH_BWD_DQ_SM90 = KernelFamily("flash_bwd_dq_sm90", "flash_bwd_sm90.cu")      # dQ on wgmma
+FLASH_BWD_DQ_SUM_SM90 = KernelFamily("flash_bwd_dq_sum_sm90", "flash_bwd_sm90.cu")  # its partials
 SOFTMAX_ROWS = KernelFamily("softmax_rows", "online_softmax.cu")         # one block per line
 SOFTMAX_COLS = KernelFamily("softmax_cols", "online_softmax.cu")         # one thread per line
 BLOCK_MASK = KernelFamily("block_mask", "block_mask.cu")                 # a block mask's tile kinds
@@ -42,6 +43,7 @@ FAMILIES = {f.name: f for f in (FLASH_FWD, FLASH_FWD_FA1, FLASH_FWD_TC, FLASH_FW
                                 FLASH_BWD_PREPROCESS,
                                 FLASH_BWD_DKDV, FLASH_BWD_DQ, FLASH_BWD_DKDV_TC, FLASH_BWD_DQ_TC,
                                 FLASH_BWD_DQ_SUM, FLASH_BWD_DKDV_SM90, FLASH_BWD_DQ_SM90,
+                                FLASH_BWD_DQ_SUM_SM90,
                                 SOFTMAX_ROWS, SOFTMAX_COLS, BLOCK_MASK)}
 
 # The public API's `algorithm=` values and the forward family each one runs. "fa2" runs

@@ -5,7 +5,8 @@ The kernels take float16 or bfloat16, head dim 64 or 128, q, k, v, dO with strid
 read (`kernel_forward_sm90.tma_ready`), causal or not, every attention variant and dbias,
 GQA/MQA, packed sequences; lse and D = rowsum(dO ∘ O)
 (flash_bwd.cu's preprocess) in float32. `backward_sm90` runs the dK/dV pass, then the dQ
-pass, on any backend whose device is sm_90a (the emulator's sm_90a, or an H100);
+pass, or the 5-GEMM pair (the dK/dV pass adding dQ's parts into float32 partials, then their
+sum), on any backend whose device is sm_90a (the emulator's sm_90a, or an H100);
 `kernel_backward.backward` runs them for the plain calls `tiling.backward_path` gives them.
 """
 from __future__ import annotations
@@ -18,19 +19,9 @@ from .kernel_forward_sm90 import (HEAD_DIMS, TENSOR_MAP_TYPES, address, check_in
                                   check_launch, tensor_map_4d, tma_strides)
 
 
-def dq_from_tiles(acc):
-    """dQ (B, Hq, Nq', D) from the not-deterministic dK/dV pass's float32 accumulator of the
-    same shape, whose tiles of 64 queries (its query blocks) hold a warpgroup's wgmma
-    accumulators in order (flash_bwd_sm90.cu, `dq`): float4 c of thread x = 32w + 4g + t at
-    16 (128c + x) bytes, its floats (query 16w + g, columns 8c + 2t, 8c + 2t + 1), then
-    the same columns of query 16w + g + 8."""
-    B, H, n, D = acc.shape
-    tiles = acc.reshape(B, H, n // 64, D // 8, 4, 8, 4, 2, 2)   # (c, w, g, t, row + 8?, col)
-    return tiles.transpose(0, 1, 2, 4, 7, 5, 3, 6, 8).reshape(B, H, n, D)
-
-
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
-                  return_dbias=False, segments=None, plans=None, deterministic=True):
+                  return_dbias=False, segments=None, plans=None, deterministic=True,
+                  dq_workers=None):
     """(dq, dk, dv) of attention on `backend`'s sm_90a device: dk = scale · dSᵀ Q and
     dv = Pᵀ dO summed over each K/V head's query heads (flash_bwd_dkdv_sm90_kernel), dq =
     scale · dS K (flash_bwd_dq_sm90_kernel). `variants` (cuflash.variants.Variants): the
@@ -39,10 +30,15 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     `segments` (kernel_forward.Segments, cu_q and cu_k only): packed sequences, q, do
     (1, Hq, total_q, d), k, v (1, Hkv, total_k, d), lse and D (1, Hq, total_q). `plans`: the
     planner's (dK/dV, dQ) pair for these inputs (None: `tiling.sm90_bwd_plans`').
-    `deterministic=False` (padded rows, no dbias with a query axis, which the dQ pass
-    writes): five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ by bulk
-    reduce-adds (`tiling.sm90_dq_atomic_plan`, `dq_from_tiles`) and no dQ pass; dq's last
-    bits may vary from call to call."""
+
+    Five GEMMs instead of seven (`tiling.sm90_dq_parts_plans`; padded rows, no dbias with a
+    query axis, which the dQ pass writes): the dK/dV pass's W blocks per (batch, K/V head)
+    each walk key blocks w, w + W, .. and each warpgroup adds dQ's parts by bulk reduce-adds
+    into a float32 partial of its own, a key block's adds complete before the next's; then
+    flash_bwd_dq_sum_sm90 adds the 2W partials in order: bitwise reproducible for the same
+    W. `dq_workers`: W (None: `tiling.dq_workers`' count for the Hopper tile cost; 0: the
+    dQ pass). `deterministic=False`: a block per key block, all adding into one partial
+    in whatever order they run; dq's last bits may vary from call to call."""
     dims = {t: HEAD_DIMS for t in tiling.SM90_DTYPES}
     check_inputs(q, k, v, head_dims=dims, what="backward")
     check_inputs(do, k, v, head_dims=dims, what="backward")
@@ -64,12 +60,24 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     dbias, dbias_st, heads_per_launch, batch_per_launch, cols = dbias_launch(
         xp, variants if return_dbias else None, np.float32, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3   # a bias broadcast over query rows
-    atomic = (None if deterministic or segments is not None or (return_dbias and not by_cols)
-              else tiling.sm90_dq_atomic_plan(p_dkdv.dtype, p_dkdv.head_dim))
-    if atomic is not None:   # dQ's parts added here, in float32, in tiles of query blocks
-        p_dkdv = atomic
-        dq_accum = xp.zeros((B, Hq, -(-Nq // p_dkdv.streamed_rows) * p_dkdv.streamed_rows,
-                             q.shape[-1]), np.float32)
+    fused = (None if segments is not None or (return_dbias and not by_cols) or dq_workers == 0
+             else tiling.sm90_dq_parts_plans(p_dkdv.dtype, p_dkdv.head_dim))
+    key_blocks = -(-Nk // p_dkdv.own_rows)
+    workers = 0
+    if fused is not None and not deterministic:
+        workers = key_blocks
+    elif fused is not None and dq_workers is not None:
+        workers = min(dq_workers, key_blocks)
+    elif fused is not None:
+        workers = tiling.dq_workers(B * Hkv, key_blocks, backend.limits()["sm_count"],
+                                    tile_cost=tiling.SM90_DQ_PARTS_TILE_COST,
+                                    most=tiling.DQ_PARTS_MAX // 2)
+    if workers:   # dQ's float32 partials, in tiles of 64 queries (zeroed: a worker adds the
+        # tiles its key blocks see), one per warpgroup of a worker; not deterministic: one
+        p_dkdv, p_dq = fused
+        parts = xp.zeros((2 * workers if deterministic else 1, B, Hq,
+                          -(-Nq // p_dkdv.streamed_rows) * p_dkdv.streamed_rows, q.shape[-1]),
+                         np.float32)
 
     def result():
         if not return_dbias:
@@ -107,13 +115,18 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
                 np.float32(scale), np.int32(bool(causal)),
                 *variant_args(xp, variants, np.float32, mods, plan))
 
+    part_tiles = parts[0].size // (64 * q.shape[-1]) if workers and deterministic else 0
     backend.get_function(p_dkdv, mods)(
-        (-(-Nk // p_dkdv.own_rows), B * Hkv), (p_dkdv.num_threads,),
+        (workers or key_blocks, B * Hkv), (p_dkdv.num_threads,),
         (*maps((k, v), (q, do), p_dkdv.own_rows, p_dkdv.streamed_rows), map_lse, map_dsum, dk, dv,
-         dq_accum if atomic is not None else None, cols, np.int32(by_cols), *sizes(p_dkdv)),
+         parts if workers else None, np.uint32(part_tiles), cols, np.int32(by_cols),
+         *sizes(p_dkdv)),
         shared_mem=p_dkdv.dynamic_smem_bytes)
-    if atomic is not None:
-        dq[...] = dq_from_tiles(dq_accum)[:, :, :Nq] * np.float32(scale)   # cast as it goes in
+    if workers:   # dq = scale · Σ parts, in rows, a float4 of the partials per thread
+        n = parts[0].size // 4
+        backend.get_function(p_dq)((-(-n // p_dq.num_threads),), (p_dq.num_threads,),
+                                   (parts, dq, np.int64(n), np.int32(parts.shape[0]),
+                                    np.int64(n), np.int32(Nq), np.float32(scale)))
         return result()
     # the heads (batch rows) that share a row of dbias take one launch each, in stream order
     want = np.int32(return_dbias and not by_cols)

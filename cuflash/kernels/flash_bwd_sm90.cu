@@ -34,7 +34,7 @@
 //                            MN-major); at the end dQ_i · scale goes out from registers.
 //
 // Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
-// backward stays bitwise deterministic. deterministic=False (DQ_ATOMIC): five, the
+// backward stays bitwise deterministic. deterministic=False (DQ_PARTS): five, the
 // dK/dV pass adding dQ's parts by bulk reduce-adds and no dQ kernel (Sm90BwdTraits).
 // D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
 //
@@ -69,12 +69,12 @@ namespace {
 
 // The tile and its shared memory: K_j, V_j (128 rows), and the Q_i, dO_i ring (64 rows), each
 // as D / 64 boxes of 64 columns (on 1024-byte boundaries as the 128-byte swizzle needs).
-// DQ_ATOMIC (deterministic=False): each warpgroup's dSᵀ also goes to shared memory
+// DQ_PARTS (deterministic=False): each warpgroup's dSᵀ also goes to shared memory
 // (`ds`: its 64 keys × the block's 64 queries, 128-byte rows, the 128-byte swizzle), from which
 // it computes its part of dQ_i = dS K_j (wgmma, both operands MN-major), stores it to `dq`
 // in its accumulators' order (float4 c of thread x at c · 128 + x: no bank conflict) and adds
 // it to a float32 dQ laid out in that order, 64 queries × D a tile, by one bulk reduce-add.
-template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits {
+template <typename T, int HEAD_DIM, bool DQ_PARTS = false> struct Sm90BwdTraits {
     static constexpr int kBlockN = 128, kBlockM = 64, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
     static constexpr int kKvBoxElems = 128 * 64, kQBoxElems = 64 * 64;
@@ -89,8 +89,8 @@ template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false> struct Sm90BwdTraits
         float lse2[kStages][kBlockM];   // the query block's lse_log2(lse) (made on the host)
                                         // and D, with its Q_i and dO_i
         float dsum[kStages][kBlockM];
-        alignas(1024) T ds[DQ_ATOMIC ? 2 : 1][DQ_ATOMIC ? 64 * 64 : 1];
-        float4 dq[DQ_ATOMIC ? 2 : 1][DQ_ATOMIC ? HEAD_DIM / 4 * 64 : 1];
+        alignas(1024) T ds[DQ_PARTS ? 2 : 1][DQ_PARTS ? 64 * 64 : 1];
+        float4 dq[DQ_PARTS ? 2 : 1][DQ_PARTS ? HEAD_DIM / 4 * 64 : 1];
     };
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 
@@ -135,7 +135,7 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[D / 2], const unsigned (&a
 
 }  // namespace
 
-template <typename T, int HEAD_DIM, bool DQ_ATOMIC = false>
+template <typename T, int HEAD_DIM, bool DQ_PARTS = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_k,
@@ -144,18 +144,18 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                            const __grid_constant__ sm90::TensorMap map_lse,
                            const __grid_constant__ sm90::TensorMap map_dsum,
                            T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
-                           float* __restrict__ dbias_cols, int want_dbias_cols,
+                           unsigned part_tiles, float* __restrict__ dbias_cols, int want_dbias_cols,
                            const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Hq,
                            int group, int Nq, int Nk, float scale, int causal,
                            CUFLASH_VARIANT_PARAMS(T)) {
-    using Tr = Sm90BwdTraits<T, HEAD_DIM, DQ_ATOMIC>;
+    using Tr = Sm90BwdTraits<T, HEAD_DIM, DQ_PARTS>;
     constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, STAGES = Tr::kStages;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     auto& sm = *reinterpret_cast<typename Tr::Smem*>(smem_raw);
-    __shared__ __align__(8) unsigned long long kv_full;
+    __shared__ __align__(8) unsigned long long kv_full, kv_empty;   // K_j, V_j
     __shared__ sm90::Ring<STAGES> ring;  // Q_i, dO_i, lse, D
 
-    const int n0 = blockIdx.x * BN, bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
+    const int bh_kv = blockIdx.y;  // bh_kv = b·Hkv + h_kv
     const int Hkv = Hq / group, b = bh_kv / Hkv, h_kv = bh_kv % Hkv;
     // packed: batch row b's first rows and lengths; the tensors' batch coordinate is 0
     const int q_row0 = cu_q ? cu_q[b] : 0, k_row0 = cu_k ? cu_k[b] : 0, tb = cu_q ? 0 : b;
@@ -164,13 +164,16 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         Nq = cu_q[b + 1] - q_row0;
         Nk = cu_k[b + 1] - k_row0;
     }
-    if (n0 >= Nk) return;  // past the sequence's keys
     Variants<T> var = CUFLASH_VARIANTS(T);
     const CausalMask mask{Nq, Nk, causal != 0, var.win_left, var.win_right};
-    // the query blocks that see a key of the block, for each of the group's query heads
-    const int i_begin = mask.first_row(n0) / BM;
-    const int i_end = (mask.row_end(min(n0 + BN, Nk)) + BM - 1) / BM;
-    const int steps = group * max(0, i_end - i_begin);
+    // The block's key blocks, in order: keys n0 = BN (blockIdx.x + r gridDim.x), r = 0, 1, ..
+    // below the sequence's end (one where the grid has a block per key block). Those of
+    // K_j's query blocks that see a key of it, for each of the group's query heads:
+    // [first, end)
+    auto key_block = [](int r) { return (int)(blockIdx.x + r * gridDim.x) * BN; };
+    auto query_blocks = [&](int n0) {
+        return make_int2(mask.first_row(n0) / BM, (mask.row_end(min(n0 + BN, Nk)) + BM - 1) / BM);
+    };
     const int warpgroup = sm90::warpgroup_index();
 
     if (threadIdx.x == 256) {  // the producer's first thread, while thread 0 sets the barriers
@@ -178,31 +181,38 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     }
     if (threadIdx.x == 0) {
         sm90::mbar_init(&kv_full, 1);
+        sm90::mbar_init(&kv_empty, 256);
         ring.init(256);
         sm90::mbar_init_fence();
     }
     __syncthreads();
 
     if (warpgroup == 2) {  // the producer
-        sm90::regs_dec<40>();
+        sm90::regs_dec<24>();
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
-            sm90::mbar_arrive_expect_tx(&kv_full, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
-            for (int c = 0; c < Tr::kBoxes; ++c) {
-                sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
-                sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
-            }
-            QueryStep step{i_begin, h_kv * group, i_begin, i_end};
-            for (int it = 0, pos = 0; it < steps; ++it, step.advance()) {  // pos: tiles loaded
-                const int hq = step.hq, m0 = step.i * BM;
-                if (var.template tile_kind<BM, BN>(b, hq, m0, n0) == kTileEmpty) continue;
-                const int s = pos % STAGES;  // (a block mask's empty tile: not loaded)
-                auto* full = ring.acquire(pos++, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
+            int pos = 0;  // tiles loaded
+            for (int r = 0, n0; (n0 = key_block(r)) < Nk; ++r) {
+                if (r > 0) sm90::mbar_wait(&kv_empty, (r - 1) & 1);   // the last K_j, V_j read
+                sm90::mbar_arrive_expect_tx(&kv_full, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row0 + m0, hq, tb, full);
-                    sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row0 + m0, hq, tb, full);
+                    sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
+                    sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
                 }
-                sm90::tma_load_2d(sm.lse2[s], map_lse, m0, b * Hq + hq, full);
-                sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, full);
+                const int2 qb = query_blocks(n0);
+                const int steps = group * max(0, qb.y - qb.x);
+                QueryStep step{qb.x, h_kv * group, qb.x, qb.y};
+                for (int it = 0; it < steps; ++it, step.advance()) {
+                    const int hq = step.hq, m0 = step.i * BM;
+                    if (var.template tile_kind<BM, BN>(b, hq, m0, n0) == kTileEmpty) continue;
+                    const int s = pos % STAGES;  // (a block mask's empty tile: not loaded)
+                    auto* full = ring.acquire(pos++, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
+                    for (int c = 0; c < Tr::kBoxes; ++c) {
+                        sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row0 + m0, hq, tb, full);
+                        sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row0 + m0, hq, tb, full);
+                    }
+                    sm90::tma_load_2d(sm.lse2[s], map_lse, m0, b * Hq + hq, full);
+                    sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, full);
+                }
             }
         }
         return;
@@ -211,14 +221,11 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // -- the consumers: warp w of warpgroup wg owns keys 64 wg + 16 w .. of the block; a
     // thread keys g and g + 8 of those (accumulator i: n-tile i / 4, key + 8 for i % 4 ≥ 2,
     // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
-    sm90::regs_inc<232>();
+    sm90::regs_inc<240>();
     const bool variants = var.scores() || var.dropout();
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
-    const int key_top = n0 + warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;
+    const int key_row = warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;   // in K_j
     const float c = softmax_scale_log2(scale);
-    float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
-#pragma unroll
-    for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     const unsigned long long k_desc = sm90::desc_k_major_sw128(sm.k[0] + warpgroup * 64 * 64);
     const unsigned long long v_desc = sm90::desc_k_major_sw128(sm.v[0] + warpgroup * 64 * 64);
     // the ring's descriptors, made once: a slot, a box and a k step move them by constants
@@ -229,186 +236,199 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     const unsigned long long do_mn = sm90::desc_mn_major_sw128(sm.dout[0][0], Tr::kQBoxBytes);
     float s_t[32], dp_t[32];   // Sᵀ, dPᵀ: the warpgroup's 64 keys × the block's 64 queries
     unsigned pa[BM / 16][4], pds[BM / 16][4];
-    // DQ_ATOMIC: dQ_i's part from the warpgroup's keys (64 queries × D), its dS (A: the
+    // DQ_PARTS: dQ_i's part from the warpgroup's keys (64 queries × D), its dS (A: the
     // warpgroup's dSᵀ, queries along its 128-byte rows) and K_j's rows (B), both MN-major
-    float acc_dq[32];   // 64 queries × 64 columns of dQ at a time (unused without DQ_ATOMIC)
+    float acc_dq[32];   // 64 queries × 64 columns of dQ at a time (unused without DQ_PARTS)
     const unsigned long long ds_desc =
-        DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.ds[DQ_ATOMIC ? warpgroup : 0], 0) : 0;
+        DQ_PARTS ? sm90::desc_mn_major_sw128(sm.ds[DQ_PARTS ? warpgroup : 0], 0) : 0;
+    // its rows: key r's 16-byte chunk n (queries 8n ..) at chunk n ^ (r % 8) (128-byte
+    // swizzle). Lane l stores row l % 8 (+ 8 for odd l / 8) of chunks 2kk + l / 16: at
+    // ds_row ^ 32kk
+    const unsigned ds_rows = sm90::smem(sm.ds[DQ_PARTS ? warpgroup : 0]);
+    const int ds_key = (threadIdx.x / 32 % 4) * 16 + lane % 8 + 8 * (lane / 8 % 2);
+    const unsigned ds_row = ds_key * 128 + (((lane / 16) ^ (lane % 8)) << 4);
     const unsigned long long k_mn =
-        DQ_ATOMIC ? sm90::desc_mn_major_sw128(sm.k[0] + warpgroup * 64 * 64, Tr::kKvBoxBytes) : 0;
-    // DQ_ATOMIC: the warpgroup's first thread adds its dQ part to dQ's tile (b·Hq + hq)·q_tiles
-    // + i, a 32-bit count (the tiles of 64 x D floats number fewer than 2^31; the host puts
-    // them back in rows, kernel_backward_sm90.dq_from_tiles). A thread of warps 1 and 7,
-    // off the producer's SMSP, took 7 instructions more
-    const unsigned q_tiles = (unsigned)(Nq + BM - 1) / BM, head_tiles = (unsigned)b * Hq * q_tiles;
-    const bool adder = DQ_ATOMIC && threadIdx.x % 128 == 0;
+        DQ_PARTS ? sm90::desc_mn_major_sw128(sm.k[0] + warpgroup * 64 * 64, Tr::kKvBoxBytes) : 0;
+    // DQ_PARTS: the warpgroup's first thread adds its dQ part to tile (b·Hq + hq)·q_tiles + i
+    // of its float32 partial, 2 blockIdx.x + warpgroup (part_tiles tiles apart; 0: all add
+    // into one), a 32-bit count of tiles (the tiles of 64 x D floats number fewer than 2^31;
+    // flash_bwd_dq_sum_sm90 puts them back in rows). A thread of warps 1 and 7, off the
+    // producer's SMSP, took 7 instructions more
+    const unsigned q_tiles = (unsigned)(Nq + BM - 1) / BM;
+    const unsigned head_tiles = (2 * blockIdx.x + warpgroup) * part_tiles + (unsigned)b * Hq * q_tiles;
+    const bool adder = DQ_PARTS && threadIdx.x % 128 == 0;
 
-    sm90::mbar_wait(&kv_full, 0);
     auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
-    QueryStep step{i_begin, h_kv * group, i_begin, i_end};
-    for (int it = 0; it < steps; ++it, step.advance()) {
-        const int m0 = step.i * BM, hq = step.hq;
-        const int kind = var.template tile_kind<BM, BN>(b, hq, m0, n0);
-        if (kind == kTileEmpty) continue;  // a block mask's empty tile
-        var.enter_tile(kind);
-        const unsigned s = pos.slot;
-        ring.wait(pos);
-        sm90::wgmma_fence();
+    for (int r = 0, n0; (n0 = key_block(r)) < Nk; ++r) {
+        const int key_top = n0 + key_row;
+        float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
-            sm90::wgmma_m64n64k16_ss<T>(s_t, k_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
-                                        q_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
-                                        kk > 0);
+        for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+        // (through a shuffle: ptxas holds them rather than remake them at every step)
+        const int2 qb = query_blocks(n0);
+        const int first = __shfl_sync(0xffffffffu, qb.x, 0), end = __shfl_sync(0xffffffffu, qb.y, 0);
+        QueryStep step{first, h_kv * group, first, end};
+        sm90::mbar_wait(&kv_full, r & 1);
+        for (int left = group * max(0, end - first); left > 0; --left, step.advance()) {
+            const int m0 = step.i * BM, hq = step.hq;
+            const int kind = var.template tile_kind<BM, BN>(b, hq, m0, n0);
+            if (kind == kTileEmpty) continue;  // a block mask's empty tile
+            var.enter_tile(kind);
+            const unsigned s = pos.slot;
+            ring.wait(pos);
+            sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            sm90::wgmma_m64n64k16_ss<T>(dp_t, v_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
-                                        do_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
-                                        kk > 0);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
+                sm90::wgmma_m64n64k16_ss<T>(s_t, k_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
+                                            q_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
+                                            kk > 0);
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+                sm90::wgmma_m64n64k16_ss<T>(dp_t, v_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
+                                            do_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
+                                            kk > 0);
+            sm90::wgmma_commit();
+            sm90::wgmma_wait<0>();
 
-        // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, right of a query's
-        // diagonal, outside its window), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query
-        // columns, their lse and D come with Q_i. Only the steps that cross the diagonal, a
-        // window edge or an end take the per-score test
-        auto p_ds = [&](auto masked) {
+            // Pᵀ = exp2(Sᵀ·c − lse·log2 e) (0 where masked: past Nk or Nq, right of a query's
+            // diagonal, outside its window), dSᵀ = Pᵀ ∘ (dPᵀ − D); each thread's 16 query
+            // columns, their lse and D come with Q_i. Only the steps that cross the diagonal, a
+            // window edge or an end take the per-score test
+            auto p_ds = [&](auto masked) {
 #pragma unroll
-            for (int n = 0; n < 8; ++n) {
+                for (int n = 0; n < 8; ++n) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = m0 + 8 * n + 2 * t + e;
-                    const bool in = !masked || col < Nq;
-                    const float l2 = in ? sm.lse2[s][col - m0] : -neg_inf<float>();
-                    const float dsum = in ? sm.dsum[s][col - m0] : 0.f;
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = m0 + 8 * n + 2 * t + e;
+                        const bool in = !masked || col < Nq;
+                        const float l2 = in ? sm.lse2[s][col - m0] : -neg_inf<float>();
+                        const float dsum = in ? sm.dsum[s][col - m0] : 0.f;
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int i = 4 * n + 2 * half + e, key = key_top + 8 * half;
-                        const float p = masked && mask.masked(col, key)
-                                            ? 0.f : fast_exp2(fmaf(s_t[i], c, -l2));
-                        s_t[i] = p;
-                        dp_t[i] = p * (dp_t[i] - dsum);
+                        for (int half = 0; half < 2; ++half) {
+                            const int i = 4 * n + 2 * half + e, key = key_top + 8 * half;
+                            const float p = masked && mask.masked(col, key)
+                                                ? 0.f : fast_exp2(fmaf(s_t[i], c, -l2));
+                            s_t[i] = p;
+                            dp_t[i] = p * (dp_t[i] - dsum);
+                        }
                     }
                 }
-            }
-        };
-        if (variants) {  // Pᵀ ∘ Z (dropout) for dV, dSᵀ ∘ (1 − t²) (softcap) for dK
-            var.bind(b, hq, Nq, Nk);
-            float cols_top = 0.f, cols_bottom = 0.f;  // Σ over the thread's queries of dS
+            };
+            if (variants) {  // Pᵀ ∘ Z (dropout) for dV, dSᵀ ∘ (1 − t²) (softcap) for dK
+                var.bind(b, hq, Nq, Nk);
+                float cols_top = 0.f, cols_bottom = 0.f;  // Σ over the thread's queries of dS
 #pragma unroll 1
-            for (int e = 0; e < 32; ++e) {
-                const int col = m0 + 8 * (e / 4) + 2 * t + e % 2, key = key_top + 8 * (e % 4 >= 2);
-                const bool hidden = col >= Nq || mask.masked(col, key);
-                float p, ds, ds_raw;
-                recompute_p_ds_variants(s_t[0], dp_t[0], scale, sm.lse2[s][col - m0],
-                                        sm.dsum[s][col - m0], hidden, var, col, key, p, ds, ds_raw);
-                rotate(s_t, p);
-                rotate(dp_t, ds_raw);
-                (e % 4 >= 2 ? cols_bottom : cols_top) += ds;
+                for (int e = 0; e < 32; ++e) {
+                    const int col = m0 + 8 * (e / 4) + 2 * t + e % 2, key = key_top + 8 * (e % 4 >= 2);
+                    const bool hidden = col >= Nq || mask.masked(col, key);
+                    float p, ds, ds_raw;
+                    recompute_p_ds_variants(s_t[0], dp_t[0], scale, sm.lse2[s][col - m0],
+                                            sm.dsum[s][col - m0], hidden, var, col, key, p, ds, ds_raw);
+                    rotate(s_t, p);
+                    rotate(dp_t, ds_raw);
+                    (e % 4 >= 2 ? cols_bottom : cols_top) += ds;
+                }
+                if (want_dbias_cols) {  // the quad's four threads hold a key's 64 queries
+                    cols_top = warp_reduce_sum<4>(cols_top);
+                    cols_bottom = warp_reduce_sum<4>(cols_bottom);
+                    float* cols = dbias_cols + ((long long)b * Hq + hq) * Nk;
+                    if (t == 0 && key_top < Nk) cols[key_top] += cols_top;
+                    if (t == 0 && key_top + 8 < Nk) cols[key_top + 8] += cols_bottom;
+                }
+            } else if (m0 + BM > Nq || !mask.sees_all(m0, m0 + BM, n0, n0 + BN)) {
+                p_ds(Bool<true>{});
+            } else {
+                p_ds(Bool<false>{});
             }
-            if (want_dbias_cols) {  // the quad's four threads hold a key's 64 queries
-                cols_top = warp_reduce_sum<4>(cols_top);
-                cols_bottom = warp_reduce_sum<4>(cols_bottom);
-                float* cols = dbias_cols + ((long long)b * Hq + hq) * Nk;
-                if (t == 0 && key_top < Nk) cols[key_top] += cols_top;
-                if (t == 0 && key_top + 8 < Nk) cols[key_top + 8] += cols_bottom;
-            }
-        } else if (m0 + BM > Nq || !mask.sees_all(m0, m0 + BM, n0, n0 + BN)) {
-            p_ds(Bool<true>{});
-        } else {
-            p_ds(Bool<false>{});
-        }
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                pa[kk][r] = pack2<T>(s_t[8 * kk + 2 * r], s_t[8 * kk + 2 * r + 1]);
-                pds[kk][r] = pack2<T>(dp_t[8 * kk + 2 * r], dp_t[8 * kk + 2 * r + 1]);
-            }
-        if constexpr (DQ_ATOMIC) {  // dSᵀ to the warpgroup's tile: key row r, 16-byte chunk n
-            // (queries 8n ..) at chunk n ^ (r % 8), once the last step's dQ product read it
-            sm90::bar_sync(3 + warpgroup, 128);
-            unsigned char* rows = reinterpret_cast<unsigned char*>(sm.ds[warpgroup]);
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const int n = 2 * kk + r / 2;   // pds[kk][r]: queries 8n + 2t, keys g (+ 8)
-                    const int key = (threadIdx.x / 32 % 4) * 16 + g + 8 * (r % 2);
-                    *reinterpret_cast<unsigned*>(rows + key * 128 + ((n ^ (key % 8)) * 16) + 4 * t) =
-                        pds[kk][r];
+                    pa[kk][r] = pack2<T>(s_t[8 * kk + 2 * r], s_t[8 * kk + 2 * r + 1]);
+                    pds[kk][r] = pack2<T>(dp_t[8 * kk + 2 * r], dp_t[8 * kk + 2 * r + 1]);
                 }
-            sm90::fence_proxy_async();
-            sm90::bar_sync(3 + warpgroup, 128);
-        }
-        // dV += Pᵀ dO_i, dK += dSᵀ Q_i: k step kk takes queries 16kk .. (2048 bytes on), the
-        // next 64 columns one box (8 KB) on
-        sm90::wgmma_fence();
+            if constexpr (DQ_PARTS) {  // dSᵀ to the warpgroup's tile, once the last step's dQ
+                // product read it: pds[kk] as four 8x8 matrices (keys + 0, 8 of queries 16kk,
+                // then of 16kk + 8), lane l giving a row's address (ds_row)
+                sm90::bar_sync(3 + warpgroup, 128);
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            wgmma_rs<T, HEAD_DIM>(acc_dv, pa[kk], do_mn + s * kSlotDesc + 128 * kk);
+                for (int kk = 0; kk < BM / 16; ++kk) sm90::stmatrix_x4(ds_rows + (ds_row ^ (kk << 5)), pds[kk]);
+                sm90::fence_proxy_async();
+                sm90::bar_sync(3 + warpgroup, 128);
+            }
+            // dV += Pᵀ dO_i, dK += dSᵀ Q_i: k step kk takes queries 16kk .. (2048 bytes on), the
+            // next 64 columns one box (8 KB) on
+            sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk], q_mn + s * kSlotDesc + 128 * kk);
-        // DQ_ATOMIC: dQ_i = dS K_j over the warpgroup's keys, 64 columns (one box of K_j) at
-        // a time; k step kk its keys 16kk .. (2048 bytes on in both). D = 64 issues it with
-        // dV and dK; at D = 128 that spilled (CUDA 12.9: 28 bytes), so both halves follow them
-        constexpr bool kDqWithDkDv = Tr::kBoxes == 1;
-        auto issue_dq = [&](int box) {
+            for (int kk = 0; kk < BM / 16; ++kk)
+                wgmma_rs<T, HEAD_DIM>(acc_dv, pa[kk], do_mn + s * kSlotDesc + 128 * kk);
 #pragma unroll
-            for (int kk = 0; kk < 64 / 16; ++kk)
-                sm90::wgmma_m64n64k16_ss_tt<T>(acc_dq, ds_desc + 128 * kk,
-                                               k_mn + box * (Tr::kKvBoxBytes >> 4) + 128 * kk,
-                                               kk > 0);
-        };
-        if constexpr (DQ_ATOMIC && kDqWithDkDv) issue_dq(0);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        ring.release(pos);
-        pos.advance();
-        if constexpr (DQ_ATOMIC) {  // its part of dQ_i to `dq`, once the last step's add read it
-            const int tid = threadIdx.x % 128;
-            if (adder) sm90::bulk_wait_read();
-            sm90::bar_sync(3 + warpgroup, 128);
+            for (int kk = 0; kk < BM / 16; ++kk)
+                wgmma_rs<T, HEAD_DIM>(acc_dk, pds[kk], q_mn + s * kSlotDesc + 128 * kk);
+            // DQ_PARTS: dQ_i = dS K_j over the warpgroup's keys, 64 columns (one box of K_j) at
+            // a time; k step kk its keys 16kk .. (2048 bytes on in both). D = 64 issues it with
+            // dV and dK; at D = 128 that spilled (CUDA 12.9: 28 bytes), so both halves follow them
+            constexpr bool kDqWithDkDv = Tr::kBoxes == 1;
+            auto issue_dq = [&](int box) {
 #pragma unroll
-            for (int box = 0; box < Tr::kBoxes; ++box) {
-                if (box > 0 || !kDqWithDkDv) {   // (the next) 64 columns
-                    sm90::wgmma_fence();
-                    issue_dq(box);
-                    sm90::wgmma_commit();
-                    sm90::wgmma_wait<0>();
+                for (int kk = 0; kk < 64 / 16; ++kk)
+                    sm90::wgmma_m64n64k16_ss_tt<T>(acc_dq, ds_desc + 128 * kk,
+                                                   k_mn + box * (Tr::kKvBoxBytes >> 4) + 128 * kk,
+                                                   kk > 0);
+            };
+            if constexpr (DQ_PARTS && kDqWithDkDv) issue_dq(0);
+            sm90::wgmma_commit();
+            sm90::wgmma_wait<0>();
+            ring.release(pos);
+            pos.advance();
+            if constexpr (DQ_PARTS) {  // its part of dQ_i to `dq`, once the last step's add read it
+                const int tid = threadIdx.x % 128;
+                if (adder) sm90::bulk_wait_read();
+                sm90::bar_sync(3 + warpgroup, 128);
+#pragma unroll
+                for (int box = 0; box < Tr::kBoxes; ++box) {
+                    if (box > 0 || !kDqWithDkDv) {   // (the next) 64 columns
+                        sm90::wgmma_fence();
+                        issue_dq(box);
+                        sm90::wgmma_commit();
+                        sm90::wgmma_wait<0>();
+                    }
+#pragma unroll
+                    for (int i = 0; i < 32; i += 4)
+                        sm.dq[warpgroup][(8 * box + i / 4) * 128 + tid] =
+                            make_float4(acc_dq[i], acc_dq[i + 1], acc_dq[i + 2], acc_dq[i + 3]);
                 }
-#pragma unroll
-                for (int i = 0; i < 32; i += 4)
-                    sm.dq[warpgroup][(8 * box + i / 4) * 128 + tid] =
-                        make_float4(acc_dq[i], acc_dq[i + 1], acc_dq[i + 2], acc_dq[i + 3]);
-            }
-            sm90::fence_proxy_async();
-            sm90::bar_sync(3 + warpgroup, 128);
-            if (adder) {
-                const unsigned tile = head_tiles + hq * q_tiles + step.i;
-                sm90::bulk_reduce_add(dq_accum + (size_t)tile * (BM * HEAD_DIM), sm.dq[warpgroup],
-                                      BM * HEAD_DIM * 4);
-                sm90::bulk_commit();
+                sm90::fence_proxy_async();
+                sm90::bar_sync(3 + warpgroup, 128);
+                if (adder) {
+                    const unsigned tile = head_tiles + hq * q_tiles + step.i;
+                    sm90::bulk_reduce_add(dq_accum + (size_t)tile * (BM * HEAD_DIM), sm.dq[warpgroup],
+                                          BM * HEAD_DIM * 4);
+                    sm90::bulk_commit();
+                }
             }
         }
-    }
-    if (adder) sm90::bulk_wait_read();   // the block's shared memory outlives the adds
+        sm90::mbar_arrive(&kv_empty);   // K_j, V_j read: the producer may load the next
 
-    // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
+        // -- dK_j · scale and dV_j, from registers: a thread's two 16-bit columns per n-tile
 #pragma unroll
-    for (int i = 0; i < Tr::kAcc; i += 4) {
-        const int col = 8 * (i / 4) + 2 * t;
+        for (int i = 0; i < Tr::kAcc; i += 4) {
+            const int col = 8 * (i / 4) + 2 * t;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key = key_top + 8 * half;
-            if (key < Nk) {
-                const long long at = (out0 + key) * HEAD_DIM + col;
-                *reinterpret_cast<unsigned*>(dk + at) =
-                    pack2<T>(acc_dk[i + 2 * half] * scale, acc_dk[i + 2 * half + 1] * scale);
-                *reinterpret_cast<unsigned*>(dv + at) =
-                    pack2<T>(acc_dv[i + 2 * half], acc_dv[i + 2 * half + 1]);
+            for (int half = 0; half < 2; ++half) {
+                const int key = key_top + 8 * half;
+                if (key < Nk) {
+                    const long long at = (out0 + key) * HEAD_DIM + col;
+                    *reinterpret_cast<unsigned*>(dk + at) =
+                        pack2<T>(acc_dk[i + 2 * half] * scale, acc_dk[i + 2 * half + 1] * scale);
+                    *reinterpret_cast<unsigned*>(dv + at) =
+                        pack2<T>(acc_dv[i + 2 * half], acc_dv[i + 2 * half + 1]);
+                }
             }
         }
+        // the adds made before the next key block's, which may reach the same tiles: each
+        // element of a partial takes its key blocks' parts in order
+        if (adder) sm90::bulk_wait();
     }
 }
 
@@ -598,4 +618,32 @@ flash_bwd_dq_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     pack2<T>(acc[i + 2 * half] * scale, acc[i + 2 * half + 1] * scale);
         }
     }
+}
+
+// dQ from the dK/dV pass's float32 partials (DQ_PARTS): dq = scale · Σ_p parts[p], summed in
+// order p = 0, 1, .. (one fixed sum per element: the same bits on every run), and put back
+// from the tiles' accumulator order into rows. A partial holds (B·Hq) × ⌈Nq / 64⌉ tiles of
+// 64 queries × HEAD_DIM, part_stride float4s apart; float4 128c + x of a tile (x = 32w +
+// 4g + t) holds query 16w + g's columns 8c + 2t, 8c + 2t + 1, then query 16w + g + 8's. One
+// float4 per thread, two pairs of dq (B, Hq, Nq, HEAD_DIM), contiguous, in T.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(256)
+flash_bwd_dq_sum_sm90_kernel(const float4* __restrict__ parts, T* __restrict__ dq, long long n,
+                             int num_parts, long long part_stride, int Nq, float scale) {
+    constexpr int kTile = 64 * HEAD_DIM / 4;   // float4s of a tile
+    const long long f = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (f >= n) return;
+    const int q_tiles = (Nq + 63) / 64, x = f % kTile % 128;
+    const long long bh = f / kTile / q_tiles;
+    const int row = f / kTile % q_tiles * 64 + 16 * (x / 32) + x % 32 / 4;
+    const int col = 8 * (f % kTile / 128) + 2 * (x % 4);
+    float4 acc = parts[f];
+    for (int p = 1; p < num_parts; ++p) {
+        const float4 y = parts[f + p * part_stride];
+        acc.x += y.x, acc.y += y.y, acc.z += y.z, acc.w += y.w;
+    }
+    T* out = dq + (bh * Nq + row) * HEAD_DIM + col;
+    if (row < Nq) *reinterpret_cast<unsigned*>(out) = pack2<T>(acc.x * scale, acc.y * scale);
+    if (row + 8 < Nq)
+        *reinterpret_cast<unsigned*>(out + 8 * HEAD_DIM) = pack2<T>(acc.z * scale, acc.w * scale);
 }

@@ -168,6 +168,15 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const void* src, uns
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // until the committed stores have read their shared memory
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// until the committed stores and reduce-adds have completed (their writes made)
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Four 8x8 matrices of 16-bit values stored from the warp's mma fragments (register i: row
+// lane / 4, columns 2 (lane % 4) .. of matrix i); lane l gives the address of matrix l / 8's
+// row l % 8 (shared, 16 bytes)
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
 // the thread's generic writes of shared memory, before the async proxy (a TMA store) reads them
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

@@ -106,16 +106,24 @@ def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -
 # block per SM take the rest. With finer blocks the two kernels never take more waves, so
 # they run until the 5-GEMM tile gets cheaper; `dq_workers=W` asks for the 5-GEMM pass.
 
+#
+# SM90_DQ_PARTS_TILE_COST: the same for the Hopper pair (flash_bwd_sm90.cu), from the static
+# model until a GPU measures it: the 5-GEMM dK/dV step issues 1685 (D = 128) and 1486
+# (D = 64) instructions per 128x128 block per SMSP against the two passes' 2355 and 2181
+# (docs/kernels.md), 0.72 and 0.68; the partials' sum, a memory pass of 8W + 2 bytes per
+# element of dQ, is not in it.
+
 DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies of dQ
 DQ_PARTS_TILE_COST = 1.0
+SM90_DQ_PARTS_TILE_COST = 0.72
 
 
 def dq_workers(units: int, key_blocks: int, sm_count,
-               tile_cost: float = DQ_PARTS_TILE_COST) -> int:
+               tile_cost: float = DQ_PARTS_TILE_COST, most: int = DQ_PARTS_MAX) -> int:
     """Workers W per (batch, K/V head) of the 5-GEMM backward for `units` (batch × K/V
     heads) over `key_blocks` key blocks each on `sm_count` SMs: up to FlashAttention-2's
-    ⌈SMs / units⌉ (at most the key blocks and DQ_PARTS_MAX), the fewest whose waves take
-    the least time in the model above; 0 where the two-kernel backward takes no longer
+    ⌈SMs / units⌉ (at most the key blocks and `most`), the fewest whose waves take the
+    least time in the model above; 0 where the two-kernel backward takes no longer
     (`tile_cost`: a 5-GEMM tile's time in two-kernel tiles) or the SM count is unknown."""
     if not sm_count or units <= 0 or key_blocks <= 0:
         return 0
@@ -123,5 +131,5 @@ def dq_workers(units: int, key_blocks: int, sm_count,
     def time(w):
         return tile_cost * -(-w * units // sm_count) * -(-key_blocks // w)
 
-    w = min(range(1, min(-(-sm_count // units), key_blocks, DQ_PARTS_MAX) + 1), key=time)
+    w = min(range(1, min(-(-sm_count // units), key_blocks, most) + 1), key=time)
     return w if time(w) < -(-key_blocks * units // sm_count) else 0
