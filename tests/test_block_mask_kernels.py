@@ -156,8 +156,9 @@ def test_public_api_on_the_emulator():
 
 @pytest.mark.parametrize("fn,block,Nq,Nk", PATTERNS)
 def test_hopper_kernels_skip_empty_tiles(fn, block, Nq, Nk):
-    """The Hopper forward's producer and consumers, and both backward passes', walk the same
-    non-empty tiles: their TMA loads of k (forward, dQ) and q (dK/dV) count them."""
+    """The Hopper forward's producer and consumers, and the backward passes' (the 5-GEMM
+    dK/dV pass, and the two passes), walk the same non-empty tiles: their TMA loads of k
+    (forward, dQ) and q (dK/dV) count them."""
     be = emulator_backend("sm_90a", checked=True)
     Hq, d = 2, 64
     q, k, v, do = attention_inputs(1, Hq, 1, Nq, Nk, d, np.float16, seed=3)
@@ -182,13 +183,17 @@ def test_hopper_kernels_skip_empty_tiles(fn, block, Nq, Nk):
     assert tiles_read(plan, kernel, 1, 1) == Hq * visited_tiles(dense, plan.score_tile, bm.block)
     be.launched, be.functions = [], []
     Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
-    grads = kernel_backward_sm90.backward_sm90(be, do, q, k, v, lse, Dvec, causal=False,
-                                               scale=scale, variants=var)
-    _assert_grads(grads, ref, plain, np.float16)
-    (p_dkdv, p_dq), (f_dkdv, f_dq) = be.launched, be.functions
-    assert tiles_read(p_dkdv, f_dkdv, 0, 0) == Hq * visited_tiles(dense, p_dkdv.score_tile,
-                                                                  bm.block)
-    assert tiles_read(p_dq, f_dq, 1, 1) == Hq * visited_tiles(dense, p_dq.score_tile, bm.block)
+    for workers in (None, 0):
+        grads = kernel_backward_sm90.backward_sm90(be, do, q, k, v, lse, Dvec, causal=False,
+                                                   scale=scale, variants=var, dq_workers=workers)
+        _assert_grads(grads, ref, plain, np.float16)
+        (p_dkdv, p_dq), (f_dkdv, f_dq) = be.launched, be.functions
+        be.launched, be.functions = [], []
+        assert tiles_read(p_dkdv, f_dkdv, 0, 0) == Hq * visited_tiles(dense, p_dkdv.score_tile,
+                                                                      bm.block)
+        if workers == 0:
+            assert tiles_read(p_dq, f_dq, 1, 1) == Hq * visited_tiles(dense, p_dq.score_tile,
+                                                                      bm.block)
 
 
 @pytest.mark.parametrize("fn,block,Nq,Nk", PATTERNS[:2])

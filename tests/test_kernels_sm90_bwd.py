@@ -1,5 +1,6 @@
-"""The Hopper backward (kernels/flash_bwd_sm90.cu) in the emulator's sm_90a: the dK/dV pass
-and the dQ pass, TMA, mbarriers, a producer warpgroup, wgmma with P and dS from registers;
+"""The Hopper backward (kernels/flash_bwd_sm90.cu) in the emulator's sm_90a: the 5-GEMM pair
+(the dK/dV pass adding dQ's parts into float32 partials, then their sum) and the dK/dV pass
+with the dQ pass, TMA, mbarriers, a producer warpgroup, wgmma with P and dS from registers;
 dQ, dK and dV against the float64 reference with FlashAttention's rule for gradients, in
 checked mode (races, bounds, every asynchronous hazard) and bitwise equal under other block
 schedules. And the same kernels on an H100 (`gpu`), for the day one is lent.
@@ -23,9 +24,15 @@ def _backend(checked=False, schedule="round-robin"):
     return kernels.emulator_backend(checked=checked, schedule=schedule, seed=3, arch="sm_90a")
 
 
-def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None):
+FIVE_GEMMS = ["flash_bwd_dkdv_sm90", "flash_bwd_dq_sum_sm90"]
+TWO_PASSES = ["flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
+
+
+def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None,
+           dq_workers=None):
     """dQ, dK, dV on `backend` within the rule (factor 3 over a plain dtype implementation);
-    `opts` as flash_attention takes the variants (4-D bias and mask)."""
+    `opts` as flash_attention takes the variants (4-D bias and mask); `dq_workers` as
+    backward_sm90 takes it (0: the dQ pass), and its launches are checked."""
     opts = opts or {}
     (do, q, k, v, o, lse), scale = backward_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, causal=causal,
                                                    seed=seed)
@@ -36,7 +43,11 @@ def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None)
     Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
     xp = backend.xp
     grads = sm90_bwd.backward_sm90(backend, *map(xp.asarray, (do, q, k, v, lse, Dvec)),
-                                   causal=causal, scale=scale, variants=variants_of(opts, xp))
+                                   causal=causal, scale=scale, variants=variants_of(opts, xp),
+                                   dq_workers=dq_workers)
+    if hasattr(backend, "take_launches"):
+        assert [p.kernel for p in backend.take_launches()] == (
+            TWO_PASSES if dq_workers == 0 else FIVE_GEMMS)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype, **opts)
     for name, out, r, p, like in zip(("dq", "dk", "dv"), grads, ref, plain, (q, k, v)):
@@ -58,16 +69,17 @@ def test_backward(dt, D, B, Hq, Hkv, Nq, Nk, causal):
         assert np.all(dq[..., :Nq - Nk, :].astype(np.float32) == 0)
 
 
-@pytest.mark.parametrize("window,causal,Nq,Nk", [
-    ((40, 0), False, 200, 300),     # left edge inside both passes' tiles, Nq < Nk
-    ((100, 70), False, 300, 200),   # both edges; rows that see no key (dQ = 0)
-    ((130, -1), True, 256, 256),    # causal with a left edge on a tile boundary + 2
-    ((-1, 20), False, 150, 150),    # the right edge alone
+@pytest.mark.parametrize("window,causal,Nq,Nk,workers", [
+    ((40, 0), False, 200, 300, None),    # left edge inside both passes' tiles, Nq < Nk
+    ((100, 70), False, 300, 200, 0),     # both edges; rows that see no key (dQ = 0)
+    ((130, -1), True, 256, 256, None),   # causal with a left edge on a tile boundary + 2
+    ((-1, 20), False, 150, 150, 0),      # the right edge alone
 ])
-def test_window(window, causal, Nq, Nk):
+def test_window(window, causal, Nq, Nk, workers):
     """The sliding window: the query blocks (dK/dV) and key tiles (dQ) outside it are
-    skipped, the steps its edges cross masked score by score."""
-    _check(_backend(), 1, 2, 1, Nq, Nk, 64, causal, seed=Nq + Nk, opts=dict(window=window))
+    skipped, the steps its edges cross masked score by score; five GEMMs and two passes."""
+    _check(_backend(), 1, 2, 1, Nq, Nk, 64, causal, seed=Nq + Nk, opts=dict(window=window),
+           dq_workers=workers)
 
 
 @pytest.mark.parametrize("names,causal,dt", [
@@ -77,10 +89,12 @@ def test_window(window, causal, Nq, Nk):
 ], ids=lambda x: "+".join(x) if isinstance(x, list) else str(x))
 def test_variants(names, causal, dt):
     """Every attention variant, alone and all at once, against the float64 reference
-    (dropout's keep decisions are the forward's); GQA, partial tiles."""
+    (dropout's keep decisions are the forward's); GQA, partial tiles; all at once on both
+    pairs."""
     B, Hq, Hkv, Nq, Nk = 2, 2, 1, 150, 200
-    _check(_backend(), B, Hq, Hkv, Nq, Nk, 64, causal, dtype=dt, seed=7,
-           opts=variant_options(names, dt, (B, Hq, Hkv, Nq, Nk, 64)))
+    for workers in (None, 0) if len(names) > 1 else (None,):
+        _check(_backend(), B, Hq, Hkv, Nq, Nk, 64, causal, dtype=dt, seed=7,
+               opts=variant_options(names, dt, (B, Hq, Hkv, Nq, Nk, 64)), dq_workers=workers)
 
 
 def _dbias_check(be, layout, B=2, Hq=4, Hkv=2, Nq=150, Nk=200, D=64):
@@ -98,9 +112,9 @@ def _dbias_check(be, layout, B=2, Hq=4, Hkv=2, Nq=150, Nk=200, D=64):
                                      scale=scale, variants=variants_of(opts, xp),
                                      return_dbias=True)
     grads = [to_host(g) for g in grads]
-    if hasattr(be, "take_launches"):
-        assert {p.kernel for p in be.take_launches()} == {
-            "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"}
+    if hasattr(be, "take_launches"):   # dbias with a query axis: the dQ pass writes it
+        assert list(dict.fromkeys(p.kernel for p in be.take_launches()))[-2:] == (
+            FIVE_GEMMS if opts["bias"].shape[-2] == 1 else TWO_PASSES)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale,
                                        return_dbias=True, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16, **opts)
@@ -115,7 +129,8 @@ def _dbias_check(be, layout, B=2, Hq=4, Hkv=2, Nq=150, Nk=200, D=64):
 def test_dbias(layout):
     """dbias for every bias layout (dS before softcap's factor): a bias with its query axis
     by the dQ pass (one launch per head or batch row sharing a dbias row), one broadcast over
-    query rows by the dK/dV pass's column sums; causal, softcap, GQA, ragged tiles."""
+    query rows by the (5-GEMM) dK/dV pass's column sums; causal, softcap, GQA, ragged
+    tiles."""
     _dbias_check(emulator_backend("sm_90a"), layout)
 
 
@@ -182,12 +197,29 @@ def test_packed_sequences(causal, opts):
         "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
 
 
-@pytest.mark.parametrize("D,schedule,dt", [(64, "reversed", F16), (128, "random", BF16)])
-def test_checked_and_schedules(D, schedule, dt):
+@pytest.mark.parametrize("D,schedule,dt,workers", [(64, "reversed", F16, None),
+                                                    (128, "random", BF16, None),
+                                                    (128, "reversed", F16, 0)])
+def test_checked_and_schedules(D, schedule, dt, workers):
     """No hazard of any kind the emulator checks, and the bits of round-robin."""
     args = (1, 4, 2, 130, 140, D, True)
-    grads = _check(_backend(checked=True, schedule=schedule), *args, dtype=dt, seed=D)
-    grads_rr = _check(_backend(), *args, dtype=dt, seed=D)
+    grads = _check(_backend(checked=True, schedule=schedule), *args, dtype=dt, seed=D,
+                   dq_workers=workers)
+    grads_rr = _check(_backend(), *args, dtype=dt, seed=D, dq_workers=workers)
+    for x, y in zip(grads, grads_rr):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+@pytest.mark.parametrize("D,workers", [(64, 1), (128, 2), (64, 3)])
+def test_workers_walk_key_blocks(D, workers):
+    """Five GEMMs with fewer workers than key blocks (5 of 128 keys): each block walks key
+    blocks w, w + W, .., reloading K_j, V_j once the consumers freed them and carrying the
+    ring on; each warpgroup's partial takes its key blocks' parts in order. Within the rule,
+    no hazard in checked mode, the bits of round-robin under a random schedule."""
+    args = (1, 4, 2, 200, 600, D, True)
+    grads = _check(_backend(checked=True, schedule="random"), *args, seed=D + workers,
+                   dq_workers=workers)
+    grads_rr = _check(_backend(), *args, seed=D + workers, dq_workers=workers)
     for x, y in zip(grads, grads_rr):
         np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
 
@@ -200,7 +232,7 @@ def test_the_whole_backward_with_it():
     be = emulator_backend("sm_90a")
     (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, 64, F16, causal=True, seed=5)
     grads = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale)
-    hopper = ["flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
+    hopper = ["flash_bwd_preprocess", *FIVE_GEMMS]
     assert [p.kernel for p in be.take_launches()] == hopper
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale)
     plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16)
@@ -245,8 +277,8 @@ def test_the_whole_backward_with_it():
 
 @pytest.mark.parametrize("dt,D", [(F16, 64), (BF16, 128)], ids=["float16-D64", "bfloat16-D128"])
 def test_not_deterministic_adds_dq_by_atomics(dt, D):
-    """deterministic=False: five GEMMs, the dK/dV pass adding dQ's parts into a float32 dQ
-    by bulk reduce-adds (D = 128: two halves of 64 columns) and no dQ pass; dq within the
+    """deterministic=False: five GEMMs, a block per key block, all adding dQ's parts into
+    one float32 partial by bulk reduce-adds (D = 128: two halves of 64 columns); dq within the
     rule, dk and dv the deterministic run's bits, no hazard in checked mode under a random
     schedule (each warpgroup's dSᵀ written, fenced and met on before its dQ product; its
     dQ part fenced and met on before the add, written again only once the add read it).
@@ -256,7 +288,7 @@ def test_not_deterministic_adds_dq_by_atomics(dt, D):
     (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, D, dt, causal=True, seed=5)
     fast = kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
                                     deterministic=False)
-    assert [p.kernel for p in be.take_launches()] == ["flash_bwd_preprocess", "flash_bwd_dkdv_sm90"]
+    assert [p.kernel for p in be.take_launches()] == ["flash_bwd_preprocess", *FIVE_GEMMS]
     same = kernel_backward.backward(emulator_backend("sm_90a"), do, q, k, v, o, lse, causal=True,
                                     scale=scale)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale)
@@ -268,8 +300,7 @@ def test_not_deterministic_adds_dq_by_atomics(dt, D):
     bias = np.random.default_rng(1).uniform(-1, 1, (2, 4, 150, 200)).astype(np.float32)
     kernel_backward.backward(be, do, q, k, v, o, lse, causal=True, scale=scale,
                              variants=Variants(bias=bias), return_dbias=True, deterministic=False)
-    assert [p.kernel for p in be.take_launches()] == [
-        "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
+    assert [p.kernel for p in be.take_launches()] == ["flash_bwd_preprocess", *TWO_PASSES]
 
 
 @pytest.mark.gpu
@@ -301,6 +332,7 @@ def test_not_deterministic_on_the_gpu(D, causal):
 def test_on_the_gpu(dt, D, causal):
     """The same launches on an H100: the driver's tensor maps, NVRTC for sm_90a."""
     be = hopper_gpu_backend()
-    _check(be, 2, 8, 2, 700, 900, D, causal, dtype=dt, seed=D)
+    for workers in (None, 0, 3):
+        _check(be, 2, 8, 2, 700, 900, D, causal, dtype=dt, seed=D, dq_workers=workers)
     _check(be, 1, 4, 2, 900, 700, D, causal, dtype=dt, seed=D + 1, opts=dict(window=(200, 30)))
     _packed_check(be, [700, 300, 1], [900, 200, 64], 8, 2, D, causal, dtype=dt)
