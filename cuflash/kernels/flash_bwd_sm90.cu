@@ -81,6 +81,10 @@ template <typename T, int HEAD_DIM, bool DQ_PARTS = false> struct Sm90BwdTraits 
     static constexpr unsigned kKvBoxBytes = kKvBoxElems * 2, kQBoxBytes = kQBoxElems * 2;
     static constexpr int kThreads = 384;
     static constexpr int kAcc = HEAD_DIM / 2;  // a consumer thread's accumulators of 64 x D
+    // setmaxnreg: the producer's registers and the consumers' (128 · 24 + 256 · 240 is the
+    // block's 384 · 168). DQ_PARTS' producer, which walks key blocks, spilled in 24 under
+    // CUDA 13.5
+    static constexpr int kProducerRegs = DQ_PARTS ? 32 : 24, kConsumerRegs = DQ_PARTS ? 232 : 240;
     struct __align__(1024) Smem {
         T k[kBoxes][kKvBoxElems];
         T v[kBoxes][kKvBoxElems];
@@ -188,15 +192,18 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     __syncthreads();
 
     if (warpgroup == 2) {  // the producer
-        sm90::regs_dec<24>();
+        sm90::regs_dec<Tr::kProducerRegs>();
         if (threadIdx.x / 32 == 8 && sm90::elect_one()) {
+            // the first rows, read again: held from the start, they took a register the
+            // consumers needed
+            const int q_row = cu_q ? cu_q[b] : 0, k_row = cu_k ? cu_k[b] : 0;
             int pos = 0;  // tiles loaded
             for (int r = 0, n0; (n0 = key_block(r)) < Nk; ++r) {
                 if (r > 0) sm90::mbar_wait(&kv_empty, (r - 1) & 1);   // the last K_j, V_j read
                 sm90::mbar_arrive_expect_tx(&kv_full, 2 * Tr::kBoxes * Tr::kKvBoxBytes);
                 for (int c = 0; c < Tr::kBoxes; ++c) {
-                    sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
-                    sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row0 + n0, h_kv, tb, &kv_full);
+                    sm90::tma_load_4d(sm.k[c], map_k, 64 * c, k_row + n0, h_kv, tb, &kv_full);
+                    sm90::tma_load_4d(sm.v[c], map_v, 64 * c, k_row + n0, h_kv, tb, &kv_full);
                 }
                 const int2 qb = query_blocks(n0);
                 const int steps = group * max(0, qb.y - qb.x);
@@ -207,8 +214,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                     const int s = pos % STAGES;  // (a block mask's empty tile: not loaded)
                     auto* full = ring.acquire(pos++, 2 * Tr::kBoxes * Tr::kQBoxBytes + 2 * BM * 4);
                     for (int c = 0; c < Tr::kBoxes; ++c) {
-                        sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row0 + m0, hq, tb, full);
-                        sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row0 + m0, hq, tb, full);
+                        sm90::tma_load_4d(sm.q[s][c], map_q, 64 * c, q_row + m0, hq, tb, full);
+                        sm90::tma_load_4d(sm.dout[s][c], map_do, 64 * c, q_row + m0, hq, tb, full);
                     }
                     sm90::tma_load_2d(sm.lse2[s], map_lse, m0, b * Hq + hq, full);
                     sm90::tma_load_2d(sm.dsum[s], map_dsum, m0, b * Hq + hq, full);
@@ -221,7 +228,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // -- the consumers: warp w of warpgroup wg owns keys 64 wg + 16 w .. of the block; a
     // thread keys g and g + 8 of those (accumulator i: n-tile i / 4, key + 8 for i % 4 ≥ 2,
     // column 8 (i / 4) + 2t + i % 2: mma.sync's C fragments side by side)
-    sm90::regs_inc<240>();
+    sm90::regs_inc<Tr::kConsumerRegs>();
     const bool variants = var.scores() || var.dropout();
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane % 4;
     const int key_row = warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + g;   // in K_j
