@@ -5,7 +5,9 @@ backends forced in turn (torch-flash, torch-cudnn, torch-efficient), JAX's
 mma.sync two-kernel backward (cuflash-2kernel: the default off sm_90, where the Hopper
 backward is); on an sm_90 GPU cuflash's Hopper forward on a persistent
 grid, which the planner does not run (cuflash-sm90, 16-bit, d = 64 and 128: one block per
-SM walking the tiles; its backward the planner's); cuflash's float32 with allow_tf32=True
+SM walking the tiles; its backward the planner's) and its Hopper backward as two passes,
+seven GEMMs per tile (cuflash-sm90-2pass: the A/B of the five-GEMM default); cuflash's
+float32 with allow_tf32=True
 (cuflash-tf32: on sm_90a the forward's tf32 wgmma) and its backward with
 deterministic=False (cuflash-atomic: dQ by atomics where the five-GEMM backward runs) on
 request (`--peers ... cuflash-tf32 cuflash-atomic`), and CuPy naive attention
@@ -67,7 +69,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODES = ("fwd", "bwd", "fwd+bwd")
 # cuflash-2kernel: cuflash's mma.sync two-kernel backward, the A/B of the Hopper one
 PEERS = ("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn", "flash-attn",
-         "cuflash-2kernel", "cuflash-sm90")
+         "cuflash-2kernel", "cuflash-sm90", "cuflash-sm90-2pass")
 EXTRA_PEERS = ("cupy-naive", "cuflash-tf32", "cuflash-atomic")
 SIXTEEN_BIT = ("float16", "bfloat16")
 ALL_DTYPES = ("float16", "bfloat16", "float32")
@@ -188,12 +190,19 @@ class Cuflash(_CupyImpl):
     forward_kw, backward_kw = {}, {}
 
     def describe(self, q, k, v, do):
-        from cuflash.backends import kernel_backward, kernel_forward, kernels
+        from cuflash import tiling
+        from cuflash.backends import kernel_backward, kernel_backward_sm90, kernel_forward, kernels
         backend = kernels.cuda_backend()
         tf32 = {"allow_tf32": True} if self.forward_kw.get("allow_tf32") else {}
         fwd = kernel_forward.forward_plan(backend, q, k, v, scale=q.shape[-1] ** -0.5, **tf32)
-        (dkdv, dq), _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True, **tf32)
-        return f"{fwd.name_expression}; {dkdv.name_expression}; {dq.name_expression}"
+        pair, _ = kernel_backward.backward_plans(backend, do, q, k, v, plain=True, **tf32)
+        workers = ""
+        if isinstance(pair[0], tiling.Sm90BwdPlan):   # the Hopper pair, five GEMMs or seven
+            pair, w = kernel_backward_sm90.five_gemm_pair(
+                backend, pair, units=k.shape[0] * k.shape[1], Nk=k.shape[2],
+                deterministic=self.backward_kw.get("deterministic", True))
+            workers = f" ({w} workers)" if w else ""
+        return f"{fwd.name_expression}; {pair[0].name_expression}{workers}; {pair[1].name_expression}"
 
     def passes(self, q, k, v, do, causal, scale):
         import cuflash
@@ -309,6 +318,41 @@ class CuflashSm90(Cuflash):
 
         def fwd_bwd():
             o2, lse2 = kernel_forward_sm90.forward_sm90(backend, q, k, v, **persistent)
+            return o2, backward(o2, lse2)
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+class CuflashSm90TwoPasses(CuflashSm90):
+    """cuflash's Hopper backward as two passes (dK/dV, then dQ: seven GEMMs per tile) on an
+    sm_90 GPU, against the planner's five-GEMM pair (`tiling.SM90_DQ_PARTS_TILE_COST`);
+    the forward the planner's."""
+    name = "cuflash-sm90-2pass"
+
+    def describe(self, q, k, v, do):
+        from cuflash import tiling
+        return "; ".join(p.name_expression for p in tiling.sm90_bwd_plans(q.dtype.name, q.shape[-1]))
+
+    def passes(self, q, k, v, do, causal, scale):
+        import cuflash
+        from cuflash.backends import kernel_backward, kernel_backward_sm90, kernels
+        backend = kernels.cuda_backend()
+        kw = dict(causal=causal, scale=scale, backend="cuda")
+
+        def backward(o, lse):
+            Dvec, _ = kernel_backward.preprocess(backend, do, o, lse)
+            return kernel_backward_sm90.backward_sm90(backend, do, q, k, v, lse, Dvec,
+                                                      causal=causal, scale=scale, dq_workers=0)
+
+        o, lse = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
+
+        def fwd():
+            return cuflash.flash_attention(q, k, v, **kw)
+
+        def bwd():
+            return backward(o, lse)
+
+        def fwd_bwd():
+            o2, lse2 = cuflash.flash_attention(q, k, v, return_lse=True, **kw)
             return o2, backward(o2, lse2)
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
@@ -576,6 +620,7 @@ def make_impls(names):
         "cupy-naive": CupyNaive,
         "cuflash-2kernel": CuflashTwoKernels,
         "cuflash-sm90": CuflashSm90,
+        "cuflash-sm90-2pass": CuflashSm90TwoPasses,
         "cuflash-tf32": CuflashTf32,
         "cuflash-atomic": CuflashAtomic,
     }

@@ -19,6 +19,27 @@ from .kernel_forward_sm90 import (HEAD_DIMS, TENSOR_MAP_TYPES, address, check_in
                                   check_launch, tensor_map_4d, tma_strides)
 
 
+def five_gemm_pair(backend, plans, *, units, Nk, deterministic=True, dq_workers=None):
+    """(plans, W): the 5-GEMM pair (`tiling.sm90_dq_parts_plans`) and its workers W per
+    (batch, K/V head) for `units` (batch × K/V heads) over Nk keys where it runs, else
+    `plans` (the dK/dV and dQ passes) and 0. `deterministic=False`: a worker per key block;
+    `dq_workers`: W (0: the two passes), None: `tiling.dq_workers`' count for the Hopper
+    tile cost (two warpgroup partials per worker, at most DQ_PARTS_MAX in all)."""
+    fused = tiling.sm90_dq_parts_plans(plans[0].dtype, plans[0].head_dim)
+    key_blocks = -(-Nk // plans[0].own_rows)
+    if fused is None or dq_workers == 0:
+        return plans, 0
+    if not deterministic:
+        workers = key_blocks
+    elif dq_workers is not None:
+        workers = min(dq_workers, key_blocks)
+    else:
+        workers = tiling.dq_workers(units, key_blocks, backend.limits()["sm_count"],
+                                    tile_cost=tiling.SM90_DQ_PARTS_TILE_COST,
+                                    most=tiling.DQ_PARTS_MAX // 2)
+    return (fused, workers) if workers else (plans, 0)
+
+
 def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float, variants=None,
                   return_dbias=False, segments=None, plans=None, deterministic=True,
                   dq_workers=None):
@@ -60,21 +81,15 @@ def backward_sm90(backend, do, q, k, v, lse, Dvec, *, causal: bool, scale: float
     dbias, dbias_st, heads_per_launch, batch_per_launch, cols = dbias_launch(
         xp, variants if return_dbias else None, np.float32, B=B, Hq=Hq, Nq=Nq, Nk=Nk)
     by_cols = return_dbias and cols.ndim == 3   # a bias broadcast over query rows
-    fused = (None if segments is not None or (return_dbias and not by_cols) or dq_workers == 0
-             else tiling.sm90_dq_parts_plans(p_dkdv.dtype, p_dkdv.head_dim))
+    # the 5-GEMM pair where it applies (the dQ pass writes dbias with a query axis)
     key_blocks = -(-Nk // p_dkdv.own_rows)
     workers = 0
-    if fused is not None and not deterministic:
-        workers = key_blocks
-    elif fused is not None and dq_workers is not None:
-        workers = min(dq_workers, key_blocks)
-    elif fused is not None:
-        workers = tiling.dq_workers(B * Hkv, key_blocks, backend.limits()["sm_count"],
-                                    tile_cost=tiling.SM90_DQ_PARTS_TILE_COST,
-                                    most=tiling.DQ_PARTS_MAX // 2)
+    if segments is None and not (return_dbias and not by_cols):
+        (p_dkdv, p_dq), workers = five_gemm_pair(backend, (p_dkdv, p_dq), units=B * Hkv, Nk=Nk,
+                                                 deterministic=deterministic,
+                                                 dq_workers=dq_workers)
     if workers:   # dQ's float32 partials, in tiles of 64 queries (zeroed: a worker adds the
         # tiles its key blocks see), one per warpgroup of a worker; not deterministic: one
-        p_dkdv, p_dq = fused
         parts = xp.zeros((2 * workers if deterministic else 1, B, Hq,
                           -(-Nq // p_dkdv.streamed_rows) * p_dkdv.streamed_rows, q.shape[-1]),
                          np.float32)
