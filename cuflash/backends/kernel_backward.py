@@ -98,7 +98,8 @@ def backward(backend, do, q, k, v, o, lse, *, causal, scale, variants=None,
     `deterministic=False`: where the 5-GEMM backward runs, FlashAttention-2's grid instead —
     a block per key block, all adding dS K_j into one float32 dQ by atomics, in whatever
     order they run (the last bits of dq may differ from run to run; dk, dv do not); on the
-    Hopper pair the same (`backward_sm90`); the two-kernel backward stays as it is
+    Hopper kernels the same, their five GEMMs from a block per key block
+    (`kernel_backward_sm90.five_gemm_pair`); the two-kernel backward stays as it is
     (deterministic)."""
     xp = backend.xp
     q, k, v, o, do = (prepare(xp, a) for a in (q, k, v, o, do))

@@ -149,7 +149,8 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
     float32 partials that flash_bwd_dq_sum adds in order (`device.dq_workers` sizes them;
     where it gives 0, and for dbias, the caller asks again without).
 
-    The Hopper backward (two `Sm90BwdPlan`s: the dK/dV pass, then the dQ pass; wgmma, TMA)
+    The Hopper backward (two `Sm90BwdPlan`s: the dK/dV pass, then the dQ pass; wgmma, TMA;
+    the call swaps in the 5-GEMM pair, `kernel_backward_sm90.five_gemm_pair`)
     where the device runs sm_90a code (`sm90a`), the call is `plain` (q, k, v, dO strided as
     TMA reads them, a positive scale; any variant, dbias, packed sequences), the dtype
     float16 or bfloat16, d 64 or 128, and both tiles fit."""
@@ -171,8 +172,9 @@ def backward_path(d: int, dtype, cc=None, aligned: bool = True, *, max_smem: int
         return simt(), why
     hopper = sm90_bwd_plans(name, d) if sm90a else None
     if hopper is not None and plain and all(p.smem_bytes <= max_smem for p in hopper):
-        return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup, "
-                        "dK/dV then dQ")
+        return hopper, ("tensor cores: wgmma on sm_90a, fed by TMA from a producer warpgroup; "
+                        "five GEMMs (dK/dV adding dQ's parts into float32 partials, summed in "
+                        "order) where the worker model takes them, else dK/dV then dQ")
     D = next(b for b in head_dims if d <= b)
     fits = tuple(_first_fit(tc_bwd_candidates(kernel, name, D, split=not allow_tf32, cc=cc),
                             max_smem) for kernel in TC_BWD_KERNELS)
