@@ -553,16 +553,24 @@ def parse_args(argv=None):
     bench.add_argument("--d", nargs="+", type=_positive)
     bench.add_argument("--seqlens", nargs="+", type=_positive)
     bench.add_argument("--causal", choices=("both", "true", "false"))
-    bench.add_argument("--peers", nargs="*",
-                       choices=("torch-flash", "torch-cudnn", "torch-efficient", "jax-cudnn",
-                                "flash-attn", "cuflash-2kernel", "cuflash-sm90", "cupy-naive",
-                                "cuflash-tf32", "cuflash-atomic"))
+    bench.add_argument("--peers", nargs="*", choices=_bench_peers())
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error(f"argument --workers: expected a positive integer, got {args.workers}")
     args.cap = {name: getattr(args, f"{name}_cap") for name in SECTIONS}
     args.out = args.out.resolve()
     return args
+
+
+def _bench_peers():
+    """bench_gpu.py's peers (PEERS, then EXTRA_PEERS), read from its source: importing it
+    would import NumPy and cuflash before the environment section has looked at them."""
+    import ast
+    tree = ast.parse((REPO / "benchmarks" / "bench_gpu.py").read_text())
+    found = {t.id: ast.literal_eval(node.value) for node in tree.body
+             if isinstance(node, ast.Assign) for t in node.targets
+             if isinstance(t, ast.Name) and t.id in ("PEERS", "EXTRA_PEERS")}
+    return found["PEERS"] + found["EXTRA_PEERS"]
 
 
 def _positive(text):
