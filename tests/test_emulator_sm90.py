@@ -340,6 +340,24 @@ def test_bulk_reduce_adds_as_atomics():
         sm90_module("WRITE_IN_FLIGHT", checked=True).get_function("bulk_reduce_add")((4,), (128,), (out,))
 
 
+def test_bulk_reduce_adds_in_order():
+    """A thread's two reduce-adds to the same floats, the second once the first completed
+    (cp.async.bulk.wait_group 0): both land, in order; in checked mode a second add after a
+    .read wait alone is reported (both in flight: their order, and so the sum's bits, not
+    defined); the writes of a store waited for with .read land by the time its thread
+    exits."""
+    for checked in (False, True):
+        out = np.full(256, 0.25, np.float32)
+        sm90_module(checked=checked).get_function("bulk_reduce_add_twice")((1,), (32,), (out,))
+        np.testing.assert_array_equal(out, 0.25 + 2 * np.arange(256))
+    out = np.full(256, 0.25, np.float32)
+    sm90_module("READ_ONLY").get_function("bulk_reduce_add_twice")((1,), (32,), (out,))
+    np.testing.assert_array_equal(out, 0.25 + 2 * np.arange(256))   # landed at the exit
+    with pytest.raises(AsyncHazardError, match=r"the cp.reduce.async.bulk at .* writes these global bytes too "
+                                               r"and has not completed"):
+        sm90_module("READ_ONLY", checked=True).get_function("bulk_reduce_add_twice")((1,), (32,), (out,))
+
+
 def test_named_barriers():
     out = np.zeros(128, np.float32)
     for checked in (False, True):

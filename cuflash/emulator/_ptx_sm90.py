@@ -295,7 +295,7 @@ class Sm90Instructions:
         self._need(instr.opcode, 900)
         self._count(instr, 1)
         self.calls.append(f"__emu_ptx_bulk_wait({self._imm(instr.operands[0], 'cp.async.bulk.wait_group N')}, "
-                          f"{self._where()});")
+                          f"{int(m.group(1) is not None)}, {self._where()});")
 
     def _bar(self, instr, m):
         arrive = m.group(2) == "arrive"

@@ -110,6 +110,28 @@ extern "C" __global__ void bulk_reduce_add(float* out) {
 #endif
 }
 
+// One thread adds a tile to out twice, the second add once the first completed (a wait without
+// .read); PLANT_READ_ONLY waits only for the first to have read the tile: the two adds to the
+// same floats are in flight together, in no defined order.
+extern "C" __global__ void bulk_reduce_add_twice(float* out) {
+    __shared__ __align__(128) float tile[TILE];
+    for (int i = threadIdx.x; i < TILE; i += blockDim.x) tile[i] = (float)i;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < 2; ++k) {
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                         :: "l"(out), "r"(smem_addr(tile)), "r"(TILE * 4) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#ifdef PLANT_READ_ONLY
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#else
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+        }
+    }
+}
+
 // Warps 0-3 write, bar.arrive on barrier 1; warps 4-7 bar.sync on it and read.
 extern "C" __global__ void named_barrier(float* out) {
     __shared__ float x[128];

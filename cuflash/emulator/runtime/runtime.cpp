@@ -203,6 +203,7 @@ static void fiber_main() {
     L->k->invoke(L->k->fn, L->argv);
     w = __emu_t_worker;
     Fiber* f = w->cur;
+    sm90_fiber_end(w, f);
     f->state = F_EXITED;
     w->live--;
     w->exited++;

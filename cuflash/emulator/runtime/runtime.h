@@ -73,7 +73,9 @@ struct BulkCopy {
     const char* file;
     int line;
 };
-// A bulk store from shared memory: done at the issuing thread's cp.async.bulk.wait_group.
+// A bulk store from shared memory: its source read at the issuing thread's
+// cp.async.bulk.wait_group.read (or plain wait), its destination written at the plain wait or
+// when the thread exits.
 struct BulkStore {
     char* dst;
     const char* src;          // shared memory
@@ -85,6 +87,7 @@ struct BulkStore {
     int group;                // bulk async-group, -1 until cp.async.bulk.commit_group
     AsyncOp* op;
     uint32_t pc;
+    std::vector<char> data;   // the source's bytes, once a .read wait has read them (src then points here)
 };
 // A named barrier (bar.sync / bar.arrive with an id): threads counted per phase.
 struct NamedBarrier {
@@ -271,6 +274,7 @@ unsigned long long warp_op_common(Worker* w, Fiber* f, int op, unsigned mask, co
 void sm90_block_begin(Worker* w);
 void sm90_worker_end(Worker* w);
 void sm90_fiber_begin(Fiber* f);
+void sm90_fiber_end(Worker* w, Fiber* f);   // its bulk stores land
 void sm90_guard(Worker* w, Fiber* f, uintptr_t a, int size, bool wr, void* pc);   // checked: a fiber's own memory
 void sm90_shared_access(Worker* w, SShadow& s, uintptr_t a, int size, bool wr, void* pc);   // checked: one byte
 bool sm90_progress(Worker* w);        // no fiber can run: land copies in flight; true if that woke one

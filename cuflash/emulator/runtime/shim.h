@@ -165,7 +165,7 @@ void __emu_ptx_bulk_commit(void);
 void __emu_ptx_tensor_load(int dim, uint64_t dst, uint64_t map, const int32_t* coords, uint64_t mbar, const char* file,
                            int line);
 void __emu_ptx_tensor_store(int dim, uint64_t map, const int32_t* coords, uint64_t src, const char* file, int line);
-void __emu_ptx_bulk_wait(int n, const char* file, int line);
+void __emu_ptx_bulk_wait(int n, int read, const char* file, int line);
 void __emu_ptx_bar(int id, int count, int arrive, const char* file, int line);
 void __emu_ptx_setmaxnreg(int count, int inc, const char* file, int line);
 unsigned __emu_ptx_elect(unsigned mask, const char* file, int line);

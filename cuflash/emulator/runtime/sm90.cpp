@@ -638,9 +638,16 @@ static void bulk_store(Worker* w, char* dst, const char* src, size_t size,
                        std::vector<std::pair<int64_t, int64_t>> map, int elem,
                        void* pc, const char* what, const char* file, int line) {
     Sm90Fiber& f = w->cur->sm90;
+    if (w->L->checked && elem <= 0)   // the thread's own stores and adds still on their way to memory
+        for (const BulkStore& o : f.stores)
+            if (o.elem <= 0 && o.dst < dst + size && dst < o.dst + o.size)
+                hazard(w, (uintptr_t)dst, (int)size, true, pc, "the %s at %s:%d writes these global bytes too and has "
+                       "not completed: which lands last (for adds, their order and so the sum's last bits) is not "
+                       "defined; wait for it with cp.async.bulk.wait_group without .read first", o.op->what,
+                       o.op->file, o.op->line);
     AsyncOp* op = new_op(w, 1, what, file, line);
     if (w->L->checked) async_read(w, (uintptr_t)src, (int)size, op, (uint32_t)w->sm90.ops.size(), w->cur->linear);
-    f.stores.push_back({dst, src, size, std::move(map), elem, -1, op, (uint32_t)rel_pc(pc)});
+    f.stores.push_back({dst, src, size, std::move(map), elem, -1, op, (uint32_t)rel_pc(pc), {}});
 }
 
 // A store from shared memory to global memory that lands at its thread's wait (elem 0: copied,
@@ -691,34 +698,60 @@ EMU_EXPORT void __emu_ptx_bulk_commit(void) {
     f.bulk_groups++;
 }
 
-// cp.async.bulk.wait_group{.read} n: the stores of every committed group but the n newest are done
-EMU_EXPORT void __emu_ptx_bulk_wait(int n, const char* file, int line) {
+// The source bytes a store reads: a plain store's or reduce-add's size, a tensor store's elements.
+static size_t source_span(const BulkStore& s) {
+    if (s.elem <= 0) return s.size;
+    int64_t end = 0;
+    for (const auto& e : s.map) end = std::max(end, e.second + s.elem);
+    return (size_t)end;
+}
+
+// Writes a store's destination (from its source, or the copy a .read wait made of it).
+static void land(Worker* w, BulkStore& s) {
+    if (s.elem == 0) {   // a plain bulk store
+        if (w->L->checked) check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc));
+        memcpy(s.dst, s.src, s.size);
+    } else if (s.elem < 0) {   // a bulk reduce-add: atomics
+        if (w->L->checked)
+            check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc), true);
+        add_floats(s.dst, s.src, s.size);
+    } else {   // a tensor store: the elements in bounds (none for a box wholly outside)
+        for (const auto& e : s.map) {
+            if (w->L->checked) check_access((uintptr_t)(s.dst + e.first), s.elem, true, (void*)(g_module_base + s.pc));
+            memcpy(s.dst + e.first, s.src + e.second, s.elem);
+        }
+    }
+    s.op->waiting = 0;
+}
+
+// cp.async.bulk.wait_group{.read} n: the stores of every committed group but the n newest have
+// read their shared memory (.read: copied here, their writes still to come) or are done
+EMU_EXPORT void __emu_ptx_bulk_wait(int n, int read, const char* file, int line) {
     Worker* w = __emu_t_worker;
     Sm90Fiber& f = w->cur->sm90;
     if (n < 0) ptx_fail(w, EMU_ERROR_GENERIC, "cp.async.bulk.wait_group at %s:%d: N = %d is negative", file, line, n);
     const int done = f.bulk_groups - n;
     size_t keep = 0;
     for (BulkStore& s : f.stores) {
-        if (s.group < 0 || s.group >= done) {
-            f.stores[keep++] = std::move(s);
+        if (s.group >= 0 && s.group < done && read && s.data.empty()) {
+            s.data.assign(s.src, s.src + source_span(s));
+            s.src = s.data.data();
+            s.op->waiting = 0;
+        }
+        if (s.group < 0 || s.group >= done || read) {   // (a vector moved onto itself empties)
+            if (&f.stores[keep] != &s) f.stores[keep] = std::move(s);
+            ++keep;
             continue;
         }
-        if (s.elem == 0) {   // a plain bulk store
-            if (w->L->checked) check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc));
-            memcpy(s.dst, s.src, s.size);
-        } else if (s.elem < 0) {   // a bulk reduce-add: atomics
-            if (w->L->checked)
-                check_access((uintptr_t)s.dst, (int)s.size, true, (void*)(g_module_base + s.pc), true);
-            add_floats(s.dst, s.src, s.size);
-        } else {   // a tensor store: the elements in bounds (none for a box wholly outside)
-            for (const auto& e : s.map) {
-                if (w->L->checked) check_access((uintptr_t)(s.dst + e.first), s.elem, true, (void*)(g_module_base + s.pc));
-                memcpy(s.dst + e.first, s.src + e.second, s.elem);
-            }
-        }
-        s.op->waiting = 0;
+        land(w, s);
     }
     f.stores.resize(keep);
+}
+
+// A thread that exits with stores in flight: they land (before its block's shared memory goes).
+void sm90_fiber_end(Worker* w, Fiber* fb) {
+    for (BulkStore& s : fb->sm90.stores) land(w, s);
+    fb->sm90.stores.clear();
 }
 
 // ------------------------------------------------------------------------------------------
