@@ -4,12 +4,14 @@
 // A block takes 128 keys K_j, V_j of one (K/V head, batch) and walks the query blocks of
 // 64 rows i of every query head of its group that see a key of the block (causal, a
 // sliding window: from the first row whose reach gets there to the last whose window's
-// left edge does), accumulating dK_j and dV_j in registers:
+// left edge does), accumulating dK_j and dV_j in registers; then, where the grid has fewer
+// blocks than key blocks, its next key block, gridDim.x on:
 //
-//   warpgroup 2 (producer)   gives its registers up; one elected thread loads K_j, V_j once,
-//                            then per query block i: waits until the consumers freed the
-//                            ring slot (empty), announces the bytes and starts the TMA boxes
-//                            of Q_i and dO_i (full)
+//   warpgroup 2 (producer)   gives its registers up; one elected thread loads K_j, V_j once
+//                            the consumers are done with the last (kv_empty), then per
+//                            query block i: waits until the consumers freed the ring slot
+//                            (empty), announces the bytes and starts the TMA boxes of Q_i
+//                            and dO_i (full)
 //   warpgroups 0, 1          take the registers; each owns 64 of the block's 128 keys.
 //   (consumers)              Per query block i (Algorithm 2, lines 11-21, transposed: keys
 //                            are the rows of every product):
@@ -33,10 +35,13 @@
 //                            dQ_i += dS K_j (wgmma m64nDk16: dS from registers, K_j
 //                            MN-major); at the end dQ_i · scale goes out from registers.
 //
-// Seven GEMMs per block of scores in all, each sum in one block in a fixed order: the
-// backward stays bitwise deterministic. deterministic=False (DQ_PARTS): five, the
-// dK/dV pass adding dQ's parts by bulk reduce-adds and no dQ kernel (Sm90BwdTraits).
-// D = rowsum(dO ∘ O) comes from flash_bwd.cu's preprocess.
+// Seven GEMMs per block of scores in all, each sum in one block in a fixed order. Or five
+// (DQ_PARTS, the default where it applies): the dK/dV pass also adds dQ's parts into
+// float32 partials by bulk reduce-adds, one partial per warpgroup of a block, each taking
+// its key blocks' parts in order, and flash_bwd_dq_sum_sm90_kernel sums the partials in
+// order (deterministic=False: every block adds into one). Bitwise deterministic either
+// way, but for deterministic=False's dQ. D = rowsum(dO ∘ O) comes from flash_bwd.cu's
+// preprocess.
 //
 // Layout: q, k, v, do (B, H, N, D) in T (float16 or bfloat16) with strides TMA reads (as
 // flash_fwd_sm90.cu's), 4-D maps (D, N, H, B): K and V in boxes of 64 columns × 128 rows,
@@ -69,11 +74,11 @@ namespace {
 
 // The tile and its shared memory: K_j, V_j (128 rows), and the Q_i, dO_i ring (64 rows), each
 // as D / 64 boxes of 64 columns (on 1024-byte boundaries as the 128-byte swizzle needs).
-// DQ_PARTS (deterministic=False): each warpgroup's dSᵀ also goes to shared memory
-// (`ds`: its 64 keys × the block's 64 queries, 128-byte rows, the 128-byte swizzle), from which
-// it computes its part of dQ_i = dS K_j (wgmma, both operands MN-major), stores it to `dq`
-// in its accumulators' order (float4 c of thread x at c · 128 + x: no bank conflict) and adds
-// it to a float32 dQ laid out in that order, 64 queries × D a tile, by one bulk reduce-add.
+// DQ_PARTS: each warpgroup's dSᵀ also goes to shared memory (`ds`: its 64 keys × the
+// block's 64 queries, 128-byte rows, the 128-byte swizzle), from which it computes its part
+// of dQ_i = dS K_j (wgmma, both operands MN-major), stores it to `dq` in its accumulators'
+// order (float4 c of thread x at c · 128 + x: no bank conflict) and adds it to a float32
+// partial laid out in that order, 64 queries × D a tile, by one bulk reduce-add.
 template <typename T, int HEAD_DIM, bool DQ_PARTS = false> struct Sm90BwdTraits {
     static constexpr int kBlockN = 128, kBlockM = 64, kStages = 2;
     static constexpr int kBoxes = HEAD_DIM / 64;
@@ -262,7 +267,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
     // flash_bwd_dq_sum_sm90 puts them back in rows). A thread of warps 1 and 7, off the
     // producer's SMSP, took 7 instructions more
     const unsigned q_tiles = (unsigned)(Nq + BM - 1) / BM;
-    const unsigned head_tiles = (2 * blockIdx.x + warpgroup) * part_tiles + (unsigned)b * Hq * q_tiles;
+    const unsigned head_tiles =
+        (2 * blockIdx.x + warpgroup) * part_tiles + (unsigned)b * Hq * q_tiles;
     const bool adder = DQ_PARTS && threadIdx.x % 128 == 0;
 
     auto pos = ring.at(0);  // the next tile consumed: its slot and phase, as the producer's
@@ -273,7 +279,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
         for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
         // (through a shuffle: ptxas holds them rather than remake them at every step)
         const int2 qb = query_blocks(n0);
-        const int first = __shfl_sync(0xffffffffu, qb.x, 0), end = __shfl_sync(0xffffffffu, qb.y, 0);
+        const int first = __shfl_sync(0xffffffffu, qb.x, 0);
+        const int end = __shfl_sync(0xffffffffu, qb.y, 0);
         QueryStep step{first, h_kv * group, first, end};
         sm90::mbar_wait(&kv_full, r & 1);
         for (int left = group * max(0, end - first); left > 0; --left, step.advance()) {
@@ -286,14 +293,14 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
             sm90::wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk)  // k16 steps along D: box kk / 4, 32 B each
-                sm90::wgmma_m64n64k16_ss<T>(s_t, k_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
-                                            q_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
-                                            kk > 0);
+                sm90::wgmma_m64n64k16_ss<T>(
+                    s_t, k_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
+                    q_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4), kk > 0);
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-                sm90::wgmma_m64n64k16_ss<T>(dp_t, v_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
-                                            do_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4),
-                                            kk > 0);
+                sm90::wgmma_m64n64k16_ss<T>(
+                    dp_t, v_desc + (kk / 4) * (Tr::kKvBoxBytes >> 4) + 2 * (kk % 4),
+                    do_desc + s * kSlotDesc + (kk / 4) * kBoxDesc + 2 * (kk % 4), kk > 0);
             sm90::wgmma_commit();
             sm90::wgmma_wait<0>();
 
@@ -326,11 +333,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 float cols_top = 0.f, cols_bottom = 0.f;  // Σ over the thread's queries of dS
 #pragma unroll 1
                 for (int e = 0; e < 32; ++e) {
-                    const int col = m0 + 8 * (e / 4) + 2 * t + e % 2, key = key_top + 8 * (e % 4 >= 2);
+                    const int col = m0 + 8 * (e / 4) + 2 * t + e % 2;
+                    const int key = key_top + 8 * (e % 4 >= 2);
                     const bool hidden = col >= Nq || mask.masked(col, key);
                     float p, ds, ds_raw;
                     recompute_p_ds_variants(s_t[0], dp_t[0], scale, sm.lse2[s][col - m0],
-                                            sm.dsum[s][col - m0], hidden, var, col, key, p, ds, ds_raw);
+                                            sm.dsum[s][col - m0], hidden, var, col, key, p, ds,
+                                            ds_raw);
                     rotate(s_t, p);
                     rotate(dp_t, ds_raw);
                     (e % 4 >= 2 ? cols_bottom : cols_top) += ds;
@@ -359,7 +368,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 // then of 16kk + 8), lane l giving a row's address (ds_row)
                 sm90::bar_sync(3 + warpgroup, 128);
 #pragma unroll
-                for (int kk = 0; kk < BM / 16; ++kk) sm90::stmatrix_x4(ds_rows + (ds_row ^ (kk << 5)), pds[kk]);
+                for (int kk = 0; kk < BM / 16; ++kk)
+                    sm90::stmatrix_x4(ds_rows + (ds_row ^ (kk << 5)), pds[kk]);
                 sm90::fence_proxy_async();
                 sm90::bar_sync(3 + warpgroup, 128);
             }
@@ -409,8 +419,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ sm90::TensorMap map_q,
                 sm90::bar_sync(3 + warpgroup, 128);
                 if (adder) {
                     const unsigned tile = head_tiles + hq * q_tiles + step.i;
-                    sm90::bulk_reduce_add(dq_accum + (size_t)tile * (BM * HEAD_DIM), sm.dq[warpgroup],
-                                          BM * HEAD_DIM * 4);
+                    sm90::bulk_reduce_add(dq_accum + (size_t)tile * (BM * HEAD_DIM),
+                                          sm.dq[warpgroup], BM * HEAD_DIM * 4);
                     sm90::bulk_commit();
                 }
             }
