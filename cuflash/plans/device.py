@@ -105,13 +105,13 @@ def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -
 # equal waves, so 1. Five GEMMs would make it 5/7; the dQ partials' red.add and the one
 # block per SM take the rest. With finer blocks the two kernels never take more waves, so
 # they run until the 5-GEMM tile gets cheaper; `dq_workers=W` asks for the 5-GEMM pass.
-
 #
-# SM90_DQ_PARTS_TILE_COST: the same for the Hopper pair (flash_bwd_sm90.cu), from the static
-# model until a GPU measures it: the 5-GEMM dK/dV step issues 1685 (D = 128) and 1486
-# (D = 64) instructions per 128x128 block per SMSP against the two passes' 2355 and 2181
-# (docs/kernels.md), 0.72 and 0.68; the partials' sum, a memory pass of 8W + 2 bytes per
-# element of dQ, is not in it.
+# SM90_DQ_PARTS_TILE_COST: the same for the Hopper pair (flash_bwd_sm90.cu; its workers hold
+# two partials, one per consumer warpgroup), from the static model until a GPU measures it
+# (bench_gpu.py's cuflash-sm90-2pass): the 5-GEMM dK/dV pass issues 1676 (D = 128) and 1473
+# (D = 64) instructions per 128x128 block per SMSP, counted through the adding thread,
+# against the two passes' 2354 and 2192 (docs/kernels.md): 0.71 and 0.67, taken as 0.72.
+# The partials' sum, a memory pass of 8W + 2 bytes per element of dQ, is not in it.
 
 DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies of dQ
 DQ_PARTS_TILE_COST = 1.0
