@@ -17,7 +17,7 @@ from .plans.base import DTYPE_NAMES, ELEMENTS, dtype_name
 from .plans.catalog import every_plan, specializations
 from .plans.choose import TC_MIN_CC, backward_path, forward_path
 from .plans.device import (DQ_PARTS_MAX, DQ_PARTS_TILE_COST, MAX_CALL_SPLITS, MAX_SPLITS,
-                           MIN_KEYS_PER_CALL, SM90_DQ_PARTS_TILE_COST,
+                           MIN_KEYS_PER_CALL, SM90_DQ_PARTS_TILE_COST, SM90_PARTIAL_TILES,
                            device_limits, dq_workers, occupancy, split_kv_calls,
                            split_kv_count)
 from .plans.paper import paper_block_sizes
@@ -42,7 +42,7 @@ __all__ = [
     "DTYPE_NAMES", "ELEMENTS", "dtype_name", "every_plan", "specializations", "TC_MIN_CC",
     "backward_path", "forward_path", "MAX_CALL_SPLITS", "MAX_SPLITS", "MIN_KEYS_PER_CALL",
     "device_limits", "occupancy", "split_kv_calls", "split_kv_count", "paper_block_sizes",
-    "DQ_PARTS_MAX", "DQ_PARTS_TILE_COST", "SM90_DQ_PARTS_TILE_COST", "dq_workers", "DqSumPlan",
+    "DQ_PARTS_MAX", "DQ_PARTS_TILE_COST", "SM90_DQ_PARTS_TILE_COST", "SM90_PARTIAL_TILES", "dq_workers", "DqSumPlan",
     "BWD_HEAD_DIM_BUCKETS", "BWD_KERNELS", "BwdPreprocessPlan", "SimtBwdPlan",
     "all_simt_bwd_plans", "bwd_head_dim_bucket", "bwd_head_dim_chunks", "bwd_preprocess_plan",
     "bwd_smem_bytes", "simt_backward_plans", "HEAD_DIM_BUCKETS", "SimtFwdPlan",

@@ -8,7 +8,7 @@ schedules. And the same kernels on an H100 (`gpu`), for the day one is lent.
 import numpy as np
 import pytest
 
-from cuflash import _dtypes, reference
+from cuflash import _dtypes, reference, tiling
 from cuflash.backends import kernel_backward, kernels
 from cuflash.backends import kernel_backward_sm90 as sm90_bwd
 
@@ -25,6 +25,7 @@ def _backend(checked=False, schedule="round-robin"):
 
 
 FIVE_GEMMS = ["flash_bwd_dkdv_sm90", "flash_bwd_dq_sum_sm90"]
+EVERY_KEY_BLOCK = 8   # dq_workers: the five GEMMs, a worker per key block (at most 8 here)
 TWO_PASSES = ["flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
 
 
@@ -32,7 +33,8 @@ def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None,
            dq_workers=None):
     """dQ, dK, dV on `backend` within the rule (factor 3 over a plain dtype implementation);
     `opts` as flash_attention takes the variants (4-D bias and mask); `dq_workers` as
-    backward_sm90 takes it (0: the dQ pass), and its launches are checked."""
+    backward_sm90 takes it (0: the dQ pass; a count: the five GEMMs, W at most the key
+    blocks), and its launches are checked."""
     opts = opts or {}
     (do, q, k, v, o, lse), scale = backward_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, causal=causal,
                                                    seed=seed)
@@ -45,7 +47,7 @@ def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None,
     grads = sm90_bwd.backward_sm90(backend, *map(xp.asarray, (do, q, k, v, lse, Dvec)),
                                    causal=causal, scale=scale, variants=variants_of(opts, xp),
                                    dq_workers=dq_workers)
-    if hasattr(backend, "take_launches"):
+    if hasattr(backend, "take_launches") and dq_workers is not None:
         assert [p.kernel for p in backend.take_launches()] == (
             TWO_PASSES if dq_workers == 0 else FIVE_GEMMS)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **opts)
@@ -64,15 +66,16 @@ def _check(backend, B, Hq, Hkv, Nq, Nk, D, causal, dtype=F16, seed=0, opts=None,
     (1, 2, 2, 200, 70, True),      # Nq > Nk: the first 130 rows see no key (dQ = 0)
 ])
 def test_backward(dt, D, B, Hq, Hkv, Nq, Nk, causal):
-    dq, _, _ = _check(_backend(), B, Hq, Hkv, Nq, Nk, D, causal, dtype=dt, seed=Nq + D)
+    dq, _, _ = _check(_backend(), B, Hq, Hkv, Nq, Nk, D, causal, dtype=dt, seed=Nq + D,
+                      dq_workers=EVERY_KEY_BLOCK)
     if causal and Nq > Nk:
         assert np.all(dq[..., :Nq - Nk, :].astype(np.float32) == 0)
 
 
 @pytest.mark.parametrize("window,causal,Nq,Nk,workers", [
-    ((40, 0), False, 200, 300, None),    # left edge inside both passes' tiles, Nq < Nk
+    ((40, 0), False, 200, 300, 8),       # left edge inside both passes' tiles, Nq < Nk
     ((100, 70), False, 300, 200, 0),     # both edges; rows that see no key (dQ = 0)
-    ((130, -1), True, 256, 256, None),   # causal with a left edge on a tile boundary + 2
+    ((130, -1), True, 256, 256, 8),      # causal with a left edge on a tile boundary + 2
     ((-1, 20), False, 150, 150, 0),      # the right edge alone
 ])
 def test_window(window, causal, Nq, Nk, workers):
@@ -92,7 +95,7 @@ def test_variants(names, causal, dt):
     (dropout's keep decisions are the forward's); GQA, partial tiles; all at once on both
     pairs."""
     B, Hq, Hkv, Nq, Nk = 2, 2, 1, 150, 200
-    for workers in (None, 0) if len(names) > 1 else (None,):
+    for workers in (EVERY_KEY_BLOCK, 0) if len(names) > 1 else (EVERY_KEY_BLOCK,):
         _check(_backend(), B, Hq, Hkv, Nq, Nk, 64, causal, dtype=dt, seed=7,
                opts=variant_options(names, dt, (B, Hq, Hkv, Nq, Nk, 64)), dq_workers=workers)
 
@@ -112,9 +115,12 @@ def _dbias_check(be, layout, B=2, Hq=4, Hkv=2, Nq=150, Nk=200, D=64):
                                      scale=scale, variants=variants_of(opts, xp),
                                      return_dbias=True)
     grads = [to_host(g) for g in grads]
-    if hasattr(be, "take_launches"):   # dbias with a query axis: the dQ pass writes it
+    if hasattr(be, "take_launches"):   # dbias with a query axis: the dQ pass writes it;
+        # else the five GEMMs where the worker model takes them (here: 2 workers of 1 key block)
+        five = opts["bias"].shape[-2] == 1 and sm90_bwd.five_gemm_pair(
+            be, tiling.sm90_bwd_plans("float16", D), units=B * Hkv, Nk=Nk)[1]
         assert list(dict.fromkeys(p.kernel for p in be.take_launches()))[-2:] == (
-            FIVE_GEMMS if opts["bias"].shape[-2] == 1 else TWO_PASSES)
+            FIVE_GEMMS if five else TWO_PASSES)
     ref = reference.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale,
                                        return_dbias=True, **opts)
     plain = plain_backward(do, q, k, v, o, lse, causal=True, scale=scale, dtype=F16, **opts)
@@ -197,8 +203,8 @@ def test_packed_sequences(causal, opts):
         "flash_bwd_preprocess", "flash_bwd_dkdv_sm90", "flash_bwd_dq_sm90"]
 
 
-@pytest.mark.parametrize("D,schedule,dt,workers", [(64, "reversed", F16, None),
-                                                    (128, "random", BF16, None),
+@pytest.mark.parametrize("D,schedule,dt,workers", [(64, "reversed", F16, 8),
+                                                    (128, "random", BF16, 8),
                                                     (128, "reversed", F16, 0)])
 def test_checked_and_schedules(D, schedule, dt, workers):
     """No hazard of any kind the emulator checks, and the bits of round-robin."""
@@ -208,6 +214,31 @@ def test_checked_and_schedules(D, schedule, dt, workers):
     grads_rr = _check(_backend(), *args, dtype=dt, seed=D, dq_workers=workers)
     for x, y in zip(grads, grads_rr):
         np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+@pytest.mark.parametrize("units,N,workers", [
+    (16, 16384, 8),   # 16 heads, long: 8 workers fill 128 SMs, their partials cost 2 tiles of 16
+    (16, 1024, 0),    # 8 key blocks: one wave of the two passes; 16 partials cost more than that
+    (16, 4096, 0),
+    (64, 4096, 2),    # 2 workers: one wave of 16 key blocks each, against 16 of two passes
+    (256, 4096, 1),   # 256 blocks: two waves of 32 against the two passes' 63
+    (256, 1024, 0),   # 16 tiles of the two passes against 11.5 + 4.7
+    (1, 1024, 8),     # one head: a worker per key block, one wave either way
+    (1, 16384, 0),    # one head, 128 key blocks: the two passes' 128 blocks, one wave
+])
+def test_the_worker_model(units, N, workers):
+    """Five GEMMs or two passes on an H100 (132 SMs), by the tile-times of
+    `tiling.dq_workers` with the Hopper tile cost and its partials' memory
+    (docs/kernels.md): workers per (batch, K/V head), 0 for the two passes."""
+    be = kernels.emulator_backend(arch="sm_90a")
+    assert be.limits()["sm_count"] == 132
+    pair = tiling.sm90_bwd_plans("float16", 128)
+    plans, w = sm90_bwd.five_gemm_pair(be, pair, units=units, Nk=N)
+    assert w == workers and plans == (tiling.sm90_dq_parts_plans("float16", 128) if w else pair)
+    # not deterministic: a block per key block; a count asked for, at most the key blocks
+    assert sm90_bwd.five_gemm_pair(be, pair, units=units, Nk=N, deterministic=False)[1] == N // 128
+    assert sm90_bwd.five_gemm_pair(be, pair, units=units, Nk=N, dq_workers=3)[1] == 3
+    assert sm90_bwd.five_gemm_pair(be, pair, units=units, Nk=N, dq_workers=0) == (pair, 0)
 
 
 @pytest.mark.parametrize("D,workers", [(64, 1), (128, 2), (64, 3)])
@@ -227,7 +258,6 @@ def test_workers_walk_key_blocks(D, workers):
 def test_the_whole_backward_with_it():
     """kernel_backward.backward on sm_90a: the preprocess, then the two Hopper passes, each
     gradient within the rule; the calls they do not take run the mma.sync kernels."""
-    from cuflash import tiling
     from cuflash.variants import Variants
     be = emulator_backend("sm_90a")
     (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, 64, F16, causal=True, seed=5)

@@ -41,7 +41,8 @@ def _forward_backward(be, q, k, v, do, o, lse, var, *, hopper):
                                                       variants=var)
         Dvec = np.sum(do.astype(np.float32) * o.astype(np.float32), axis=-1)
         grads = kernel_backward_sm90.backward_sm90(be, do, q, k, v, lse.astype(np.float32), Dvec,
-                                                   causal=False, scale=32 ** -0.5, variants=var)
+                                                   causal=False, scale=32 ** -0.5, variants=var,
+                                                   dq_workers=8)   # the five GEMMs
         return o_k, lse_k, grads
     o_k, lse_k = kernel_forward.forward(be, q, k, v, causal=False, scale=32 ** -0.5,
                                         algorithm="fa2", variants=var)

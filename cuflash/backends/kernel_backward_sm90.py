@@ -24,7 +24,8 @@ def five_gemm_pair(backend, plans, *, units, Nk, deterministic=True, dq_workers=
     (batch, K/V head) for `units` (batch × K/V heads) over Nk keys where it runs, else
     `plans` (the dK/dV and dQ passes) and 0. `deterministic=False`: a worker per key block;
     `dq_workers`: W (0: the two passes), None: `tiling.dq_workers`' count for the Hopper
-    tile cost (two warpgroup partials per worker, at most DQ_PARTS_MAX in all)."""
+    tile cost and its partials' memory (two warpgroup partials per worker, at most
+    DQ_PARTS_MAX in all)."""
     fused = tiling.sm90_dq_parts_plans(plans[0].dtype, plans[0].head_dim)
     key_blocks = -(-Nk // plans[0].own_rows)
     if fused is None or dq_workers == 0:
@@ -36,7 +37,9 @@ def five_gemm_pair(backend, plans, *, units, Nk, deterministic=True, dq_workers=
     else:
         workers = tiling.dq_workers(units, key_blocks, backend.limits()["sm_count"],
                                     tile_cost=tiling.SM90_DQ_PARTS_TILE_COST,
-                                    most=tiling.DQ_PARTS_MAX // 2)
+                                    most=tiling.DQ_PARTS_MAX // 2,
+                                    partial_tiles=tiling.SM90_PARTIAL_TILES,
+                                    partials_per_worker=2)
     return (fused, workers) if workers else (plans, 0)
 
 

@@ -111,25 +111,38 @@ def split_kv_calls(units: int, batch: int, heads: int, nq: int, max_keys: int) -
 # (bench_gpu.py's cuflash-sm90-2pass): the 5-GEMM dK/dV pass issues 1676 (D = 128) and 1473
 # (D = 64) instructions per 128x128 block per SMSP, counted through the adding thread,
 # against the two passes' 2354 and 2192 (docs/kernels.md): 0.71 and 0.67, taken as 0.72.
-# The partials' sum, a memory pass of 8W + 2 bytes per element of dQ, is not in it.
+# Its partials' memory is counted apart, as it does not shrink with the keys: each float32
+# partial is zeroed, written back from the adds and read by the sum, 12 bytes per element
+# of dQ. SM90_PARTIAL_TILES is that in tile-times per (batch, K/V head), a tile being one
+# SM's 14 FLOPs per row and column of dQ for each of its 128 keys: 12 · 1.37 / (14 · 128),
+# 1.37 the FLOPs one SM's two passes run while the HBM moves a byte on an H100 (the two
+# passes measured 386 TFLOP/s by the 5-GEMM count at B·H = 64, N = 4096, d = 128,
+# results/bench_gpu_persistent_head_by_head.csv: 7/5 · 386 / 132 SMs = 4.1 per SM,
+# against about 3.0 TB/s of HBM3). So the partials cost more than the GEMMs they save at
+# N = 1024 with few heads, and little at N = 16384.
 
 DQ_PARTS_MAX = 16   # partials per (batch, K/V head): at most 16 float32 copies of dQ
 DQ_PARTS_TILE_COST = 1.0
 SM90_DQ_PARTS_TILE_COST = 0.72
+SM90_PARTIAL_TILES = 12 * 1.37 / (14 * 128)
 
 
 def dq_workers(units: int, key_blocks: int, sm_count,
-               tile_cost: float = DQ_PARTS_TILE_COST, most: int = DQ_PARTS_MAX) -> int:
+               tile_cost: float = DQ_PARTS_TILE_COST, most: int = DQ_PARTS_MAX,
+               partial_tiles: float = 0.0, partials_per_worker: int = 1) -> int:
     """Workers W per (batch, K/V head) of the 5-GEMM backward for `units` (batch × K/V
     heads) over `key_blocks` key blocks each on `sm_count` SMs: up to FlashAttention-2's
-    ⌈SMs / units⌉ (at most the key blocks and `most`), the fewest whose waves take the
-    least time in the model above; 0 where the two-kernel backward takes no longer
-    (`tile_cost`: a 5-GEMM tile's time in two-kernel tiles) or the SM count is unknown."""
+    ⌈SMs / units⌉ (at most the key blocks and `most`), the fewest whose waves, and
+    partials' memory, take the least time in the model above; 0 where the two-kernel
+    backward takes no longer (`tile_cost`: a 5-GEMM tile's time in two-kernel tiles;
+    `partial_tiles`: a partial's memory pass per unit, `partials_per_worker` of them) or the
+    SM count is unknown."""
     if not sm_count or units <= 0 or key_blocks <= 0:
         return 0
 
     def time(w):
-        return tile_cost * -(-w * units // sm_count) * -(-key_blocks // w)
+        return (tile_cost * -(-w * units // sm_count) * -(-key_blocks // w)
+                + partial_tiles * units * partials_per_worker * w)
 
     w = min(range(1, min(-(-sm_count // units), key_blocks, most) + 1), key=time)
     return w if time(w) < -(-key_blocks * units // sm_count) else 0
