@@ -217,12 +217,13 @@ def test_checked_and_schedules(D, schedule, dt, workers):
 
 
 @pytest.mark.parametrize("units,N,workers", [
-    (16, 16384, 8),   # 16 heads, long: 8 workers fill 128 SMs, their partials cost 2 tiles of 16
-    (16, 1024, 0),    # 8 key blocks: one wave of the two passes; 16 partials cost more than that
-    (16, 4096, 0),
-    (64, 4096, 2),    # 2 workers: one wave of 16 key blocks each, against 16 of two passes
-    (256, 4096, 1),   # 256 blocks: two waves of 32 against the two passes' 63
-    (256, 1024, 0),   # 16 tiles of the two passes against 11.5 + 4.7
+    # (tile-times: the 5-GEMM walks' + the partials' memory, against the two passes')
+    (16, 16384, 8),   # 128 blocks, one wave of 16 key blocks: 11.5 + 2.3, against 16
+    (16, 1024, 0),    # 0.72 + 2.3 against one wave of the two passes
+    (16, 4096, 0),    # 2.9 + 2.3 against 4
+    (64, 4096, 2),    # 11.5 + 2.3 against 16
+    (256, 4096, 1),   # two waves of 32: 46 + 4.7 against 63
+    (256, 1024, 0),   # 11.5 + 4.7 against 16
     (1, 1024, 8),     # one head: a worker per key block, one wave either way
     (1, 16384, 0),    # one head, 128 key blocks: the two passes' 128 blocks, one wave
 ])
@@ -256,8 +257,9 @@ def test_workers_walk_key_blocks(D, workers):
 
 
 def test_the_whole_backward_with_it():
-    """kernel_backward.backward on sm_90a: the preprocess, then the two Hopper passes, each
-    gradient within the rule; the calls they do not take run the mma.sync kernels."""
+    """kernel_backward.backward on sm_90a: the preprocess, then the Hopper kernels (here the
+    five GEMMs: the worker model gives 2 workers of one key block), each gradient within
+    the rule; the calls they do not take run the mma.sync kernels."""
     from cuflash.variants import Variants
     be = emulator_backend("sm_90a")
     (do, q, k, v, o, lse), scale = backward_inputs(2, 4, 2, 150, 200, 64, F16, causal=True, seed=5)
