@@ -650,8 +650,8 @@ static void bulk_store(Worker* w, char* dst, const char* src, size_t size,
     f.stores.push_back({dst, src, size, std::move(map), elem, -1, op, (uint32_t)rel_pc(pc), {}});
 }
 
-// A store from shared memory to global memory that lands at its thread's wait (elem 0: copied,
-// -1: its floats added), from the address of the kernel's call `pc`
+// A store from shared memory to global memory that lands at its thread's wait without .read,
+// or its exit (elem 0: copied, -1: its floats added), from the address of the kernel's call `pc`
 static void bulk_store_from(uint64_t dst, uint64_t src, uint32_t size, int elem, void* pc, const char* what,
                             const char* file, int line) {
     Worker* w = __emu_t_worker;
