@@ -332,12 +332,13 @@ def test_bulk_reduce_adds_as_atomics():
     for checked, schedule in ((False, "round-robin"), (True, "random")):
         out = np.full(256, 0.5, np.float32)
         RawModule(path=SM90_CU, arch="sm_90a", checked=checked, schedule=schedule, seed=5,
-                  options=sm90_options(())).get_function("bulk_reduce_add")((4,), (128,), (out,))
+                  options=sm90_options(())).get_function("bulk_reduce_add")((4,), (128,), (out, np.int32(1)))
         np.testing.assert_array_equal(out, 0.5 + 4 * np.arange(256) + 6)
     with pytest.raises(RaceError):
-        sm90_module("ADD", checked=True).get_function("bulk_reduce_add")((4,), (128,), (out,))
+        sm90_module("ADD", checked=True).get_function("bulk_reduce_add")((4,), (128,), (out, np.int32(1)))
     with pytest.raises(AsyncHazardError, match=r"cp.reduce.async.bulk at .* still reads this shared memory"):
-        sm90_module("WRITE_IN_FLIGHT", checked=True).get_function("bulk_reduce_add")((4,), (128,), (out,))
+        sm90_module("WRITE_IN_FLIGHT", checked=True).get_function("bulk_reduce_add")(
+            (4,), (128,), (out, np.int32(1)))
 
 
 def test_bulk_reduce_adds_in_order():
@@ -348,14 +349,14 @@ def test_bulk_reduce_adds_in_order():
     exits."""
     for checked in (False, True):
         out = np.full(256, 0.25, np.float32)
-        sm90_module(checked=checked).get_function("bulk_reduce_add_twice")((1,), (32,), (out,))
+        sm90_module(checked=checked).get_function("bulk_reduce_add")((1,), (32,), (out, np.int32(2)))
         np.testing.assert_array_equal(out, 0.25 + 2 * np.arange(256))
     out = np.full(256, 0.25, np.float32)
-    sm90_module("READ_ONLY").get_function("bulk_reduce_add_twice")((1,), (32,), (out,))
+    sm90_module("READ_ONLY").get_function("bulk_reduce_add")((1,), (32,), (out, np.int32(2)))
     np.testing.assert_array_equal(out, 0.25 + 2 * np.arange(256))   # landed at the exit
     with pytest.raises(AsyncHazardError, match=r"the cp.reduce.async.bulk at .* writes these global bytes too "
                                                r"and has not completed"):
-        sm90_module("READ_ONLY", checked=True).get_function("bulk_reduce_add_twice")((1,), (32,), (out,))
+        sm90_module("READ_ONLY", checked=True).get_function("bulk_reduce_add")((1,), (32,), (out, np.int32(2)))
 
 
 def test_named_barriers():

@@ -88,41 +88,24 @@ extern "C" __global__ void bulk_store(float* out) {
     }
 }
 
-// Every block fills a shared tile (block b: b + i at i), one thread adds it to out by
-// cp.reduce.async.bulk .add.f32: out gains the sum over the blocks, whatever their order.
-extern "C" __global__ void bulk_reduce_add(float* out) {
+// Every block fills a shared tile (block b: b + i at i), one thread adds it to out `adds`
+// times by cp.reduce.async.bulk .add.f32: out gains the sum over the blocks, whatever their
+// order. The thread waits for each add to complete (a wait without .read) before the next;
+// PLANT_READ_ONLY waits only for it to have read the tile, so two adds to the same floats are
+// in flight together, in no defined order.
+extern "C" __global__ void bulk_reduce_add(float* out, int adds) {
     __shared__ __align__(128) float tile[TILE];
     for (int i = threadIdx.x; i < TILE; i += blockDim.x) tile[i] = blockIdx.x + (float)i;
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     if (threadIdx.x == 0) {
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                     :: "l"(out), "r"(smem_addr(tile)), "r"(TILE * 4) : "memory");
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#ifdef PLANT_WRITE_IN_FLIGHT
-        tile[5] = -1.0f;
-#endif
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    }
-#ifdef PLANT_ADD   // the same sum by plain adds: a race between the blocks
-    if (threadIdx.x == 0)
-        for (int i = 0; i < TILE; ++i) out[i] += tile[i];
-#endif
-}
-
-// One thread adds a tile to out twice, the second add once the first completed (a wait without
-// .read); PLANT_READ_ONLY waits only for the first to have read the tile: the two adds to the
-// same floats are in flight together, in no defined order.
-extern "C" __global__ void bulk_reduce_add_twice(float* out) {
-    __shared__ __align__(128) float tile[TILE];
-    for (int i = threadIdx.x; i < TILE; i += blockDim.x) tile[i] = (float)i;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < 2; ++k) {
+        for (int k = 0; k < adds; ++k) {
             asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                          :: "l"(out), "r"(smem_addr(tile)), "r"(TILE * 4) : "memory");
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#ifdef PLANT_WRITE_IN_FLIGHT
+            tile[5] = -1.0f;
+#endif
 #ifdef PLANT_READ_ONLY
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #else
@@ -130,6 +113,10 @@ extern "C" __global__ void bulk_reduce_add_twice(float* out) {
 #endif
         }
     }
+#ifdef PLANT_ADD   // the same sum by plain adds: a race between the blocks
+    if (threadIdx.x == 0)
+        for (int i = 0; i < TILE; ++i) out[i] += tile[i];
+#endif
 }
 
 // Warps 0-3 write, bar.arrive on barrier 1; warps 4-7 bar.sync on it and read.
