@@ -535,6 +535,84 @@ def test_concurrent_calls(causal):
             np.testing.assert_array_equal(a, b)
 
 
+
+# ---------------------------------------------------------------- the pool and BLAS
+def _blas_threads():
+    from threadpoolctl import threadpool_info
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+def test_blas_one_thread_during_the_tasks_only():
+    """The tasks run with every BLAS at one thread (the threads split the cores already);
+    a user's own BLAS calls before and after keep the count they had."""
+    from threadpoolctl import threadpool_limits
+    from cuflash.backends.numpy_backend import pool
+    if not _blas_threads():
+        pytest.skip("NumPy's BLAS is not one threadpoolctl knows")
+    rng = np.random.default_rng(29)
+    q, k, v = _qkv(rng, 1, 2, 2, 64, 64, 16, np.float32)
+    with threadpool_limits(3, user_api="blas"):         # more than one, on any machine
+        assert set(_blas_threads()) == {3}
+        during = pool.run_tasks(lambda task: _blas_threads(), range(4), 2)
+        assert during == [[1] * len(_blas_threads())] * 4
+        o, lse = BK.forward(q, k, v, causal=False, scale=0.3)
+        BK.backward(np.ones_like(q), q, k, v, o, lse, causal=False, scale=0.3)
+        assert set(_blas_threads()) == {3}
+
+
+def test_blas_count_restored_after_concurrent_calls_and_errors():
+    """Calls from several threads at once share one lowering; the last one out restores
+    the count, also when a task raises."""
+    import concurrent.futures
+    from threadpoolctl import threadpool_limits
+    from cuflash.backends.numpy_backend import pool
+    if not _blas_threads():
+        pytest.skip("NumPy's BLAS is not one threadpoolctl knows")
+    started = threading.Barrier(3)
+
+    def task(i):
+        if i == 0:
+            started.wait(10)                              # three calls inside at once
+        if i == 1:
+            raise ZeroDivisionError("planted")
+        return i
+
+    def call(_):
+        try:
+            pool.run_tasks(task, range(3), 2)
+        except ZeroDivisionError:
+            return "raised"
+    with threadpool_limits(3, user_api="blas"):
+        with concurrent.futures.ThreadPoolExecutor(3) as threads:
+            assert list(threads.map(call, range(3))) == ["raised"] * 3
+        assert set(_blas_threads()) == {3}
+
+
+def test_run_tasks_returns_after_every_task():
+    """Results in task order, each task run once; a task that raises stops the others
+    taking new ones, and the error comes out only after the running ones have ended
+    (so none still writes into a failed call's arrays)."""
+    import time
+    from cuflash.backends.numpy_backend import pool
+    ran = []
+    assert pool.run_tasks(lambda t: ran.append(t) or t * t, range(9), 3) == [t * t for t in range(9)]
+    assert sorted(ran) == list(range(9))
+    ended = []
+
+    def task(i):
+        if i == 0:
+            time.sleep(0.3)                               # still running when task 1 raises
+            ended.append(i)
+            return i
+        if i == 1:
+            raise ValueError("planted")
+        ended.append(i)
+        return i
+    with pytest.raises(ValueError, match="planted"):
+        pool.run_tasks(task, range(50), 2)
+    assert 0 in ended and len(ended) < 49
+
+
 # ---------------------------------------------------------------- softmax
 @pytest.mark.parametrize("block", [1, 7, 1 << 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

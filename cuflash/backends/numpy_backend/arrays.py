@@ -135,8 +135,8 @@ class Reused:
 
     def take(self, *specs):
         """(buffer, arrays): uninitialised arrays of the (shape, dtype) `specs` on one
-        buffer, kept or fresh. Give the buffer back when the call has succeeded; never
-        after an exception, when a pool task of the failed call may still be writing."""
+        buffer, kept or fresh. Give the buffer back once the call's tasks have all
+        returned (`pool.run_tasks` returns, or raises, only then)."""
         sizes = [-(-math.prod(shape) * np.dtype(dtype).itemsize // 64) * 64
                  for shape, dtype in specs]
         total = sum(sizes)

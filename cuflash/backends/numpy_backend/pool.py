@@ -1,16 +1,20 @@
-"""The worker threads the backend spreads its tasks over.
+"""The worker threads the backend spreads its tasks over, and BLAS held at one thread
+while they run.
 
 A task is one call of a function on one item (a head range to prepare, a Q tile or
-a K/V tile of a head range with its steps); the workers take tasks in list order.
-NumPy releases the GIL inside BLAS and inside ufunc loops, so the workers run the
-big tile operations in parallel. Tasks that add into shared sums (the backward's dQ
-and dbias) run in fixed lanes instead (`lanes`), so that every sum has one order.
+a K/V tile of a head range with its steps). The calling thread and `workers − 1` pool
+threads take the tasks in list order, so that a call hands work to one thread fewer
+than it has workers and waits on no future while it could compute. NumPy releases the
+GIL inside BLAS and inside ufunc loops, so the threads run the big tile operations in
+parallel. Tasks that add into shared sums (the backward's dQ and dbias) run in fixed
+lanes instead (`lanes`), so that every sum has one order.
 """
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 
 def usable_cores():
@@ -21,8 +25,56 @@ def usable_cores():
         return max(1, os.cpu_count() or 1)
 
 
-_POOLS = {}  # workers → ThreadPoolExecutor, made on first use
+_POOLS = {}  # helper threads → ThreadPoolExecutor, made on first use
 _POOLS_LOCK = threading.Lock()
+
+
+class OneBlasThread:
+    """BLAS at one thread while any call of the backend runs its tasks, and back to
+    what it was when the last one returns.
+
+    The threads already split the tiles over the cores; a multi-threaded BLAS inside
+    each of them oversubscribes the cores (measured 1.6× slower on 2 cores; on a
+    loaded machine, a multi-threaded call on a tile this small waited up to 25× its
+    time for its threads). NumPy's OpenBLAS has one thread count for the whole process
+    (its `openblas_set_num_threads_local` sets that one too), so the count is lowered
+    for the span of the tasks only, and a user's own matmuls between calls keep every
+    core. threadpoolctl knows the BLAS libraries (OpenBLAS, MKL, BLIS) and how each
+    sets and reads its count. Calls from several threads at once share one lowering:
+    the first in saves the counts, the last out restores them.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._limiter = None
+        self._controller = None
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                if self._controller is None:  # NumPy's BLAS is loaded with NumPy
+                    self._controller = ThreadpoolController()
+                self._limiter = self._controller.limit(limits=1, user_api="blas")
+            self._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+    def after_fork_in_child(self):
+        # The child has none of the parent's calls, only their lowered counts.
+        self._lock = threading.Lock()
+        if self._depth:
+            self._depth = 0
+            self._limiter.restore_original_limits()
+            self._limiter = None
+
+
+ONE_BLAS_THREAD = OneBlasThread()
 
 
 def _forget_pools_after_fork():
@@ -30,55 +82,63 @@ def _forget_pools_after_fork():
     global _POOLS_LOCK
     _POOLS.clear()
     _POOLS_LOCK = threading.Lock()
+    ONE_BLAS_THREAD.after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
-def _blas_one_thread_here():
-    """Pool initializer: make BLAS single-threaded in this worker thread only.
-
-    The workers already split the tiles over the cores; a multi-threaded BLAS
-    inside each of them oversubscribes the cores (measured 1.6× slower on 2
-    cores). OpenBLAS ≥ 0.3.27 has a per-thread setting,
-    `openblas_set_num_threads_local`, which leaves every other thread (and the
-    user's own BLAS calls) alone. Where it is missing nothing changes.
-    """
-    try:
-        import ctypes
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
-        for path in paths:
-            fn = getattr(ctypes.CDLL(path), "openblas_set_num_threads_local", None)
-            if fn is not None:
-                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-                fn(1)
-    except (OSError, ValueError, AttributeError):  # pragma: no cover - non-Linux / no OpenBLAS
-        pass
+def _helpers(n):
+    with _POOLS_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = _POOLS[n] = ThreadPoolExecutor(
+                max_workers=n, thread_name_prefix="cuflash-np")
+    return pool
 
 
 def run_tasks(fn, tasks, workers):
-    """[fn(task) for task in tasks], run on a pool of `workers` threads.
+    """[fn(task) for task in tasks], run by the calling thread and `workers − 1` pool
+    threads, with BLAS at one thread (`OneBlasThread`).
 
-    Even with one worker the tasks run in the pool, where BLAS is single-threaded:
-    a multi-threaded OpenBLAS call on a tile this small spends its time waking
-    threads (and, on a loaded machine, waiting for them: measured up to 25× slower).
+    Each thread takes the next task not yet taken, until none is left. A task that
+    raises stops the others taking more; the call returns (or raises the first
+    error) only when every thread has finished, so no task of a failed call is
+    still writing into its arrays.
     """
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = _POOLS[workers] = ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix="cuflash-np",
-                initializer=_blas_one_thread_here)
+    tasks = list(tasks)
+    results = [None] * len(tasks)
+    queue = iter(range(len(tasks)))
+    taking = threading.Lock()
+    failed = []
 
-    def quiet(task):
+    def take_tasks():
         # NaN and ±inf propagate as the API promises: exp(inf − inf) and
         # 0·inf inside a row are the defined result, not a warning.
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            return fn(task)
+            while not failed:
+                with taking:
+                    i = next(queue, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(tasks[i])
+                except BaseException:
+                    failed.append(True)
+                    raise
 
-    return list(pool.map(quiet, tasks))
+    with ONE_BLAS_THREAD:
+        n = min(workers, len(tasks)) - 1
+        helpers = [_helpers(workers - 1).submit(take_tasks) for _ in range(n)] if n > 0 else []
+        try:
+            take_tasks()
+        finally:
+            for helper in helpers:   # wait for all of them before anything else
+                helper.exception()
+        for helper in helpers:
+            helper.result()          # a helper's error, if the caller had none
+    return results
 
 
 def lanes(tasks, workers, cost):
