@@ -561,18 +561,21 @@ def test_blas_one_thread_during_the_tasks_only():
 
 
 def test_blas_count_restored_after_concurrent_calls_and_errors():
-    """Calls from several threads at once share one lowering; the last one out restores
-    the count, also when a task raises."""
+    """Calls from several threads at once, none of them the thread that set the user's
+    limit, share one lowering; the last one out restores the count, also when a task
+    raises."""
     import concurrent.futures
     from threadpoolctl import threadpool_limits
     from cuflash.backends.numpy_backend import pool
     if not _blas_threads():
         pytest.skip("NumPy's BLAS is not one threadpoolctl knows")
     started = threading.Barrier(3)
+    during = []
 
     def task(i):
         if i == 0:
             started.wait(10)                              # three calls inside at once
+            during.append(_blas_threads())
         if i == 1:
             raise ZeroDivisionError("planted")
         return i
@@ -582,9 +585,10 @@ def test_blas_count_restored_after_concurrent_calls_and_errors():
             pool.run_tasks(task, range(3), 2)
         except ZeroDivisionError:
             return "raised"
-    with threadpool_limits(3, user_api="blas"):
+    with threadpool_limits(3, user_api="blas"):          # this thread's limit
         with concurrent.futures.ThreadPoolExecutor(3) as threads:
             assert list(threads.map(call, range(3))) == ["raised"] * 3
+        assert during == [[1] * len(_blas_threads())] * 3
         assert set(_blas_threads()) == {3}
 
 
@@ -599,18 +603,19 @@ def test_run_tasks_returns_after_every_task():
     assert sorted(ran) == list(range(9))
     ended = []
 
+    caller = threading.current_thread()
+
     def task(i):
-        if i == 0:
-            time.sleep(0.3)                               # still running when task 1 raises
-            ended.append(i)
-            return i
-        if i == 1:
+        if i < 2 and threading.current_thread() is caller:
+            time.sleep(0.05)                              # the helper has the other one
             raise ValueError("planted")
+        if i < 2:
+            time.sleep(0.3)                               # still running when the caller raises
         ended.append(i)
         return i
     with pytest.raises(ValueError, match="planted"):
         pool.run_tasks(task, range(50), 2)
-    assert 0 in ended and len(ended) < 49
+    assert len(ended) == 1 and ended[0] < 2
 
 
 # ---------------------------------------------------------------- softmax

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
+from threadpoolctl import OpenBLASController, ThreadpoolController
 
 
 def usable_cores():
@@ -34,14 +34,15 @@ class OneBlasThread:
     what it was when the last one returns.
 
     The threads already split the tiles over the cores; a multi-threaded BLAS inside
-    each of them oversubscribes the cores (measured 1.6× slower on 2 cores; on a
-    loaded machine, a multi-threaded call on a tile this small waited up to 25× its
-    time for its threads). NumPy's OpenBLAS has one thread count for the whole process
-    (its `openblas_set_num_threads_local` sets that one too), so the count is lowered
-    for the span of the tasks only, and a user's own matmuls between calls keep every
-    core. threadpoolctl knows the BLAS libraries (OpenBLAS, MKL, BLIS) and how each
-    sets and reads its count. Calls from several threads at once share one lowering:
-    the first in saves the counts, the last out restores them.
+    each of them oversubscribes the cores (the forward at N = 1024–2048 took 12% longer
+    on 2 cores; on a loaded machine, a multi-threaded call on a tile this small waited
+    up to 25× its time for its threads). NumPy's OpenBLAS has one thread count for the
+    whole process (its `openblas_set_num_threads_local` sets that one too), so the
+    count is lowered for the span of the tasks only, and a user's own matmuls between
+    calls keep every core. threadpoolctl knows the BLAS libraries (OpenBLAS, MKL, BLIS)
+    and how each sets and reads its count. Calls from several threads at once share
+    one lowering: the first in saves the counts, the last out restores them, under one
+    lock, whichever threads those are.
     """
 
     def __init__(self):
@@ -55,23 +56,41 @@ class OneBlasThread:
             if self._depth == 0:
                 if self._controller is None:  # NumPy's BLAS is loaded with NumPy
                     self._controller = ThreadpoolController()
-                self._limiter = self._controller.limit(limits=1, user_api="blas")
+                self._limiter = _as_this_thread(
+                    lambda: self._controller.limit(limits=1, user_api="blas"))
             self._depth += 1
 
     def __exit__(self, *exc):
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                self._limiter.restore_original_limits()
-                self._limiter = None
+                self._restore()
+
+    def _restore(self):
+        _as_this_thread(self._limiter.restore_original_limits)
+        self._limiter = None
 
     def after_fork_in_child(self):
         # The child has none of the parent's calls, only their lowered counts.
         self._lock = threading.Lock()
         if self._depth:
             self._depth = 0
-            self._limiter.restore_original_limits()
-            self._limiter = None
+            self._restore()
+
+
+def _as_this_thread(change):
+    """Run `change` (of OpenBLAS's count) with this thread as threadpoolctl's one
+    thread allowed to set a process-wide OpenBLAS count, and no thread after it: the
+    first and the last call in may be different threads, and a user's own limits
+    elsewhere must not make ours a silent no-op."""
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is None:  # threadpoolctl < 3.8: every thread may set the count
+        return change()
+    clear(force=True)
+    try:
+        return change()
+    finally:
+        clear()
 
 
 ONE_BLAS_THREAD = OneBlasThread()
