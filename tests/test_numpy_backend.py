@@ -233,6 +233,13 @@ def test_failed_reference_hands_over_at_once(monkeypatch):
     np.testing.assert_allclose(o, R.naive_attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
+def _prepare_all(q4, *args):
+    """forward.prepare's arrays with every head filled."""
+    arrays, prepare_heads = fwd.prepare(q4, *args)
+    prepare_heads((0, q4.shape[0]))
+    return arrays
+
+
 def test_exp_range_bound(exp_base):
     """in_range promises |S_b − m_b| within BASE.exp's fast range, from norms alone."""
     rng = np.random.default_rng(10)
@@ -241,18 +248,18 @@ def test_exp_range_bound(exp_base):
     q4, k3, v3 = q.reshape(2, 2, 300, 16), k.reshape(2, 200, 16), v.reshape(2, 200, 16)
     config = dataclasses.replace(DEFAULT_CONFIG, base=exp_base)
     for scale, causal in ((0.25, False), (0.25, True)):
-        Qx, Kx, Vx, m, in_range = fwd.prepare(q4, k3, v3, scale, causal, f32, config)
+        Qx, Kx, Vx, m, in_range = _prepare_all(q4, k3, v3, scale, causal, f32, config)
         assert in_range.all()
         S_b = Qx @ Kx.transpose(0, 2, 1)[:, None]       # S_b − m_b for every (row, key)
         assert np.abs(S_b).max() <= exp_limit(f32, exp_base)
         np.testing.assert_allclose(-Qx[..., -1] * exp_base.ln, m, rtol=1e-6)
     k3_big = k3.copy()
     k3_big[1] *= 100                                     # |c·q||k| past the limit, head 1 only
-    *_, in_range = fwd.prepare(q4, k3_big, v3, 0.25, False, f32, config)
+    *_, in_range = _prepare_all(q4, k3_big, v3, 0.25, False, f32, config)
     assert in_range.tolist() == [True, False]
     q4_nan = q4.copy()
     q4_nan[0, 1, 7, 3] = np.nan
-    *_, in_range = fwd.prepare(q4_nan, k3, v3, 0.25, False, f32, config)
+    *_, in_range = _prepare_all(q4_nan, k3, v3, 0.25, False, f32, config)
     assert in_range.tolist() == [False, True]
 
 
@@ -267,7 +274,7 @@ def test_clipped_exp_keeps_the_fast_path(causal, exp_base, monkeypatch):
     k = rng.standard_normal((1, 2, 60, 8)).astype(np.float32) * 10
     k[:, :, 0] = 100          # key 0 (sampled, seen by every row) scores highest everywhere
     v = rng.standard_normal((1, 2, 60, 8)).astype(np.float32)
-    *_, in_range = fwd.prepare(q.reshape(2, 1, 40, 8), k.reshape(2, 60, 8),
+    *_, in_range = _prepare_all(q.reshape(2, 1, 40, 8), k.reshape(2, 60, 8),
                                v.reshape(2, 60, 8), 1.0, causal, np.dtype(np.float32),
                                bk.config)
     assert not in_range.any()
@@ -287,7 +294,7 @@ def test_peaked_scores(causal, exp_base):
     rng = np.random.default_rng(12)
     q, k, v = _qkv(rng, 1, 4, 2, 70, 90, 16, np.float32)
     q *= 30
-    *_, in_range = fwd.prepare(q.reshape(2, 2, 70, 16), k.reshape(2, 90, 16),
+    *_, in_range = _prepare_all(q.reshape(2, 2, 70, 16), k.reshape(2, 90, 16),
                                v.reshape(2, 90, 16), 0.25, causal, np.dtype(np.float32),
                                bk.config)
     assert not in_range.any()   # the clipped exponential path
@@ -618,6 +625,35 @@ def test_run_tasks_returns_after_every_task():
     assert len(ended) == 1 and ended[0] < 2
 
 
+
+def test_once_per_head_range():
+    """The forward's tasks prepare their heads through pool.Once: one run per item
+    whatever the number of tasks asking at once, and none of them goes on before it
+    has ended; a run that raised is redone by the next asker."""
+    import time
+    from cuflash.backends.numpy_backend import pool
+    runs, ended = [], []
+
+    def prepare(item):
+        runs.append(item)
+        if item == "bad" and runs.count("bad") == 1:
+            raise RuntimeError("planted")
+        time.sleep(0.05)
+        ended.append(item)
+    once = pool.Once(prepare)
+
+    def task(i):
+        once(("a", "b")[i % 2])
+        return ("a", "b")[i % 2] in ended             # its item's run has ended
+    assert all(pool.run_tasks(task, range(8), 4))
+    assert sorted(runs) == ["a", "b"]
+    with pytest.raises(RuntimeError, match="planted"):
+        once("bad")
+    once("bad")
+    once("bad")
+    assert runs.count("bad") == 2 and ended.count("bad") == 1
+
+
 # ---------------------------------------------------------------- softmax
 @pytest.mark.parametrize("block", [1, 7, 1 << 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -711,9 +747,9 @@ def test_settings_reach_the_loops(monkeypatch):
     bk = _backend(workers=3)
     o, lse = bk.forward(q, k, v, causal=False, scale=0.5)
     bk.backward(np.ones_like(q), q, k, v, o, lse, causal=False, scale=0.5)
-    assert [workers for _, workers in handed] == [3] * 4   # prepare and tiles, twice
-    fwd_tiles = handed[1][0]
-    bwd_tiles = [t for lane in handed[3][0] for t in lane]   # one ordered task list per worker
+    assert [workers for _, workers in handed] == [3] * 3   # tiles; prepare and tiles
+    fwd_tiles = handed[0][0]
+    bwd_tiles = [t for lane in handed[2][0] for t in lane]   # one ordered task list per worker
     # forward: 16-row Q tiles, each in 24-key steps; backward: 24-key tiles, 16-row steps
     assert [(r1 - r0, [c1 - c0 for _, _, c0, c1, _ in kv])
             for _, _, r0, r1, kv in fwd_tiles] == [(16, [24] * 4)] * 4
@@ -721,5 +757,5 @@ def test_settings_reach_the_loops(monkeypatch):
             for _, _, c0, c1, qt in bwd_tiles] == [(24, [16] * 4)] * 4
     handed.clear()
     _backend(DEFAULT_CONFIG, workers=1).forward(q, k, v, causal=False, scale=0.5)
-    (_, _, r0, r1, kv), = handed[1][0]                      # one tile: all rows, all keys
+    (_, _, r0, r1, kv), = handed[0][0]                      # one tile: all rows, all keys
     assert (r1 - r0, [c1 - c0 for _, _, c0, c1, _ in kv]) == (64, [96])

@@ -1,8 +1,9 @@
 """The FA2 forward: Q tiles outer, K/V steps inner, one final rescale per tile.
 
 Each pool task is one Q tile (Br rows of the G query heads of a range of K/V
-heads) with its steps from `block_schedule`. It runs `frozen_max_tile` first and
-`online_tile` where that declines (see forward_tiles).
+heads) with its steps from `block_schedule`. It prepares its heads if no task has
+yet (`prepare`), then runs `frozen_max_tile`, and `online_tile` where that declines
+(see forward_tiles).
 """
 import math
 
@@ -13,8 +14,8 @@ from .arrays import (CALL_BUFFERS, column_shift, grouped_heads, split_scale, wit
                      worker_scratch)
 from .expbase import exp_limit, in_exp_range
 from .forward_tiles import frozen_max_tile, online_tile
-from .pool import run_tasks
-from .schedule import NEG_INF, block_schedule, head_chunks, head_ranges, mask_block, tile_rows
+from .pool import Once, run_tasks
+from .schedule import NEG_INF, block_schedule, head_chunks, mask_block, tile_rows
 
 
 def prepared_shapes(q4, k3, acc_t):
@@ -27,7 +28,7 @@ def prepared_shapes(q4, k3, acc_t):
 
 def prepare(q4, k3, v3, scale, causal, acc_t, config, out=None):
     """Qx = [c_q·Q | −m_b], Kx = [c_k·K | 1], Vx = [V | 1] in the accumulation dtype,
-    made once per call on the pool (O(N·d), like o), with c_q·c_k = c = scale·log_b(e)
+    made once per call by the tasks (O(N·d), like o), with c_q·c_k = c = scale·log_b(e)
     (`split_scale`): scores come out in the config's base b, S_b = c·Q Kᵀ, and
     b^(S_b − m_b) = exp(S − m).
 
@@ -44,6 +45,9 @@ def prepare(q4, k3, v3, scale, causal, acc_t, config, out=None):
     |S_b_ij − m_b_i| ≤ |c·q_i| |k_j| + |m_b_i| (Cauchy–Schwarz).
 
     `out`: the arrays (Qx, Kx, Vx, m) to fill (`prepared_shapes`); fresh ones when None.
+    Returns (Qx, Kx, Vx, m, in_range) and `prepare_heads((h0, h1))`, which fills the K/V
+    heads h0..h1−1 (and their G query heads): the forward's tasks call it for their
+    heads (`pool.Once`), so that a call has one round of tasks, not two.
     """
     BH, G, Nq, d = q4.shape
     Nk = k3.shape[1]
@@ -77,8 +81,7 @@ def prepare(q4, k3, v3, scale, causal, acc_t, config, out=None):
         np.negative(m_b, out=Qx[h0:h1, ..., d].reshape(nh, G * Nq))
         np.multiply(m_b, base.ln, out=m[h0:h1].reshape(nh, G * Nq))
 
-    run_tasks(prepare_heads, head_ranges(BH, config.workers), config.workers)
-    return Qx, Kx, Vx, m, in_range
+    return (Qx, Kx, Vx, m, in_range), prepare_heads
 
 
 def forward(q, k, v, causal, scale, config):
@@ -101,7 +104,9 @@ def forward(q, k, v, causal, scale, config):
     per_chunk = -(-workers // len(chunks))
     Br = min(Br, -(-Nq // per_chunk))
     buf, prepared = CALL_BUFFERS.take(*prepared_shapes(q4, k3, acc_t))
-    Qx, Kx, Vx, m, in_range = prepare(q4, k3, v3, scale, causal, acc_t, config, prepared)
+    (Qx, Kx, Vx, m, in_range), prepare_heads = prepare(q4, k3, v3, scale, causal, acc_t,
+                                                       config, prepared)
+    prepared = Once(prepare_heads)  # each head range by the first of its tasks
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal, diag=config.diag_keys))
     # Biggest tiles first (causal: the bottom rows see the most keys) balances workers.
     tasks = [(h0, h1, r0, r1, kv) for (r0, r1, kv) in sched for (h0, h1) in chunks]
@@ -112,6 +117,7 @@ def forward(q, k, v, causal, scale, config):
     def run(task):
         h0, h1, r0, r1, kv = task
         nh, br = h1 - h0, r1 - r0
+        prepared((h0, h1))
         o_t, lse_t = o4[h0:h1, :, r0:r1], lse3[h0:h1, :, r0:r1]
         first = min(max(first_seen - r0, 0), br)  # the tile's first row that sees a key
         if first:

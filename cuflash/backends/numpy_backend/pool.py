@@ -160,6 +160,27 @@ def run_tasks(fn, tasks, workers):
     return results
 
 
+class Once:
+    """`fn(item)` run once per item, by the first task that asks for it; a task asking
+    while it runs waits for it. (One failed run leaves the item to the next asker.)"""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._done = set()
+        self._locks = {}
+        self._locks_lock = threading.Lock()
+
+    def __call__(self, item):
+        if item in self._done:
+            return
+        with self._locks_lock:
+            lock = self._locks.setdefault(item, threading.Lock())
+        with lock:
+            if item not in self._done:
+                self._fn(item)
+                self._done.add(item)
+
+
 def lanes(tasks, workers, cost):
     """The tasks dealt into at most `workers` lists, each run in order by one pool task.
 

@@ -106,7 +106,7 @@ def head_chunks(BH, per_head_elems, budget, workers):
 
 
 def head_ranges(BH, workers):
-    """B·Hkv heads cut into one contiguous range per worker, for the per-call
+    """B·Hkv heads cut into one contiguous range per worker, for the backward's per-call
     preparation: a few NumPy calls over many heads rather than many calls over one
     (with two workers every call hands the GIL over; measured 2× faster at N = 512)."""
     n = min(BH, workers)
