@@ -180,7 +180,7 @@ def main(argv=None):
 
     where = machine()
     print(f"# cuflash CPU benchmark — {where['cpu']}, {os.cpu_count()} CPUs ({where['simd']}), "
-          f"numpy {np.__version__} with {where['blas']}"
+          f"numpy {np.__version__} with {where['blas']} ({where['exp']} per float32)"
           + (f", torch {torch.__version__} ({torch.get_num_threads()} threads, "
              f"{torch.backends.cpu.get_cpu_capability()})" if use_torch else "")
           + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "")
@@ -309,13 +309,13 @@ def main(argv=None):
         w = csv.writer(fh)
         w.writerow(["impl", "pass", "B", "H", "N", "d", "causal", "median_ms", "gflops",
                     "vs_torch", "best_ms", "best_vs_torch", "paired_vs_torch", "cpu", "simd",
-                    "blas", "settle_s"])
+                    "blas", "settle_s", "exp"])
         for r in rows:
             w.writerow([r["impl"], r["pass_"], r["B"], r["H"], r["N"], r["d"], r["causal"],
                         f"{r['ms']:.3f}", f"{r['gflops']:.2f}", f"{r['vs_torch']:.3f}",
                         f"{r['best_ms']:.3f}", f"{r['best_vs_torch']:.3f}",
                         f"{r['paired_vs_torch']:.3f}", where["cpu"], where["simd"],
-                        where["blas"], args.settle])
+                        where["blas"], args.settle, where["exp"]])
         for name, (sec, best) in spread.items():
             impl, kind = name.split()
             w.writerow([impl, f"{kind} q×30", B, H, main_N, d, False, f"{sec * 1e3:.3f}",

@@ -3,6 +3,7 @@ ratios and CSV driven by NumPy implementations on a simulated clock."""
 import csv
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -253,7 +254,8 @@ def test_cuflash_sm90_peer_runs_the_hopper_kernels(bench, monkeypatch):
 
 def test_bench_cpu_names_its_files_and_machine(tmp_path):
     """A tiny bench_cpu run as the README runs it (without PyTorch): the tagged CSV and plot,
-    and the header and every timed row naming the CPU and the BLAS kernels it ran on."""
+    and the header and every timed row naming the CPU, the BLAS kernels it ran on and the
+    speed of this process's exponentials."""
     proc = subprocess.run([sys.executable, str(BENCH_CPU), "--quick", "--no-torch", "--sweep", "64",
                            "--seqlen", "64", "--out", str(tmp_path), "--tag", "x"],
                           capture_output=True, text=True, timeout=600)
@@ -262,8 +264,10 @@ def test_bench_cpu_names_its_files_and_machine(tmp_path):
     rows = [r for r in csv.DictReader(open(tmp_path / "bench_cpu_x.csv"))
             if r["impl"] == "cuflash" and r["pass"] in ("fwd", "bwd")]
     assert len(rows) == 4 and all(r["cpu"] and r["simd"] and r["blas"] for r in rows)
+    assert all(re.fullmatch(r"exp2 \d+\.\d\d ns, exp \d+\.\d\d ns", r["exp"]) for r in rows)
     header = proc.stdout.splitlines()[0]
     assert header.startswith("# cuflash CPU benchmark — ") and f" with {rows[0]['blas']}" in header
+    assert f"({rows[0]['exp']} per float32)" in header
 
 
 def test_machine_names_capped_instruction_sets(monkeypatch):
