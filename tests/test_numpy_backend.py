@@ -29,7 +29,7 @@ SMALL_TILES = dataclasses.replace(  # modest sizes walk through many Q and K/V t
     DEFAULT_CONFIG, rows=16, causal_rows=16, block_n=24, bwd_rows=16, bwd_block_n=24,
     diag_keys=5,    # diagonal strips: 16 = 5 + 5 + 5 + 1
     bwd_diag=7,     # 24 = 7 + 7 + 7 + 3
-    tile_budget=16 * 24 * 2, bwd_tile_budget=16 * 24 * 2,
+    tile_budget=16 * 24 * 2 * 8 * 64, bwd_tile_budget=16 * 24 * 2,   # 2 heads up to d = 64
     max_sample=5)   # the frozen max from part of a tile
 
 

@@ -104,7 +104,7 @@ _EVERY_LOCK = threading.Lock()
 
 def worker_scratch(dtype):
     """This thread's WorkerScratch for `dtype`, kept from one call to the next: a pool
-    worker's tile buffers (a score tile is up to `CpuConfig.tile_budget` elements) stay
+    worker's tile buffers (a score tile is up to `CpuConfig.tile_budget` / d bytes) stay
     on pages it has already touched. One task runs at a time on a thread, so a task
     owns its thread's buffers until it returns."""
     kept = getattr(_WORKER, "scratch", None)

@@ -98,7 +98,7 @@ def forward(q, k, v, causal, scale, config):
 
     Br = tile_rows(config.causal_rows if causal else config.rows, G, Nq)
     Bc = min(config.block_n, Nk)
-    chunks = head_chunks(BH, G * Br * Bc, config.tile_budget, workers)
+    chunks = head_chunks(BH, G * Br * Bc * acc_t.itemsize * d, config.tile_budget, workers)
     # Fewer head ranges than workers (one long sequence): shorter Q tiles, so that
     # every worker gets some.
     per_chunk = -(-workers // len(chunks))

@@ -97,10 +97,11 @@ def tile_rows(rows, G, Nq):
     return max(1, min(Nq, rows // G)) if G <= rows else 1
 
 
-def head_chunks(BH, per_head_elems, budget, workers):
-    """Split the B·Hkv K/V heads into ranges whose score tiles fit `budget` elements,
-    with at least one range per worker when there are enough heads (small N)."""
-    hc = max(1, min(BH, budget // max(1, per_head_elems)))
+def head_chunks(BH, per_head, budget, workers):
+    """Split the B·Hkv K/V heads into ranges whose tiles fit `budget` (per_head: one
+    head's share, in the budget's units), with at least one range per worker when
+    there are enough heads (small N)."""
+    hc = max(1, min(BH, budget // max(1, per_head)))
     hc = min(hc, max(1, BH // workers))
     return [(h, min(h + hc, BH)) for h in range(0, BH, hc)]
 
