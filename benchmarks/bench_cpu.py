@@ -8,9 +8,12 @@ each gets the median and the best (minimum) of its runs — the best is timeit's
 convention on a shared machine, where slower runs are mostly interference — and,
 against PyTorch, the median of the per-repetition ratios ("paired"), which a machine
 whose speed drifts between repetitions disturbs least. The calls run back to back, as
-in a loop over layers: PyTorch's OpenMP threads are made to sleep as soon as a call
-returns (OMP_WAIT_POLICY=PASSIVE, unless set already; it left PyTorch's own times the
-same here), so that they do not spin on the cores the next contender needs. `--settle S`
+in a loop over layers: PyTorch's OpenMP threads and NumPy's OpenBLAS threads are made
+to sleep as soon as a call returns (OMP_WAIT_POLICY=PASSIVE and OPENBLAS_THREAD_TIMEOUT=4,
+unless set already; the first left PyTorch's own times the same here), so that they do
+not spin on the cores the next contender needs: a forward right after a 2-thread NumPy
+matmul took 24.3 ms against 12.5 with OpenBLAS's threads asleep (N = 1024, d = 64; the
+naive contender's matmuls are such). `--settle S`
 idles S seconds before every call instead, the method of earlier results: on a
 virtual machine the first milliseconds after an idle pause run slower, by more for
 the contender that touches more fresh memory.
@@ -34,6 +37,7 @@ import time
 import tracemalloc
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before PyTorch starts its threads
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # before NumPy loads OpenBLAS
 
 import numpy as np
 
