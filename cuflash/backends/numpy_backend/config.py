@@ -58,8 +58,9 @@ class CpuConfig:
     """The same for the backward's K/V tiles (56% of N² at N = 2048); 128 measured
     slower: more, smaller steps of 5 matmuls each, each NumPy call a GIL hand-over."""
     workers: int = field(default_factory=usable_cores)
-    """Threads of the pool: one per usable core; more only take turns on the cores and
-    hand the GIL over more often."""
+    """Threads a call's tasks run on (the calling thread and workers − 1 pool threads):
+    one per usable core; more only take turns on the cores and hand the GIL over more
+    often. The results depend on the inputs and this count only."""
     frozen_max: bool = True
     """Forward tiles try a frozen reference max first (3 passes per step instead of 5),
     falling back to the running max per tile; False runs the running max everywhere."""

@@ -107,9 +107,10 @@ def head_chunks(BH, per_head, budget, workers):
 
 
 def head_ranges(BH, workers):
-    """B·Hkv heads cut into one contiguous range per worker, for the backward's per-call
-    preparation: a few NumPy calls over many heads rather than many calls over one
-    (with two workers every call hands the GIL over; measured 2× faster at N = 512)."""
+    """B·Hkv heads cut into one contiguous range per worker, for the per-call
+    preparation of the backward and of the variants: a few NumPy calls over many heads
+    rather than many calls over one (with two workers every call hands the GIL over;
+    measured 2× faster at N = 512)."""
     n = min(BH, workers)
     cuts = [BH * i // n for i in range(n + 1)]
     return [(cuts[i], cuts[i + 1]) for i in range(n)]
