@@ -599,6 +599,26 @@ def test_blas_count_restored_after_concurrent_calls_and_errors():
         assert set(_blas_threads()) == {3}
 
 
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_blas_count_restored_in_a_child_forked_during_a_call():
+    """A child forked while a call holds BLAS at one thread has none of the call, so it
+    gets the counts back."""
+    from threadpoolctl import threadpool_limits
+    from cuflash.backends.numpy_backend import pool
+    if not _blas_threads():
+        pytest.skip("NumPy's BLAS is not one threadpoolctl knows")
+    with threadpool_limits(3, user_api="blas"):
+        with pool.ONE_BLAS_THREAD:
+            assert set(_blas_threads()) == {1}
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if set(_blas_threads()) == {3} else 1)
+            _, status = os.waitpid(pid, 0)
+            assert set(_blas_threads()) == {1}              # the parent's call goes on
+        assert os.waitstatus_to_exitcode(status) == 0
+
 def test_run_tasks_returns_after_every_task():
     """Results in task order, each task run once; a task that raises stops the others
     taking new ones, and the error comes out only after the running ones have ended
