@@ -103,9 +103,9 @@ def forward(q, k, v, causal, scale, config):
     # every worker gets some.
     per_chunk = -(-workers // len(chunks))
     Br = min(Br, -(-Nq // per_chunk))
-    buf, prepared = CALL_BUFFERS.take(*prepared_shapes(q4, k3, acc_t))
+    buf, arrays = CALL_BUFFERS.take(*prepared_shapes(q4, k3, acc_t))
     (Qx, Kx, Vx, m, in_range), prepare_heads = prepare(q4, k3, v3, scale, causal, acc_t,
-                                                       config, prepared)
+                                                       config, arrays)
     prepared = Once(prepare_heads)  # each head range by the first of its tasks
     sched = list(block_schedule(Nq, Nk, Br, Bc, causal=causal, diag=config.diag_keys))
     # Biggest tiles first (causal: the bottom rows see the most keys) balances workers.
