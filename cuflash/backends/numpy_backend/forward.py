@@ -3,13 +3,15 @@
 Each pool task is one Q tile (Br rows of the G query heads of a range of K/V
 heads) with its steps from `block_schedule`. It prepares its heads if no task has
 yet (`prepare`), then runs `frozen_max_tile`, and `online_tile` where that declines
-(see forward_tiles).
+(see forward_tiles). Plain float32 and 16-bit calls go to the compiled kernel
+first (`native`, `CpuConfig.native`); these tiles take what it does not.
 """
 import math
 
 import numpy as np
 
 from ..._dtypes import accum_dtype, lse_dtype
+from . import native
 from .arrays import (CALL_BUFFERS, column_shift, grouped_heads, split_scale, with_ones,
                      worker_scratch)
 from .expbase import exp_limit, in_exp_range
@@ -89,6 +91,12 @@ def forward(q, k, v, causal, scale, config):
     B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
     workers, frozen_max = config.workers, config.frozen_max
+    if config.native and acc_t == np.float32:
+        done = native.forward(q4, k3, v3, causal, scale, workers)
+        if done is not None:  # else: not available here, or a row to redo (see native)
+            o4, lse3 = done
+            return (o4.reshape(B, Hq, Nq, d).astype(q.dtype, copy=False),
+                    lse3.reshape(B, Hq, Nq))
     exp, ln = config.base.exp, config.base.ln
     lim = exp_limit(acc_t, config.base)
     o = np.empty((B, Hq, Nq, d), q.dtype)

@@ -1,0 +1,166 @@
+"""The compiled CPU forward (numpy_backend/native): against the float64 reference, the
+same rows whatever the tasks, and the NumPy tiles taking over what it cannot do."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import reference as R
+from cuflash._dtypes import BFLOAT16
+from cuflash.backends import numpy_backend as nb
+from cuflash.backends.numpy_backend import forward as fwd, native
+from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG
+from conftest import assert_close_to_reference, plain_attention
+
+LIB, WHY = native.library()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"compiled forward not available: {WHY}")
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 is not None else [])
+
+CASES = [  # B, Hq, Hkv, Nq, Nk, d: tiles of 96 rows and 256 keys, panels of 64 keys
+    (1, 1, 1, 1, 1, 1),
+    (2, 2, 2, 17, 17, 32),
+    (1, 4, 2, 113, 203, 59),
+    (1, 3, 1, 203, 113, 64),
+    (2, 2, 1, 1, 113, 8),
+    (1, 2, 2, 203, 1, 16),
+    (1, 2, 1, 500, 700, 80),      # PV columns 64 + 16 (padded from 80)
+    (1, 1, 1, 300, 530, 128),
+    (1, 1, 1, 97, 300, 256),
+    (1, 2, 2, 40, 257, 17),
+]
+
+
+def _backend(**settings):
+    return nb.NumpyBackend(dataclasses.replace(DEFAULT_CONFIG, **settings))
+
+
+def _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype=np.float32):
+    q = rng.standard_normal((B, hq, Nq, d)).astype(dtype)
+    k = rng.standard_normal((B, hkv, Nk, d)).astype(dtype)
+    v = rng.standard_normal((B, hkv, Nk, d)).astype(dtype)
+    return q, k, v
+
+
+@pytest.fixture
+def tiles_forbidden(monkeypatch):
+    """The NumPy tiles raise if called: the compiled kernel must have done the call."""
+    def fail(*a, **kw):
+        raise AssertionError("the NumPy tiles ran")
+    monkeypatch.setattr(fwd, "frozen_max_tile", fail)
+    monkeypatch.setattr(fwd, "online_tile", fail)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vs_reference(dtype, causal, tiles_forbidden):
+    bk = _backend(workers=2)
+    rng = np.random.default_rng(0)
+    for B, hq, hkv, Nq, Nk, d in CASES:
+        q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
+        scale = 1 / math.sqrt(d)
+        o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
+        o, lse = bk.forward(q, k, v, causal=causal, scale=scale)
+        assert o.dtype == dtype and o.shape == q.shape
+        assert lse.dtype == np.float32 and lse.shape == q.shape[:3]
+        case = f"{dtype} {(B, hq, hkv, Nq, Nk, d)}"
+        o_plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype)
+        assert_close_to_reference(o, o_ref, o_plain, dtype, what="o " + case)
+        assert_close_to_reference(lse, lse_ref, None, np.float32, what="lse " + case)
+
+
+def test_rows_that_see_no_key(tiles_forbidden):
+    """Causal with Nq > Nk: the first Nq − Nk rows see no key (o = 0, lse = −inf)."""
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(rng, 1, 2, 1, 300, 70, 24)
+    o, lse = _backend().forward(q, k, v, causal=True, scale=0.2)
+    assert np.all(o[:, :, :230] == 0) and np.all(lse[:, :, :230] == -np.inf)
+    o_ref = R.naive_attention(q, k, v, causal=True, scale=0.2)
+    np.testing.assert_allclose(o[:, :, 230:], o_ref[:, :, 230:], atol=2e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_same_bits_whatever_the_tasks(causal, monkeypatch):
+    """A row's result depends on the inputs only: not on the worker count, nor on which
+    rows share its tasks and tiles (task rows not a multiple of the 96-row tile)."""
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng, 1, 4, 2, 700, 900, 64)
+    first = _backend(workers=1).forward(q, k, v, causal=causal, scale=0.125)
+    for workers, task_rows in ((2, 384), (3, 100), (2, 1)):
+        monkeypatch.setattr(native, "TASK_ROWS", task_rows)
+        got = _backend(workers=workers).forward(q, k, v, causal=causal, scale=0.125)
+        for a, b in zip(first, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_not_finite_goes_to_the_tiles(monkeypatch):
+    """NaN or ±inf inputs, and a scaled Q, a score or P̃ V past float32, come out as the
+    NumPy tiles give them (NaN in its own row, the rescues of a huge V and scale): the
+    compiled kernel reports the row, and the tiles redo the call. Big but representable
+    values stay with the kernel, and its result is the reference's."""
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, 1, 2, 1, 40, 70, 8)
+    tiles = _backend(native=False)
+    handed = []
+    real = native.forward
+    monkeypatch.setattr(native, "forward", lambda *a: handed.append(r := real(*a)) or r)
+    q_nan, q_inf, k_inf, v_inf, v_max = q.copy(), q.copy(), k.copy(), v.copy(), v.copy()
+    q_nan[0, 1, 5, 2] = np.nan
+    q_inf[0, 0, 30] = [np.inf] + [0] * 7
+    k_inf[0, 0, 50, 3] = -np.inf
+    v_inf[0, 0, 10, 1] = np.inf
+    v_max[..., 0] = 3e38             # P̃ V = ℓ·3e38 overflows where ℓ > 1.13
+    for qq, kk, vv, scale in ((q_nan, k, v, 0.3), (q_inf, k, v, 0.3), (q, k_inf, v, 0.3),
+                              (q, k, v_inf, 0.3), (q, k, v_max, 0.3),
+                              (q, k, v, 1e38), (q, k * np.float32(1e20), v, 1e20)):
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = tiles.forward(qq, kk, vv, causal=True, scale=scale)
+            handed.clear()
+            got = _backend().forward(qq, kk, vv, causal=True, scale=scale)
+        assert handed == [None]               # the kernel ran and declined
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+    for vv, scale in ((v, 0.3), (v * np.float32(1e30), 10.0), (v, 1e30)):   # the kernel's
+        handed.clear()
+        o, lse = _backend().forward(q, k, vv, causal=True, scale=scale)
+        assert handed[0] is not None
+        o_ref, lse_ref = R.naive_attention(q, k, vv, causal=True, scale=scale, return_lse=True)
+        np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5 * np.abs(o_ref).max())
+        np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_not_available_goes_to_the_tiles(monkeypatch):
+    """No library (no AVX-512F, no compiler): the NumPy tiles, with the same results."""
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(rng, 1, 2, 2, 100, 100, 16)
+    want = _backend(native=False).forward(q, k, v, causal=False, scale=0.25)
+    monkeypatch.setattr(native, "library", lambda: (None, "planted"))
+    got = _backend().forward(q, k, v, causal=False, scale=0.25)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    """A compiler that fails leaves no library in the cache and says what it ran."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    native.library.cache_clear()
+    try:
+        lib, why = native.library()
+        assert lib is None and "failed on flash_fwd_avx512.cpp" in why
+        assert not list((tmp_path / "cpu").glob("*.so"))
+        monkeypatch.setenv("CXX", "no-such-compiler")
+        native.library.cache_clear()
+        assert native.library() == (None, "no C++ compiler ('no-such-compiler' is not on PATH)")
+    finally:
+        native.library.cache_clear()
+
+
+def test_float64_and_variants_keep_the_tiles(monkeypatch):
+    """The compiled kernel is float32: float64 calls never reach it."""
+    monkeypatch.setattr(native, "forward", lambda *a: pytest.fail("native.forward called"))
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 1, 1, 1, 20, 20, 8, np.float64)
+    o = _backend().forward(q, k, v, causal=False, scale=0.3)[0]
+    np.testing.assert_allclose(o, R.naive_attention(q, k, v, scale=0.3), atol=1e-13)
