@@ -1,5 +1,9 @@
 """CPU benchmark: cuflash's NumPy backend vs naive NumPy attention and PyTorch SDPA.
 
+cuflash's forward is the compiled AVX-512 kernel where this CPU and compiler allow
+it (the header says which), and then the NumPy tiles alone (`CpuConfig(native=False)`)
+are timed beside it as "tiles".
+
 Validates first (against cuflash.reference on a small case, against PyTorch on the
 real case), then times. FLOPs follow FlashAttention's convention: forward
 4·B·H·Nq·Nk·d (halved when causal), backward 2.5× forward. The contenders are
@@ -30,6 +34,7 @@ PNG (forward, and forward+backward, causal or not, over N) to benchmarks/results
 """
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import sys
@@ -45,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from cuflash import reference as R  # noqa: E402
 from cuflash.backends import numpy_backend as nb  # noqa: E402
+from cuflash.backends.numpy_backend import native  # noqa: E402
 from cuflash.flops import attention_flops  # noqa: E402
 from machine import machine  # noqa: E402
 
@@ -54,6 +60,7 @@ except ImportError:  # the benchmark runs without PyTorch, minus its columns
     torch = None
 
 BK = nb.BACKEND
+TILES = nb.NumpyBackend(dataclasses.replace(nb.DEFAULT_CONFIG, native=False))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETTLE_S = 0.0    # idle pause before every timed call (see time_interleaved)
 REPEATS = 15      # repetitions by default: the paired ratio is a median of this many
@@ -149,8 +156,8 @@ def validate_small():
     for causal in (False, True):
         o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
         g_ref = R.attention_backward(do, q, k, v, o_ref, lse_ref, causal=causal)
-        for algorithm in ("fa2", "fa1"):
-            o, lse = BK.forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm)
+        for bk, algorithm in ((TILES, "fa2"), (BK, "fa1"), (BK, "fa2")):
+            o, lse = bk.forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm)
             worst = max(worst, max_err(o, o_ref))
         g = BK.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
         worst = max(worst, *(max_err(a, b) for a, b in zip(g, g_ref)))
@@ -189,6 +196,9 @@ def main(argv=None):
              f"{torch.backends.cpu.get_cpu_capability()})" if use_torch else "")
           + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "")
           + (f", {args.settle} s idle before each call" if args.settle else ""))
+    lib, why = native.library()
+    print("forward: the compiled AVX-512 kernel; \"tiles\": the NumPy tiles alone" if lib
+          else f"forward: the NumPy tiles (the compiled kernel is not available: {why})")
     if not use_torch:
         print("PyTorch " + ("left out (--no-torch)" if torch is not None else
                             "is not installed (pip install torch)")
@@ -218,6 +228,8 @@ def main(argv=None):
                 print(f"validation vs torch SDPA (N={N}, causal={causal}): "
                       f"o {e_o:.1e}, grads {e_g:.1e}  OK")
             fns = {"cuflash fwd": lambda: BK.forward(q, k, v, causal=causal, scale=scale)}
+            if lib is not None:
+                fns["tiles fwd"] = lambda: TILES.forward(q, k, v, causal=causal, scale=scale)
             if N <= 4096:
                 fns["naive fwd"] = lambda: naive_forward(q, k, v, causal, scale)
             if use_torch:
@@ -345,7 +357,8 @@ def main(argv=None):
         fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey="row")
         for row, (kind, what) in enumerate((("fwd", "forward"), ("fwd+bwd", "forward+backward"))):
             for ax, causal in zip(axes[row], (False, True)):
-                for impl, style in (("cuflash", "o-"), ("torch", "s--"), ("naive", "^:")):
+                for impl, style in (("cuflash", "o-"), ("tiles", "o:"), ("torch", "s--"),
+                                    ("naive", "^:")):
                     pts = [(r["N"], r["gflops"]) for r in rows if r["impl"] == impl
                            and r["pass_"] == kind and r["causal"] == causal]
                     if pts:

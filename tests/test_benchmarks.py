@@ -268,6 +268,15 @@ def test_bench_cpu_names_its_files_and_machine(tmp_path):
     header = proc.stdout.splitlines()[0]
     assert header.startswith("# cuflash CPU benchmark — ") and f" with {rows[0]['blas']}" in header
     assert f"({rows[0]['exp']} per float32)" in header
+    # which forward ran: the compiled kernel, timed beside the NumPy tiles, or the tiles
+    from cuflash.backends.numpy_backend import native
+    said = proc.stdout.splitlines()[1]
+    tiles = [r for r in csv.DictReader(open(tmp_path / "bench_cpu_x.csv")) if r["impl"] == "tiles"]
+    if native.library()[0] is not None:
+        assert said.startswith("forward: the compiled AVX-512 kernel")
+        assert [(r["pass"], r["causal"]) for r in tiles] == [("fwd", "False"), ("fwd", "True")]
+    else:
+        assert said.startswith("forward: the NumPy tiles (") and not tiles
 
 
 def test_machine_names_capped_instruction_sets(monkeypatch):
