@@ -1,8 +1,8 @@
 """CPU benchmark: cuflash's NumPy backend vs naive NumPy attention and PyTorch SDPA.
 
-cuflash's forward is the compiled AVX-512 kernel where this CPU and compiler allow
-it (the header says which), and then the NumPy tiles alone (`CpuConfig(native=False)`)
-are timed beside it as "tiles".
+cuflash's forward is the compiled kernel where this CPU and compiler allow it (its
+widest build, or the one `--native` names; the header says which), and then the NumPy
+tiles alone (`CpuConfig(native="off")`) are timed beside it as "tiles".
 
 Validates first (against cuflash.reference on a small case, against PyTorch on the
 real case), then times. FLOPs follow FlashAttention's convention: forward
@@ -59,8 +59,8 @@ try:
 except ImportError:  # the benchmark runs without PyTorch, minus its columns
     torch = None
 
-BK = nb.BACKEND
-TILES = nb.NumpyBackend(dataclasses.replace(nb.DEFAULT_CONFIG, native=False))
+BK = nb.BACKEND  # main() sets the build of the compiled forward (--native)
+TILES = nb.NumpyBackend(dataclasses.replace(nb.DEFAULT_CONFIG, native="off"))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETTLE_S = 0.0    # idle pause before every timed call (see time_interleaved)
 REPEATS = 15      # repetitions by default: the paired ratio is a median of this many
@@ -180,9 +180,13 @@ def main(argv=None):
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--settle", type=float, default=SETTLE_S,
                     help="seconds idle before every timed call (default 0)")
+    ap.add_argument("--native", default="auto", choices=native.CHOICES,
+                    help="the compiled forward's build (CpuConfig.native; default auto)")
     ap.add_argument("--tag", default="", help="suffix of the CSV and PNG names")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
+    global BK
+    BK = nb.NumpyBackend(dataclasses.replace(nb.DEFAULT_CONFIG, native=args.native))
     use_torch = torch is not None and not args.no_torch
     repeats = args.repeats or (3 if args.quick else REPEATS)
     sweep = args.sweep if args.sweep is not None else ([512, 1024] if args.quick
@@ -196,9 +200,10 @@ def main(argv=None):
              f"{torch.backends.cpu.get_cpu_capability()})" if use_torch else "")
           + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "")
           + (f", {args.settle} s idle before each call" if args.settle else ""))
-    lib, why = native.library()
-    print("forward: the compiled AVX-512 kernel; \"tiles\": the NumPy tiles alone" if lib
-          else f"forward: the NumPy tiles (the compiled kernel is not available: {why})")
+    isa = native.best_isa() if args.native == "auto" else args.native
+    lib, why = native.library(isa) if isa not in (None, "off") else (None, "--native off")
+    print(f"forward: the compiled kernel ({isa} build); \"tiles\": the NumPy tiles alone"
+          if lib else f"forward: the NumPy tiles (the compiled kernel is not available: {why})")
     if not use_torch:
         print("PyTorch " + ("left out (--no-torch)" if torch is not None else
                             "is not installed (pip install torch)")

@@ -13,8 +13,15 @@ from cuflash.backends.numpy_backend import forward as fwd, native
 from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG
 from conftest import assert_close_to_reference, plain_attention
 
-LIB, WHY = native.library()
-pytestmark = pytest.mark.skipif(LIB is None, reason=f"compiled forward not available: {WHY}")
+
+
+@pytest.fixture(params=list(native.ISAS))
+def isa(request):
+    """Each build this CPU runs (one it cannot is skipped, saying why)."""
+    lib, why = native.library(request.param)
+    if lib is None:
+        pytest.skip(f"the {request.param} build is not available: {why}")
+    return request.param
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
@@ -54,8 +61,8 @@ def tiles_forbidden(monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_vs_reference(dtype, causal, tiles_forbidden):
-    bk = _backend(workers=2)
+def test_vs_reference(dtype, causal, isa, tiles_forbidden):
+    bk = _backend(workers=2, native=isa)
     rng = np.random.default_rng(0)
     for B, hq, hkv, Nq, Nk, d in CASES:
         q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
@@ -70,38 +77,39 @@ def test_vs_reference(dtype, causal, tiles_forbidden):
         assert_close_to_reference(lse, lse_ref, None, np.float32, what="lse " + case)
 
 
-def test_rows_that_see_no_key(tiles_forbidden):
+def test_rows_that_see_no_key(isa, tiles_forbidden):
     """Causal with Nq > Nk: the first Nq − Nk rows see no key (o = 0, lse = −inf)."""
     rng = np.random.default_rng(1)
     q, k, v = _qkv(rng, 1, 2, 1, 300, 70, 24)
-    o, lse = _backend().forward(q, k, v, causal=True, scale=0.2)
+    o, lse = _backend(native=isa).forward(q, k, v, causal=True, scale=0.2)
     assert np.all(o[:, :, :230] == 0) and np.all(lse[:, :, :230] == -np.inf)
     o_ref = R.naive_attention(q, k, v, causal=True, scale=0.2)
     np.testing.assert_allclose(o[:, :, 230:], o_ref[:, :, 230:], atol=2e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_same_bits_whatever_the_tasks(causal, monkeypatch):
+def test_same_bits_whatever_the_tasks(causal, isa, monkeypatch):
     """A row's result depends on the inputs only: not on the worker count, nor on which
     rows share its tasks and tiles (task rows not a multiple of the 96-row tile)."""
     rng = np.random.default_rng(2)
     q, k, v = _qkv(rng, 1, 4, 2, 700, 900, 64)
-    first = _backend(workers=1).forward(q, k, v, causal=causal, scale=0.125)
+    first = _backend(workers=1, native=isa).forward(q, k, v, causal=causal, scale=0.125)
     for workers, task_rows in ((2, 384), (3, 100), (2, 1)):
         monkeypatch.setattr(native, "TASK_ROWS", task_rows)
-        got = _backend(workers=workers).forward(q, k, v, causal=causal, scale=0.125)
+        got = _backend(workers=workers, native=isa).forward(q, k, v, causal=causal,
+                                                            scale=0.125)
         for a, b in zip(first, got):
             np.testing.assert_array_equal(a, b)
 
 
-def test_not_finite_goes_to_the_tiles(monkeypatch):
+def test_not_finite_goes_to_the_tiles(isa, monkeypatch):
     """NaN or ±inf inputs, and a scaled Q, a score or P̃ V past float32, come out as the
     NumPy tiles give them (NaN in its own row, the rescues of a huge V and scale): the
     compiled kernel reports the row, and the tiles redo the call. Big but representable
     values stay with the kernel, and its result is the reference's."""
     rng = np.random.default_rng(3)
     q, k, v = _qkv(rng, 1, 2, 1, 40, 70, 8)
-    tiles = _backend(native=False)
+    tiles = _backend(native="off")
     handed = []
     real = native.forward
     monkeypatch.setattr(native, "forward", lambda *a: handed.append(r := real(*a)) or r)
@@ -117,13 +125,13 @@ def test_not_finite_goes_to_the_tiles(monkeypatch):
         with np.errstate(invalid="ignore", over="ignore"):
             want = tiles.forward(qq, kk, vv, causal=True, scale=scale)
             handed.clear()
-            got = _backend().forward(qq, kk, vv, causal=True, scale=scale)
+            got = _backend(native=isa).forward(qq, kk, vv, causal=True, scale=scale)
         assert handed == [None]               # the kernel ran and declined
         for a, b in zip(want, got):
             np.testing.assert_array_equal(a, b)
     for vv, scale in ((v, 0.3), (v * np.float32(1e30), 10.0), (v, 1e30)):   # the kernel's
         handed.clear()
-        o, lse = _backend().forward(q, k, vv, causal=True, scale=scale)
+        o, lse = _backend(native=isa).forward(q, k, vv, causal=True, scale=scale)
         assert handed[0] is not None
         o_ref, lse_ref = R.naive_attention(q, k, vv, causal=True, scale=scale, return_lse=True)
         np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5 * np.abs(o_ref).max())
@@ -131,11 +139,11 @@ def test_not_finite_goes_to_the_tiles(monkeypatch):
 
 
 def test_not_available_goes_to_the_tiles(monkeypatch):
-    """No library (no AVX-512F, no compiler): the NumPy tiles, with the same results."""
+    """No library (no AVX2, no compiler): the NumPy tiles, with the same results."""
     rng = np.random.default_rng(4)
     q, k, v = _qkv(rng, 1, 2, 2, 100, 100, 16)
-    want = _backend(native=False).forward(q, k, v, causal=False, scale=0.25)
-    monkeypatch.setattr(native, "library", lambda: (None, "planted"))
+    want = _backend(native="off").forward(q, k, v, causal=False, scale=0.25)
+    monkeypatch.setattr(native, "library", lambda isa: (None, "planted"))
     got = _backend().forward(q, k, v, causal=False, scale=0.25)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
@@ -144,17 +152,35 @@ def test_not_available_goes_to_the_tiles(monkeypatch):
 def test_a_failed_build_says_why(monkeypatch, tmp_path):
     """A compiler that fails leaves no library in the cache and says what it ran."""
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "numpy_dispatch", lambda: (None, {"AVX2": True, "FMA3": True}))
     monkeypatch.setenv("CXX", "false")
-    native.library.cache_clear()
+    native._library.cache_clear()
     try:
-        lib, why = native.library()
-        assert lib is None and "failed on flash_fwd_avx512.cpp" in why
+        lib, why = native.library("avx2")
+        assert lib is None and "failed on flash_fwd_cpu.cpp (avx2)" in why
         assert not list((tmp_path / "cpu").glob("*.so"))
         monkeypatch.setenv("CXX", "no-such-compiler")
-        native.library.cache_clear()
+        native._library.cache_clear()
         assert native.library() == (None, "no C++ compiler ('no-such-compiler' is not on PATH)")
     finally:
-        native.library.cache_clear()
+        native._library.cache_clear()
+
+
+def test_the_widest_build_this_cpu_runs(monkeypatch):
+    """"auto" is AVX-512 where NumPy reads AVX512F, else AVX2 with FMA, else none; a
+    build asked for by name says which feature it misses."""
+    native._library.cache_clear()
+    try:
+        for features, best in (({"AVX512F": True, "AVX2": True, "FMA3": True}, "avx512"),
+                               ({"AVX512F": False, "AVX2": True, "FMA3": True}, "avx2"),
+                               ({"AVX2": True}, None), ({}, None)):
+            monkeypatch.setattr(native, "numpy_dispatch", lambda f=features: (None, f))
+            assert native.best_isa() == best
+        assert native.library() == (None, "this CPU has neither AVX-512F nor AVX2 with FMA")
+        assert native.library("avx512") == (None, "this CPU has no AVX512F or FMA3 "
+                                                  "(needed by avx512)")
+    finally:
+        native._library.cache_clear()
 
 
 def test_float64_and_variants_keep_the_tiles(monkeypatch):

@@ -31,7 +31,7 @@ SMALL_TILES = dataclasses.replace(  # modest sizes walk through many Q and K/V t
     bwd_diag=7,     # 24 = 7 + 7 + 7 + 3
     tile_budget=16 * 24 * 2 * 8 * 64, bwd_tile_budget=16 * 24 * 2,   # 2 heads up to d = 64
     max_sample=5,   # the frozen max from part of a tile
-    native=False)   # the NumPy tiles (tests/test_native_forward.py: the compiled kernel)
+    native="off")   # the NumPy tiles (tests/test_native_forward.py: the compiled kernel)
 
 
 def _backend(config=SMALL_TILES, **settings):
@@ -373,7 +373,7 @@ def test_causal_schedule_skips_blocks():
                for *_, t in kv)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "tiles"])
+@pytest.mark.parametrize("native", ["auto", "off"])
 def test_forward_memory_is_linear(native):
     """One head, N = 16384, d = 64, float32: the N×N scores would be 1 GiB."""
     bk = _backend(DEFAULT_CONFIG, native=native)
@@ -470,7 +470,7 @@ def test_release_buffers_frees_what_calls_kept():
     """After release_buffers a call allocates its buffers afresh (tracemalloc sees them)."""
     rng = np.random.default_rng(24)
     q, k, v = _qkv(rng, 1, 2, 2, 512, 512, 32, np.float32)
-    bk = _backend(DEFAULT_CONFIG, native=False)
+    bk = _backend(DEFAULT_CONFIG, native="off")
 
     def peak():
         tracemalloc.start()
@@ -744,8 +744,8 @@ def test_default_config_is_this_machines():
 
 @pytest.mark.parametrize("setting, value, error", [
     ("rows", 0, ValueError), ("workers", -1, ValueError), ("block_n", 2.5, TypeError),
-    ("max_sample", True, TypeError), ("frozen_max", 1, TypeError), ("native", "yes", TypeError),
-    ("base", np.exp, TypeError),
+    ("max_sample", True, TypeError), ("frozen_max", 1, TypeError), ("native", True, TypeError),
+    ("native", "avx1024", ValueError), ("base", np.exp, TypeError),
 ])
 def test_config_rejects_bad_settings(setting, value, error):
     with pytest.raises(error, match=rf"CpuConfig\.{setting} .*got {value!r}"):
@@ -781,6 +781,6 @@ def test_settings_reach_the_loops(monkeypatch):
     assert [(c1 - c0, [r1 - r0 for r0, r1, *_ in qt])
             for _, _, c0, c1, qt in bwd_tiles] == [(24, [16] * 4)] * 4
     handed.clear()
-    _backend(DEFAULT_CONFIG, workers=1, native=False).forward(q, k, v, causal=False, scale=0.5)
+    _backend(DEFAULT_CONFIG, workers=1, native="off").forward(q, k, v, causal=False, scale=0.5)
     (_, _, r0, r1, kv), = handed[0][0]                      # one tile: all rows, all keys
     assert (r1 - r0, [c1 - c0 for _, _, c0, c1, _ in kv]) == (64, [96])

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .expbase import ExpBase, fastest_base, numpy_dispatch
+from .native import CHOICES as NATIVE_CHOICES
 from .pool import usable_cores
 
 
@@ -61,12 +62,13 @@ class CpuConfig:
     """Threads a call's tasks run on (the calling thread and workers − 1 pool threads):
     one per usable core; more only take turns on the cores and hand the GIL over more
     often. The results depend on the inputs and this count only."""
-    native: bool = True
-    """Plain forwards in float32 or 16-bit run the compiled AVX-512 kernel (`native`)
-    where this CPU has AVX-512F and a C++ compiler builds it; False, or where it
-    cannot, the NumPy tiles below (which float64, the variants and FA1 always use).
-    On a 2-core Zen 5, d = 64, N = 1024–8192: 0.46–0.57× PyTorch's CPU time, against
-    0.89–1.02× for the NumPy tiles."""
+    native: str = "auto"
+    """Plain forwards in float32 or 16-bit run the compiled kernel (`native`): "auto"
+    its widest build this CPU runs ("avx512", else "avx2"), or one by name; where it
+    cannot run (that instruction set missing, no C++ compiler) and with "off", the
+    NumPy tiles below, which float64, the variants and FA1 always use. On a 2-core
+    Zen 5, d = 64, N = 1024–8192: 0.45–0.57× PyTorch's CPU time, against 0.89–1.09×
+    for the NumPy tiles on OpenBLAS's AVX2 kernels."""
     frozen_max: bool = True
     """Forward tiles try a frozen reference max first (3 passes per step instead of 5),
     falling back to the running max per tile; False runs the running max everywhere."""
@@ -90,9 +92,15 @@ class CpuConfig:
                 if not isinstance(value, ExpBase):
                     raise TypeError(f"CpuConfig.base must be BASE_2 or BASE_E "
                                     f"(cuflash.backends.numpy_backend.expbase); got {value!r}")
-            elif f.name in ("frozen_max", "native"):
+            elif f.name == "frozen_max":
                 if not isinstance(value, bool):
-                    raise TypeError(f"CpuConfig.{f.name} must be a bool; got {value!r}")
+                    raise TypeError(f"CpuConfig.frozen_max must be a bool; got {value!r}")
+            elif f.name == "native":
+                if not isinstance(value, str):
+                    raise TypeError(f"CpuConfig.native must be a str; got {value!r}")
+                if value not in NATIVE_CHOICES:
+                    raise ValueError(f"CpuConfig.native must be one of {NATIVE_CHOICES}; "
+                                     f"got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"CpuConfig.{f.name} must be an int; got {value!r}")
             elif value < 1:
