@@ -77,6 +77,34 @@ def test_vs_reference(dtype, causal, isa, tiles_forbidden):
         assert_close_to_reference(lse, lse_ref, None, np.float32, what="lse " + case)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_peaked_scores_stay_in_the_kernel(causal, isa, tiles_forbidden):
+    """Scores spread over thousands (q × 30: most weights underflow, the running max
+    moves far between K/V tiles) are the kernel's to do, not the tiles' to redo."""
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, 1, 4, 2, 300, 600, 32)
+    q *= 30
+    o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
+    o, lse = _backend(native=isa).forward(q, k, v, causal=causal, scale=32 ** -0.5)
+    o_plain, _ = plain_attention(q, k, v, causal=causal, scale=32 ** -0.5, dtype=np.float32)
+    assert_close_to_reference(o, o_ref, o_plain, np.float32, what="o")
+    assert_close_to_reference(lse, lse_ref, None, np.float32, what="lse")
+
+
+def test_one_key_far_above_the_rest(isa, tiles_forbidden):
+    """One key scoring ~300 above every other, in each lane of a vector in turn: the
+    row max must find it wherever it sits, or 2^(S − m) overflows. o is that key's v."""
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 1, 1, 1, 20, 200, 32)
+    q[:] = 1
+    for key in range(17):
+        kk = k.copy()
+        kk[0, 0, key] = 10                           # q·k = 320 against |q·k_j| ≲ 30
+        o, lse = _backend(native=isa).forward(q, kk, v, causal=False, scale=1.0)
+        np.testing.assert_array_equal(o, np.broadcast_to(v[:, :, key:key + 1], o.shape))
+        np.testing.assert_allclose(lse, 320, rtol=1e-6)
+
+
 def test_rows_that_see_no_key(isa, tiles_forbidden):
     """Causal with Nq > Nk: the first Nq − Nk rows see no key (o = 0, lse = −inf)."""
     rng = np.random.default_rng(1)
