@@ -140,8 +140,10 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     def keys_seen(r1):  # by the task's last row, which sees the most
         return min(Nk, max(0, r1 + diag)) if causal else Nk
 
-    tasks = [(h, r0, min(r0 + TASK_ROWS, Nq)) for h in range(BH)
-             for r0 in range(0, Nq, TASK_ROWS)]
+    # Biggest first; among equals, one head after another, so that the threads'
+    # first tasks pack different heads rather than wait on one.
+    tasks = [(h, r0, min(r0 + TASK_ROWS, Nq)) for r0 in range(0, Nq, TASK_ROWS)
+             for h in range(BH)]
     tasks.sort(key=lambda t: -(t[2] - t[1]) * keys_seen(t[2]))
 
     def run(task):

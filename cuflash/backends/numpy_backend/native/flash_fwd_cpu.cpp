@@ -182,10 +182,16 @@ int tile(const float* q, const float* Kp, const float* Vp, float* o, float* lse,
   for (long c0 = 0; c0 < last; c0 += kBc) {
     const int bc = int(std::min<long>(kBc, last - c0));
     const int bcp = (bc + kPanel - 1) / kPanel * kPanel;
+    // keys of this tile that micro-tile i's rows see: none of its rows sees a key past
+    // that, so its scores there are not computed (the mask below overwrites them) and
+    // its P̃ there (0) is not multiplied
+    auto seen_by = [&](int i) {
+      return int(std::clamp<long>(limit(r0 + std::min(i + kMr, br) - 1) - c0, 0, bc));
+    };
     // -- compute qk: S₂ = (c·Q_i) K_jᵀ --
     for (int p = 0; p < bcp; p += kPanel)
       for (int i = 0; i < brp; i += kMr)
-        qk_micro(w.Q + i * d, Kp + (c0 + p) * d, d, w.S + i * kBc + p, kBc);
+        if (p < seen_by(i)) qk_micro(w.Q + i * d, Kp + (c0 + p) * d, d, w.S + i * kBc + p, kBc);
     // -- update m_i and ℓ_i; P̃ = 2^(S₂ − m_i) in place; acc *= 2^(m_old − m_new) --
     for (int i = 0; i < br; ++i) {
       float* s = w.S + i * kBc;
@@ -214,7 +220,7 @@ int tile(const float* q, const float* Kp, const float* Vp, float* o, float* lse,
     for (int i = br; i < brp; ++i) std::memset(w.S + i * kBc, 0, sizeof(float) * bcp);
     // -- acc += P̃ V_j --
     for (int i = 0; i < brp; i += kMr)
-      pv_rows(w.S + i * kBc, kBc, Vp + size_t(c0) * dp, dp, bcp, w.acc + size_t(i) * dp);
+      pv_rows(w.S + i * kBc, kBc, Vp + size_t(c0) * dp, dp, seen_by(i), w.acc + size_t(i) * dp);
   }
   // -- epilogue (finalize): O_i = acc / ℓ_i, lse_i = (m_i + log2 ℓ_i)·ln 2; no key: 0, −inf --
   int bad = 0;
