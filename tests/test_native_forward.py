@@ -25,7 +25,7 @@ def isa(request):
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
-CASES = [  # B, Hq, Hkv, Nq, Nk, d: tiles of 96 rows and 256 keys, panels of 64 keys
+CASES = [  # B, Hq, Hkv, Nq, Nk, d: tiles of 96 rows, 512 keys; panels of 64 (AVX2: 16) keys
     (1, 1, 1, 1, 1, 1),
     (2, 2, 2, 17, 17, 32),
     (1, 4, 2, 113, 203, 59),

@@ -120,7 +120,7 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     library is not available or some row came out NaN or +inf — inputs that are not
     finite, or a score or P̃ V past float32's range — for the NumPy forward to redo
     with its handling of those. A row's result does not depend on the tasks: its key
-    tiles start at key 0 in steps of 256 whichever rows share its tile, and a key
+    tiles start at key 0 in steps of 512 whichever rows share its tile, and a key
     tile wholly hidden from it adds exact zeros."""
     lib, _ = library(isa)
     if lib is None:

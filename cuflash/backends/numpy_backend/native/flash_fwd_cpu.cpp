@@ -75,7 +75,8 @@ constexpr float kExpMin = -127.0f;  // 2^-127 has exponent bits 0: the product i
 constexpr int kPanel = kNv * W;  // keys per Kᵀ panel: the S micro-tile's width
 constexpr int kMr = 6;           // rows of a micro-tile
 constexpr int kBr = 96;          // rows of a Q tile
-constexpr int kBc = 256;         // keys of a K/V tile (a multiple of kPanel)
+constexpr int kBc = 512;         // keys of a K/V tile (a multiple of kPanel): 512 took
+                                 // 3–4% less than 256 at N = 4096, as much as 1024
 constexpr float kNegInf = -INFINITY;
 
 // 2^x, to about 1 ulp: x = n + f with f in [−½, ½], 2^f by its Taylor series to f⁷
