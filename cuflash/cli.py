@@ -80,9 +80,14 @@ def cmd_info(args):
     cupy, dev = _gpu()
     print("backends:")
     from .backends import numpy_backend
-    print(f"  numpy     available (blocked FlashAttention-2 on the CPU, "
-          f"{numpy_backend.BACKEND.config.workers} workers, exponentials in base "
-          f"{numpy_backend.BACKEND.config.base.name}: NumPy's fastest on this CPU)")
+    from .backends.numpy_backend import native
+    config = numpy_backend.BACKEND.config
+    isa = native.best_isa() if config.native == "auto" else config.native
+    lib, why = (None, "CpuConfig.native is 'off'") if isa == "off" else native.library(isa)
+    print(f"  numpy     available (blocked FlashAttention-2 on the CPU, {config.workers} "
+          f"workers, exponentials in base {config.base.name}: NumPy's fastest on this CPU; "
+          + (f"float32 forward: the compiled {isa} kernel)" if lib else
+             f"float32 forward: the NumPy tiles, as {why})"))
     from .emulator import availability
     ok, why = availability()  # g++ and the CUDA headers, found, not tried
     print(f"  emulator  {'available, ' if ok else 'unavailable: '}{why}")

@@ -23,12 +23,16 @@ as is every tile with `CpuConfig(frozen_max=False)`. `algorithm="fa1"` runs FA1'
 loop order (K/V tiles outer, O, ℓ, m rescaled in memory every step); the backward is
 FA2's (K/V tiles outer, Q rows inner), with the seed equations' names.
 
-Modules: config (CpuConfig, every setting), expbase (exp or exp2, and its fast range),
-pool (the worker threads), schedule (which blocks a loop visits, the causal mask,
-tasks), arrays (views and scratch), forward and forward_tiles (FA2 forward), fa1,
-backward, softmax, variants (window, softcap, ALiBi, bias, mask, dropout, score_mod,
-mask_mod and block masks: forward and backward with dbias and the score_mod's buffer
-gradients, in FA2's loop order for either algorithm).
+Plain float32 and 16-bit forwards run a compiled kernel first where the CPU and a
+C++ compiler allow it (native: the same FA2 loop in C++ with AVX-512 or AVX2, built
+on first use), the tiles above taking whatever it does not.
+
+Modules: config (CpuConfig, every setting), native (the compiled forward), expbase
+(exp or exp2, and its fast range), pool (the worker threads), schedule (which blocks
+a loop visits, the causal mask, tasks), arrays (views and scratch), forward and
+forward_tiles (FA2 forward), fa1, backward, softmax, variants (window, softcap, ALiBi,
+bias, mask, dropout, score_mod, mask_mod and block masks: forward and backward with
+dbias and the score_mod's buffer gradients, in FA2's loop order for either algorithm).
 
 Memory: one score tile (heads, G·Br, Bc) per worker, plus O(N·d) arrays (the
 outputs; [c·Q | ·], [K | 1] and [V | 1] prepared once per call in the accumulation
