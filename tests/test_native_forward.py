@@ -12,6 +12,7 @@ from cuflash.backends import numpy_backend as nb
 from cuflash.backends.numpy_backend import forward as fwd, native
 from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG
 from conftest import assert_close_to_reference, plain_attention
+from test_numpy_backend import CASES as TILE_CASES
 
 
 
@@ -25,13 +26,7 @@ def isa(request):
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
-CASES = [  # B, Hq, Hkv, Nq, Nk, d: tiles of 96 rows, 512 keys; panels of 64 (AVX2: 16) keys
-    (1, 1, 1, 1, 1, 1),
-    (2, 2, 2, 17, 17, 32),
-    (1, 4, 2, 113, 203, 59),
-    (1, 3, 1, 203, 113, 64),
-    (2, 2, 1, 1, 113, 8),
-    (1, 2, 2, 203, 1, 16),
+CASES = TILE_CASES + [  # tiles of 96 rows, 512 keys; panels of 64 (AVX2: 16) keys
     (1, 2, 1, 500, 700, 80),      # PV columns 64 + 16 (padded from 80)
     (1, 1, 1, 300, 530, 128),
     (1, 1, 1, 97, 300, 256),

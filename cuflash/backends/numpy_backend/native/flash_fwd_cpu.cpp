@@ -96,47 +96,37 @@ inline vec exp2v(vec x) {
   return vscale2(p, n);
 }
 
-// S[kMr][kPanel] = Q[kMr][d] · Kpᵀ, one panel of keys.
-inline void qk_micro(const float* Q, const float* Kp, int d, float* S, int lds) {
-  vec acc[kMr][kNv];
-  for (int i = 0; i < kMr; ++i)
-    for (int j = 0; j < kNv; ++j) acc[i][j] = vset(0.0f);
-  for (int t = 0; t < d; ++t) {
-    vec b[kNv];
-    for (int j = 0; j < kNv; ++j) b[j] = vload(Kp + t * kPanel + W * j);
-    for (int i = 0; i < kMr; ++i) {
-      const vec a = vset(Q[i * d + t]);
-      for (int j = 0; j < kNv; ++j) acc[i][j] = vfma(a, b[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < kMr; ++i)
-    for (int j = 0; j < kNv; ++j) vstore(S + i * lds + W * j, acc[i][j]);
-}
-
-// A[kMr][NV·W] += P[kMr][nk] · V[nk][NV·W]
-template <int NV>
-inline void pv_micro(const float* P, int ldp, const float* V, int ldv, int nk, float* A, int lda) {
+// The register-blocked product of both matmuls: C[kMr][NV·W] = A[kMr][n] · B[n][NV·W]
+// (Add: C +=), rows of A broadcast one element at a time against rows of B.
+// S = Q Kᵀ takes B from a Kᵀ panel, acc += P̃ V from V.
+template <int NV, bool Add>
+inline void micro(const float* A, int lda, const float* B, int ldb, int n, float* C, int ldc) {
   vec acc[kMr][NV];
   for (int i = 0; i < kMr; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = vload(A + i * lda + W * j);
-  for (int t = 0; t < nk; ++t) {
+    for (int j = 0; j < NV; ++j) acc[i][j] = Add ? vload(C + i * ldc + W * j) : vset(0.0f);
+  for (int t = 0; t < n; ++t) {
     vec b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = vload(V + t * ldv + W * j);
+    for (int j = 0; j < NV; ++j) b[j] = vload(B + t * ldb + W * j);
     for (int i = 0; i < kMr; ++i) {
-      const vec a = vset(P[i * ldp + t]);
+      const vec a = vset(A[i * lda + t]);
       for (int j = 0; j < NV; ++j) acc[i][j] = vfma(a, b[j], acc[i][j]);
     }
   }
   for (int i = 0; i < kMr; ++i)
-    for (int j = 0; j < NV; ++j) vstore(A + i * lda + W * j, acc[i][j]);
+    for (int j = 0; j < NV; ++j) vstore(C + i * ldc + W * j, acc[i][j]);
 }
 
-// The kMr rows of acc (dp columns) += P · V, in chunks of kNv vectors, then fewer.
+// S[kMr][kPanel] = Q[kMr][d] · Kpᵀ, one panel of keys.
+inline void qk_micro(const float* Q, const float* Kp, int d, float* S, int lds) {
+  micro<kNv, false>(Q, d, Kp, kPanel, d, S, lds);
+}
+
+// The kMr rows of acc (dp columns) += P̃ · V, in chunks of kNv vectors, then fewer.
 template <int NV>
 inline void pv_chunk(int nv, const float* P, int ldp, const float* V, int dp, int nk, float* A) {
   if constexpr (NV > 1)
     if (nv < NV) return pv_chunk<NV - 1>(nv, P, ldp, V, dp, nk, A);
-  pv_micro<NV>(P, ldp, V, dp, nk, A, dp);
+  micro<NV, true>(P, ldp, V, dp, nk, A, dp);
 }
 
 inline void pv_rows(const float* P, int ldp, const float* V, int dp, int nk, float* A) {
