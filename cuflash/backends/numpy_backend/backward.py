@@ -3,10 +3,13 @@
 Each task is one K/V tile of a range of K/V heads with its steps from
 `block_schedule` (outer="k"); the tasks run in fixed lanes (`pool.lanes`), dQ summed
 in one accumulator per lane, so the result is bitwise the same from call to call.
+Plain float32 and 16-bit calls go to the compiled kernel first (`native`,
+`CpuConfig.native`), in the same order and lanes; these tiles take what it does not.
 """
 import numpy as np
 
 from ..._dtypes import accum_dtype
+from . import native
 from .arrays import CALL_BUFFERS, as_dtype, grouped_heads, split_scale, with_ones, worker_scratch
 from .expbase import exp_limit, in_exp_range
 from .pool import lanes, run_tasks
@@ -30,6 +33,15 @@ def backward(do, q, k, v, o, lse, causal, scale, config):
     B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
     workers = config.workers
+    do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
+    L = lse.reshape(BH, G, Nq)
+    if config.native != "off" and acc_t == np.float32:
+        done = native.backward(do4, q4, k3, v3, o4, L, causal, scale, workers, config.native)
+        if done is not None:  # else: not available here, or a gradient to redo (see native)
+            dq, dk, dv = done
+            return (dq.reshape(B, Hq, Nq, d).astype(q.dtype, copy=False),
+                    dk.reshape(B, Hkv, Nk, d).astype(k.dtype, copy=False),
+                    dv.reshape(B, Hkv, Nk, d).astype(v.dtype, copy=False))
     base = config.base
     exp = base.exp
     # c_q·c_k = scale·log_b(e) (split_scale); dQ and dK take back the other factor.
@@ -39,8 +51,6 @@ def backward(do, q, k, v, o, lse, causal, scale, config):
     # Prepared once per call, O(N·d) like dq: Qx = [c_q·Q | −L_b], dOx = [dO | −D],
     # Kx = [c_k·K | 1], Vx = [V | 1], so that the matmuls give S_b − L_b and dP − D
     # directly: two passes over every score tile saved, and no per-tile casts.
-    do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
-    L = lse.reshape(BH, G, Nq)
     buf, (Qx, dOx, Kx, Vx) = CALL_BUFFERS.take(
         ((BH, G, Nq, d + 1), acc_t), ((BH, G, Nq, d + 1), acc_t),
         ((BH, Nk, d + 1), acc_t), ((BH, Nk, d + 1), acc_t))

@@ -1,17 +1,19 @@
-"""The compiled forward: FA2's loop for float32 on x86 CPUs with AVX-512 or AVX2, in
-C++ (`flash_fwd_cpu.cpp`), built by the host's C++ compiler on first use.
+"""The compiled CPU kernels: FA2's forward and backward for float32 on x86 CPUs with
+AVX-512 or AVX2, in C++ (`flash_fwd_cpu.cpp`, `flash_bwd_cpu.cpp`, sharing
+`cpu_simd.h`), built by the host's C++ compiler on first use.
 
-Each thread runs whole Q tiles — Q Kᵀ, the online softmax and P̃ V on a score tile
-that stays in the core's caches — with register-blocked vector loops, where the
-NumPy tiles call OpenBLAS and NumPy's ufuncs once per step (`forward.py`). The
-NumPy forward stays the path for float64, for the variants, for FA1's order, and
-wherever the kernel is not available: no AVX2 with FMA, no compiler, a failed build
-(`library` says why).
+Each thread runs whole tiles — Q Kᵀ, the softmax and P̃ V in the forward, the five
+products of the backward — on score tiles that stay in the core's caches, with
+register-blocked vector loops, where the NumPy tiles call OpenBLAS and NumPy's ufuncs
+once per step (`forward.py`, `backward.py`). The NumPy tiles stay the path for
+float64, for the variants, for FA1's order, and wherever the kernels are not
+available: no AVX2 with FMA, no compiler, a failed build (`library` says why).
 
-One source, built once per instruction set (`ISAS`); `CpuConfig.native` picks one or
-"auto", the widest this CPU has. The library is built with `$CXX` (else g++) into
-cuflash's cache (`compiler.cache_dir("cpu")`), keyed by the source, the flags and the
-compiler's version, and loaded with ctypes, which lets go of the GIL for the call.
+The sources are built once per instruction set (`ISAS`) into one library;
+`CpuConfig.native` picks one or "auto", the widest this CPU has. The library is built
+with `$CXX` (else g++) into cuflash's cache (`compiler.cache_dir("cpu")`), keyed by
+the sources, the flags and the compiler's version, and loaded with ctypes, which lets
+go of the GIL for the call.
 """
 import ctypes
 import functools
@@ -27,9 +29,11 @@ import numpy as np
 from .... import compiler
 from ..arrays import CALL_BUFFERS
 from ..expbase import numpy_dispatch
-from ..pool import Once, run_tasks
+from ..pool import Once, lanes, run_tasks
 
-SOURCE = Path(__file__).with_name("flash_fwd_cpu.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "flash_fwd_cpu.cpp", HERE / "flash_bwd_cpu.cpp")
+HEADERS = (HERE / "cpu_simd.h",)
 ISAS = {  # name: (the CPU features it needs, as NumPy names them; its compiler flags)
     "avx512": (("AVX512F", "FMA3"), ("-DCUFLASH_AVX512", "-mavx512f", "-mfma")),
     "avx2": (("AVX2", "FMA3"), ("-DCUFLASH_AVX2", "-mavx2", "-mfma")),
@@ -69,23 +73,26 @@ def _library(isa):
     cxx = shutil.which(os.environ.get("CXX") or "g++")
     if cxx is None:
         return None, f"no C++ compiler ({os.environ.get('CXX') or 'g++'!r} is not on PATH)"
-    if not SOURCE.is_file():
-        return None, f"the kernel source {SOURCE} is missing"
+    missing = [f.name for f in SOURCES + HEADERS if not f.is_file()]
+    if missing:
+        return None, f"the kernel sources {', '.join(missing)} are missing from {HERE}"
     flags = (*FLAGS, *isa_flags)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for f in SOURCES + HEADERS:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     for part in (*flags, cxx, version):
         h.update(part.encode() + b"\0")
     cache = compiler.cache_dir("cpu")
     cache.mkdir(parents=True, exist_ok=True)
-    so = cache / f"flash_fwd_{isa}-{h.hexdigest()[:24]}.so"
+    so = cache / f"flash_cpu_{isa}-{h.hexdigest()[:24]}.so"
     if not so.exists():
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / "lib.so"
-            r = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)],
+            r = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(out)],
                                capture_output=True, text=True)
             if r.returncode != 0:
-                return None, f"{cxx} failed on {SOURCE.name} ({isa}):\n{r.stderr.strip()}"
+                return None, f"{cxx} failed on the CPU kernels ({isa}):\n{r.stderr.strip()}"
             os.replace(out, so)  # atomic: concurrent processes share the cache
     try:
         lib = ctypes.CDLL(str(so))
@@ -93,20 +100,23 @@ def _library(isa):
         return None, f"could not load {so}: {e}"
     lib.cuflash_layout.argtypes = [ctypes.POINTER(_i), ctypes.POINTER(_i)]
     lib.cuflash_layout.restype = None
-    lib.cuflash_pack_kv.argtypes = [_f32p, _f32p, _i, _i, _f32p, _f32p]
-    lib.cuflash_pack_kv.restype = None
+    for name in ("cuflash_pack_panels", "cuflash_pack_rows"):
+        getattr(lib, name).argtypes = [_f32p, _i, _i, _f32p]
+        getattr(lib, name).restype = None
     lib.cuflash_forward_rows.argtypes = [_f32p, _f32p, _f32p, _f32p, _f32p,
                                          _i, _i, _i, _i, _i, _i, ctypes.c_float, _i]
     lib.cuflash_forward_rows.restype = _i
+    lib.cuflash_backward_keys.argtypes = [_f32p] * 10 + [_i] * 6 + [ctypes.c_float] * 2 + [_i]
+    lib.cuflash_backward_keys.restype = None
     return lib, None
 
 
-def packed_shapes(lib, Nk, d):
-    """Shapes of one K/V head's packed Kᵀ panels and padded V (the source's layouts)."""
+def packed_sizes(lib, N, d):
+    """Floats of one head's x (N, d) packed as panels and as rows (cpu_simd.h)."""
     width, panel = _i(), _i()
     lib.cuflash_layout(ctypes.byref(width), ctypes.byref(panel))
-    nk = -(-Nk // panel.value) * panel.value
-    return (nk * d,), (nk * (-(-d // width.value) * width.value),)
+    n = -(-N // panel.value) * panel.value
+    return n * d, n * (-(-d // width.value) * width.value)
 
 
 TASK_ROWS = 384
@@ -130,10 +140,13 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     q4, k3, v3 = (np.ascontiguousarray(x, dtype=np.float32) for x in (q4, k3, v3))
     o = np.empty((BH, G, Nq, d), np.float32)
     lse = np.empty((BH, G, Nq), np.float32)
-    kp_shape, vp_shape = packed_shapes(lib, Nk, d)
-    buf, (Kp, Vp) = CALL_BUFFERS.take(((BH, *kp_shape), np.float32),
-                                      ((BH, *vp_shape), np.float32))
-    packed = Once(lambda h: lib.cuflash_pack_kv(k3[h], v3[h], Nk, d, Kp[h], Vp[h]))
+    panels, rows = packed_sizes(lib, Nk, d)
+    buf, (Kp, Vp) = CALL_BUFFERS.take(((BH, panels), np.float32), ((BH, rows), np.float32))
+
+    def pack(h):
+        lib.cuflash_pack_panels(k3[h], Nk, d, Kp[h])
+        lib.cuflash_pack_rows(v3[h], Nk, d, Vp[h])
+    packed = Once(pack)
     c = np.float32(scale * np.log2(np.e))
     diag = Nk - Nq
 
@@ -155,3 +168,70 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     bad = sum(run_tasks(run, tasks, workers))
     CALL_BUFFERS.give_back(buf)
     return None if bad else (o, lse)
+
+
+KEYS = 192
+"""Keys per backward task (kBc in flash_bwd_cpu.cpp)."""
+
+
+def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
+    """dq (BH, G, Nq, d), dk, dv (BH, Nk, d), float32, from q4, do, o (BH, G, Nq, d),
+    k3, v3 (BH, Nk, d) and lse (BH, G, Nq) of any float dtype; None when the library
+    is not available or a gradient came out NaN or ±inf (inputs that are not finite, an
+    lse that is not the forward's), for the NumPy backward to redo.
+
+    Each task is one K/V head's 192 keys, over every row that sees them (the NumPy
+    backward's order). The tasks run in fixed lanes (`pool.lanes`), each lane adding
+    its dQ terms into an accumulator of its own in task order, and the lanes' sums
+    are added in lane order: the result depends on the inputs and the worker count
+    only."""
+    lib, _ = library(isa)
+    if lib is None:
+        return None
+    BH, G, Nq, d = q4.shape
+    Nk = k3.shape[1]
+    f32 = np.float32
+    q4, do, k3, v3 = (np.ascontiguousarray(x, dtype=f32) for x in (q4, do, k3, v3))
+    # L2 = lse·log2(e), +inf where lse = −inf (the row saw no key: P = 0); D = rowsum(dO ∘ O)
+    lse = np.asarray(lse, f32)
+    L2 = np.where(lse == -np.inf, np.inf, lse * f32(np.log2(np.e))).astype(f32)
+    D = np.einsum("...i,...i->...", do, o.astype(f32, copy=False), dtype=f32)
+    D[lse == -np.inf] = 0
+    panels, rows = packed_sizes(lib, Nk, d)
+    buf, (Kp, Vt, Kr) = CALL_BUFFERS.take(((BH, panels), f32), ((BH, panels), f32),
+                                          ((BH, rows), f32))
+
+    def pack(h):
+        lib.cuflash_pack_panels(k3[h], Nk, d, Kp[h])
+        lib.cuflash_pack_panels(v3[h], Nk, d, Vt[h])
+        lib.cuflash_pack_rows(k3[h], Nk, d, Kr[h])
+    packed = Once(pack)
+    dk = np.empty((BH, Nk, d), f32)
+    dv = np.empty((BH, Nk, d), f32)
+    c = f32(scale * np.log2(np.e))
+    diag = Nk - Nq
+
+    def rows_seeing(c0):  # causal: row r sees key c0 from r = c0 − diag on
+        return Nq - min(Nq, max(0, c0 - diag)) if causal else Nq
+
+    tasks = [(h, c0, min(c0 + KEYS, Nk)) for c0 in range(0, Nk, KEYS) for h in range(BH)]
+
+    def run_lane(lane):
+        dq = np.zeros((BH, G, Nq, d), f32)
+        for h, c0, c1 in lane:
+            packed(h)
+            lib.cuflash_backward_keys(q4[h], do[h], L2[h], D[h], Kp[h], Vt[h], Kr[h], dq[h],
+                                      dk[h], dv[h], G, Nq, Nk, d, c0, c1, c, f32(scale),
+                                      int(causal))
+        return dq
+
+    cost = lambda t: (t[2] - t[1]) * rows_seeing(t[1])
+    parts = run_tasks(run_lane, lanes(tasks, workers, cost), workers)
+    CALL_BUFFERS.give_back(buf)
+    dq = parts[0]
+    for part in parts[1:]:                                      # in lane order
+        dq += part
+    dq *= f32(scale)
+    if not all(np.isfinite(x).all() for x in (dq, dk, dv)):
+        return None
+    return dq, dk, dv

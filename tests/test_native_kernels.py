@@ -1,5 +1,6 @@
-"""The compiled CPU forward (numpy_backend/native): against the float64 reference, the
-same rows whatever the tasks, and the NumPy tiles taking over what it cannot do."""
+"""The compiled CPU kernels (numpy_backend/native): forward and backward against the
+float64 reference, the same bits whatever the tasks (the forward) or for the same worker
+count (the backward), and the NumPy tiles taking over what they cannot do."""
 import dataclasses
 import math
 
@@ -9,9 +10,9 @@ import pytest
 from cuflash import reference as R
 from cuflash._dtypes import BFLOAT16
 from cuflash.backends import numpy_backend as nb
-from cuflash.backends.numpy_backend import forward as fwd, native
+from cuflash.backends.numpy_backend import backward as bwd, forward as fwd, native
 from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG
-from conftest import assert_close_to_reference, plain_attention
+from conftest import assert_close_to_reference, plain_attention, plain_backward
 from test_numpy_backend import CASES as TILE_CASES
 
 
@@ -47,11 +48,12 @@ def _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype=np.float32):
 
 @pytest.fixture
 def tiles_forbidden(monkeypatch):
-    """The NumPy tiles raise if called: the compiled kernel must have done the call."""
+    """The NumPy tiles raise if called: the compiled kernels must have done the call."""
     def fail(*a, **kw):
         raise AssertionError("the NumPy tiles ran")
     monkeypatch.setattr(fwd, "frozen_max_tile", fail)
     monkeypatch.setattr(fwd, "online_tile", fail)
+    monkeypatch.setattr(bwd, "run_tasks", fail)   # the tiles' backward; native has its own
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -70,6 +72,14 @@ def test_vs_reference(dtype, causal, isa, tiles_forbidden):
         o_plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype)
         assert_close_to_reference(o, o_ref, o_plain, dtype, what="o " + case)
         assert_close_to_reference(lse, lse_ref, None, np.float32, what="lse " + case)
+
+        do = rng.standard_normal(q.shape).astype(dtype)
+        grads = bk.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+        refs = R.attention_backward(do, q, k, v, o, lse, causal=causal)
+        plains = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype)
+        for name, g, x, ref, plain in zip("qkv", grads, (q, k, v), refs, plains):
+            assert g.dtype == dtype and g.shape == x.shape
+            assert_close_to_reference(g, ref, plain, dtype, factor=3.0, what=f"d{name} " + case)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -161,6 +171,69 @@ def test_not_finite_goes_to_the_tiles(isa, monkeypatch):
         np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-4)
 
 
+def test_backward_rows_that_see_no_key(isa, tiles_forbidden):
+    """Causal with Nq > Nk: rows with lse = −inf add nothing, and their dq is 0."""
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng, 1, 2, 1, 300, 70, 24)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    bk = _backend(native=isa)
+    o, lse = bk.forward(q, k, v, causal=True, scale=0.2)
+    dq, dk, dv = bk.backward(do, q, k, v, o, lse, causal=True, scale=0.2)
+    assert np.all(dq[:, :, :230] == 0)
+    refs = R.attention_backward(do, q, k, v, o, lse, causal=True, scale=0.2)
+    for g, ref in zip((dq, dk, dv), refs):
+        np.testing.assert_allclose(g, ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_bits(causal, isa):
+    """dK and dV rows are each one task's: the same bits for any worker count. dQ sums
+    the tasks' terms in fixed lanes: the same bits from call to call, and from calls made
+    at once from several threads, for one worker count."""
+    import concurrent.futures
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, 1, 4, 2, 300, 500, 40)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    o, lse = _backend(native=isa).forward(q, k, v, causal=causal, scale=0.15)
+    one = _backend(workers=1, native=isa).backward(do, q, k, v, o, lse, causal=causal,
+                                                   scale=0.15)
+    two = _backend(workers=2, native=isa)
+    first = two.backward(do, q, k, v, o, lse, causal=causal, scale=0.15)
+    for a, b in zip(one[1:], first[1:]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(one[0], first[0], rtol=1e-5, atol=1e-6)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        again = list(pool.map(lambda _: two.backward(do, q, k, v, o, lse, causal=causal,
+                                                     scale=0.15), range(3)))
+    for got in again:
+        for a, b in zip(first, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_backward_not_finite_goes_to_the_tiles(isa, monkeypatch):
+    """A NaN in Q, or an lse that is not the forward's (P past float32): the tiles redo
+    the backward and give their own result, bit for bit."""
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, 1, 2, 1, 40, 70, 8)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    tiles = _backend(native="off")
+    o, lse = tiles.forward(q, k, v, causal=True, scale=0.3)
+    handed = []
+    real = native.backward
+    monkeypatch.setattr(native, "backward", lambda *a: handed.append(r := real(*a)) or r)
+    q_nan = q.copy()
+    q_nan[0, 1, 5, 2] = np.nan
+    lse_low = lse - 200                      # P = e^200 overflows float32
+    for qq, ll in ((q_nan, lse), (q, lse_low)):
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = tiles.backward(do, qq, k, v, o, ll, causal=True, scale=0.3)
+            handed.clear()
+            got = _backend(native=isa).backward(do, qq, k, v, o, ll, causal=True, scale=0.3)
+        assert handed == [None]
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_not_available_goes_to_the_tiles(monkeypatch):
     """No library (no AVX2, no compiler): the NumPy tiles, with the same results."""
     rng = np.random.default_rng(4)
@@ -180,7 +253,7 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     native._library.cache_clear()
     try:
         lib, why = native.library("avx2")
-        assert lib is None and "failed on flash_fwd_cpu.cpp (avx2)" in why
+        assert lib is None and "failed on the CPU kernels (avx2)" in why
         assert not list((tmp_path / "cpu").glob("*.so"))
         monkeypatch.setenv("CXX", "no-such-compiler")
         native._library.cache_clear()
@@ -206,10 +279,14 @@ def test_the_widest_build_this_cpu_runs(monkeypatch):
         native._library.cache_clear()
 
 
-def test_float64_and_variants_keep_the_tiles(monkeypatch):
-    """The compiled kernel is float32: float64 calls never reach it."""
+def test_float64_keeps_the_tiles(monkeypatch):
+    """The compiled kernels are float32: float64 calls never reach them."""
     monkeypatch.setattr(native, "forward", lambda *a: pytest.fail("native.forward called"))
+    monkeypatch.setattr(native, "backward", lambda *a: pytest.fail("native.backward called"))
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, 1, 1, 1, 20, 20, 8, np.float64)
-    o = _backend().forward(q, k, v, causal=False, scale=0.3)[0]
+    o, lse = _backend().forward(q, k, v, causal=False, scale=0.3)
     np.testing.assert_allclose(o, R.naive_attention(q, k, v, scale=0.3), atol=1e-13)
+    dq, _, _ = _backend().backward(np.ones_like(q), q, k, v, o, lse, causal=False, scale=0.3)
+    ref = R.attention_backward(np.ones_like(q), q, k, v, o, lse, causal=False, scale=0.3)[0]
+    np.testing.assert_allclose(dq, ref, atol=1e-12)
