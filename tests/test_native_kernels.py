@@ -185,6 +185,24 @@ def test_backward_rows_that_see_no_key(isa, tiles_forbidden):
         np.testing.assert_allclose(g, ref, atol=2e-5)
 
 
+def test_backward_user_lse_minus_inf(isa, monkeypatch):
+    """An lse of −inf given for a row that sees keys (the tiles' rule: the row saw none)
+    stays in the kernel: P = 0 there, so the row adds nothing and its dq is 0, as the
+    tiles give it."""
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, 1, 1, 1, 50, 60, 16)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    tiles = _backend(native="off")
+    o, lse = tiles.forward(q, k, v, causal=False, scale=0.25)
+    lse[0, 0, 7] = -np.inf
+    want = tiles.backward(do, q, k, v, o, lse, causal=False, scale=0.25)
+    monkeypatch.setattr(bwd, "run_tasks", lambda *a: pytest.fail("the NumPy tiles ran"))
+    got = _backend(native=isa).backward(do, q, k, v, o, lse, causal=False, scale=0.25)
+    assert np.all(got[0][0, 0, 7] == 0)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_bits(causal, isa):
     """dK and dV rows are each one task's: the same bits for any worker count. dQ sums

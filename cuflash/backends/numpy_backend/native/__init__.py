@@ -192,11 +192,11 @@ def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
     Nk = k3.shape[1]
     f32 = np.float32
     q4, do, k3, v3 = (np.ascontiguousarray(x, dtype=f32) for x in (q4, do, k3, v3))
-    # L2 = lse·log2(e), +inf where lse = −inf (the row saw no key: P = 0); D = rowsum(dO ∘ O)
+    # L2 = lse·log2(e), +inf where lse = −inf (the row saw no key: P = 0, so that its dS
+    # is 0 whatever D is); D = rowsum(dO ∘ O)
     lse = np.asarray(lse, f32)
     L2 = np.where(lse == -np.inf, np.inf, lse * f32(np.log2(np.e))).astype(f32)
     D = np.einsum("...i,...i->...", do, o.astype(f32, copy=False), dtype=f32)
-    D[lse == -np.inf] = 0
     panels, rows = packed_sizes(lib, Nk, d)
     buf, (Kp, Vt, Kr) = CALL_BUFFERS.take(((BH, panels), f32), ((BH, panels), f32),
                                           ((BH, rows), f32))
