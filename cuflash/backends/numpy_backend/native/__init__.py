@@ -170,7 +170,7 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     return None if bad else (o, lse)
 
 
-KEYS = 192
+KEYS = 384
 """Keys per backward task (kBc in flash_bwd_cpu.cpp)."""
 
 
@@ -180,7 +180,7 @@ def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
     is not available or a gradient came out NaN or ±inf (inputs that are not finite, an
     lse that is not the forward's), for the NumPy backward to redo.
 
-    Each task is one K/V head's 192 keys, over every row that sees them (the NumPy
+    Each task is one K/V head's 384 keys, over every row that sees them (the NumPy
     backward's order). The tasks run in fixed lanes (`pool.lanes`), each lane adding
     its dQ terms into an accumulator of its own in task order, and the lanes' sums
     are added in lane order: the result depends on the inputs and the worker count
