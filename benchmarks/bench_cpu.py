@@ -1,8 +1,9 @@
 """CPU benchmark: cuflash's NumPy backend vs naive NumPy attention and PyTorch SDPA.
 
-cuflash's forward is the compiled kernel where this CPU and compiler allow it (its
-widest build, or the one `--native` names; the header says which), and then the NumPy
-tiles alone (`CpuConfig(native="off")`) are timed beside it as "tiles".
+cuflash's forward and backward are the compiled kernels where this CPU and compiler
+allow them (their widest build, or the one `--native` names; the header says which),
+and then the NumPy tiles alone (`CpuConfig(native="off")`) are timed beside them as
+"tiles".
 
 Validates first (against cuflash.reference on a small case, against PyTorch on the
 real case), then times. FLOPs follow FlashAttention's convention: forward
@@ -202,8 +203,9 @@ def main(argv=None):
           + (f", {args.settle} s idle before each call" if args.settle else ""))
     isa = native.best_isa() if args.native == "auto" else args.native
     lib, why = native.library(isa) if isa not in (None, "off") else (None, "--native off")
-    print(f"forward: the compiled kernel ({isa} build); \"tiles\": the NumPy tiles alone"
-          if lib else f"forward: the NumPy tiles (the compiled kernel is not available: {why})")
+    print(f"forward and backward: the compiled kernels ({isa} build); \"tiles\": the NumPy "
+          "tiles alone" if lib else
+          f"forward and backward: the NumPy tiles (the compiled kernels are not available: {why})")
     if not use_torch:
         print("PyTorch " + ("left out (--no-torch)" if torch is not None else
                             "is not installed (pip install torch)")
@@ -241,14 +243,18 @@ def main(argv=None):
                 fns["torch fwd"] = lambda: torch_forward(tq, tk, tv, causal)
             fns["cuflash bwd"] = lambda: BK.backward(do, q, k, v, o, lse, causal=causal,
                                                      scale=scale)
+            if lib is not None:
+                fns["tiles bwd"] = lambda: TILES.backward(do, q, k, v, o, lse, causal=causal,
+                                                          scale=scale)
             if use_torch:
                 fns["torch fwd+bwd"] = lambda: torch_forward_backward(tq, tk, tv, tdo, causal)
             if full:
                 o_n, P_n = naive_forward(q, k, v, causal, scale)
                 fns["naive bwd"] = lambda: naive_backward(do, q, k, v, o_n, P_n, scale)
             t = time_interleaved(fns, repeats, settle=args.settle)
-            for impl in ("cuflash", "naive") if full else ("cuflash",):
-                t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
+            for impl in ("cuflash", "tiles", "naive"):
+                if f"{impl} fwd" in t and f"{impl} bwd" in t:
+                    t[f"{impl} fwd+bwd"] = t[f"{impl} fwd"] + t[f"{impl} bwd"]
             for name, runs in t.items():
                 kind = name.split()[-1]
                 flops = attention_flops(B, H, N, N, d, causal=causal, pass_=kind)

@@ -273,10 +273,12 @@ def test_bench_cpu_names_its_files_and_machine(tmp_path):
     said = proc.stdout.splitlines()[1]
     tiles = [r for r in csv.DictReader(open(tmp_path / "bench_cpu_x.csv")) if r["impl"] == "tiles"]
     if native.library()[0] is not None:
-        assert said.startswith(f"forward: the compiled kernel ({native.best_isa()} build)")
-        assert [(r["pass"], r["causal"]) for r in tiles] == [("fwd", "False"), ("fwd", "True")]
+        assert said.startswith(f"forward and backward: the compiled kernels "
+                               f"({native.best_isa()} build)")
+        assert sorted((r["pass"], r["causal"]) for r in tiles) == [
+            (p, c) for p in ("bwd", "fwd", "fwd+bwd") for c in ("False", "True")]
     else:
-        assert said.startswith("forward: the NumPy tiles (") and not tiles
+        assert said.startswith("forward and backward: the NumPy tiles (") and not tiles
 
 
 def test_machine_names_capped_instruction_sets(monkeypatch):
