@@ -86,8 +86,8 @@ def cmd_info(args):
     lib, why = (None, "CpuConfig.native is 'off'") if isa == "off" else native.library(isa)
     print(f"  numpy     available (blocked FlashAttention-2 on the CPU, {config.workers} "
           f"workers, exponentials in base {config.base.name}: NumPy's fastest on this CPU; "
-          + (f"float32 forward: the compiled {isa} kernel)" if lib else
-             f"float32 forward: the NumPy tiles, as {why})"))
+          + (f"float32: the compiled {isa} kernels)" if lib else
+             f"float32: the NumPy tiles, as {why})"))
     from .emulator import availability
     ok, why = availability()  # g++ and the CUDA headers, found, not tried
     print(f"  emulator  {'available, ' if ok else 'unavailable: '}{why}")

@@ -33,13 +33,12 @@ def test_info_names_the_cpu_backends_exponential(capsys, monkeypatch):
         assert f"{workers} workers" in numpy_line
 
 
-def test_info_says_which_cpu_forward_runs(capsys, monkeypatch):
-    """The compiled kernel's build where it loads, else why the NumPy tiles run."""
+def test_info_says_which_cpu_kernels_run(capsys, monkeypatch):
+    """The compiled kernels' build where it loads, else why the NumPy tiles run."""
     from cuflash.backends.numpy_backend import native
     monkeypatch.setattr(native, "best_isa", lambda: "avx2")
-    for found, want in ((("a library", None), "float32 forward: the compiled avx2 kernel)"),
-                        ((None, "no C++ compiler"),
-                         "float32 forward: the NumPy tiles, as no C++ compiler)")):
+    for found, want in ((("a library", None), "float32: the compiled avx2 kernels)"),
+                        ((None, "no C++ compiler"), "float32: the NumPy tiles, as no C++ compiler)")):
         monkeypatch.setattr(native, "library", lambda isa, found=found: found)
         assert cli.main(["info"]) == 0
         numpy_line = next(line for line in capsys.readouterr().out.splitlines()

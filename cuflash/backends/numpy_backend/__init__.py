@@ -23,11 +23,11 @@ as is every tile with `CpuConfig(frozen_max=False)`. `algorithm="fa1"` runs FA1'
 loop order (K/V tiles outer, O, ℓ, m rescaled in memory every step); the backward is
 FA2's (K/V tiles outer, Q rows inner), with the seed equations' names.
 
-Plain float32 and 16-bit forwards run a compiled kernel first where the CPU and a
-C++ compiler allow it (native: the same FA2 loop in C++ with AVX-512 or AVX2, built
-on first use), the tiles above taking whatever it does not.
+Plain float32 and 16-bit forwards and backwards run compiled kernels first where the
+CPU and a C++ compiler allow it (native: the same FA2 loops in C++ with AVX-512 or
+AVX2, built on first use), the tiles above taking whatever they do not.
 
-Modules: config (CpuConfig, every setting), native (the compiled forward), expbase
+Modules: config (CpuConfig, every setting), native (the compiled kernels), expbase
 (exp or exp2, and its fast range), pool (the worker threads), schedule (which blocks
 a loop visits, the causal mask, tasks), arrays (views and scratch), forward and
 forward_tiles (FA2 forward), fa1, backward, softmax, variants (window, softcap, ALiBi,

@@ -63,12 +63,11 @@ class CpuConfig:
     one per usable core; more only take turns on the cores and hand the GIL over more
     often. The results depend on the inputs and this count only."""
     native: str = "auto"
-    """Plain forwards in float32 or 16-bit run the compiled kernel (`native`): "auto"
-    its widest build this CPU runs ("avx512", else "avx2"), or one by name; where it
-    cannot run (that instruction set missing, no C++ compiler) and with "off", the
-    NumPy tiles below, which float64, the variants and FA1 always use. On a 2-core
-    Zen 5, d = 64, N = 1024–8192: 0.45–0.57× PyTorch's CPU time, against 0.89–1.09×
-    for the NumPy tiles on OpenBLAS's AVX2 kernels."""
+    """Plain forwards and backwards in float32 or 16-bit run the compiled kernels
+    (`native`): "auto" their widest build this CPU runs ("avx512", else "avx2"), or one
+    by name; where they cannot run (that instruction set missing, no C++ compiler) and
+    with "off", the NumPy tiles below, which float64, the variants and FA1 always use.
+    benchmarks/README.md times both."""
     frozen_max: bool = True
     """Forward tiles try a frozen reference max first (3 passes per step instead of 5),
     falling back to the running max per tile; False runs the running max everywhere."""
