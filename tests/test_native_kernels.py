@@ -264,7 +264,8 @@ def test_not_available_goes_to_the_tiles(monkeypatch):
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):
-    """A compiler that fails leaves no library in the cache and says what it ran."""
+    """A compiler that fails leaves no library in the cache and says what it ran; a
+    cache that cannot be written, or no compiler, is said too."""
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "numpy_dispatch", lambda: (None, {"AVX2": True, "FMA3": True}))
     monkeypatch.setenv("CXX", "false")
@@ -273,6 +274,13 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
         lib, why = native.library("avx2")
         assert lib is None and "failed on the CPU kernels (avx2)" in why
         assert not list((tmp_path / "cpu").glob("*.so"))
+        monkeypatch.setenv("CXX", "g++")
+        blocked = tmp_path / "file"
+        blocked.write_text("")                   # the cache's folder cannot be made
+        monkeypatch.setenv("CUFLASH_CACHE_DIR", str(blocked))
+        native._library.cache_clear()
+        lib, why = native.library("avx2")
+        assert lib is None and why.startswith(f"could not build into {blocked / 'cpu'}: ")
         monkeypatch.setenv("CXX", "no-such-compiler")
         native._library.cache_clear()
         assert native.library() == (None, "no C++ compiler ('no-such-compiler' is not on PATH)")

@@ -84,16 +84,19 @@ def _library(isa):
     for part in (*flags, cxx, version):
         h.update(part.encode() + b"\0")
     cache = compiler.cache_dir("cpu")
-    cache.mkdir(parents=True, exist_ok=True)
     so = cache / f"flash_cpu_{isa}-{h.hexdigest()[:24]}.so"
     if not so.exists():
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / "lib.so"
-            r = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(out)],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                return None, f"{cxx} failed on the CPU kernels ({isa}):\n{r.stderr.strip()}"
-            os.replace(out, so)  # atomic: concurrent processes share the cache
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                out = Path(tmp) / "lib.so"
+                r = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(out)],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    return None, f"{cxx} failed on the CPU kernels ({isa}):\n{r.stderr.strip()}"
+                os.replace(out, so)  # atomic: concurrent processes share the cache
+        except OSError as e:  # a cache that cannot be written
+            return None, f"could not build into {cache}: {e}"
     try:
         lib = ctypes.CDLL(str(so))
     except OSError as e:  # e.g. a cache on a noexec mount

@@ -125,6 +125,12 @@ inline void gemm_rows(const float* A, long sai, long sat, const float* B, long l
     micro_chunk<kNv, Add>((cols - c) / W, A, sai, sat, B + c, ldb, n, C + c, ldc);
 }
 
+// Keys [0, keys_seen(r)) are the ones row r sees: all Nk, or causally (bottom-right
+// aligned, diag = Nk − Nq) those up to r + diag; ≤ 0 when it sees none.
+inline long keys_seen(long r, long Nk, long diag, bool causal) {
+  return causal ? std::min(Nk, r + 1 + diag) : Nk;
+}
+
 // x (N, d) as panels of kPanel rows, transposed: out[p / kPanel][t][j] = x[p + j][t],
 // rows ≥ N zero: B of a product over t < d whose columns are x's rows (S = Q Kᵀ).
 inline void pack_panels(const float* x, int N, int d, float* out) {

@@ -50,14 +50,15 @@ struct Scratch {
 };
 
 // Rows [r0, r0 + br) of one query head against the task's keys [c0, c0 + bc).
-// Row r sees key j when j < limit(r) (the forward's rule).
+// Row r sees key j when j < limit(r) (keys_seen).
 void step(const float* q, const float* dO, const float* L2, const float* D, const float* Kp,
           const float* Vt, const float* Kr, float* dq, int Nk, int d, int dp, int r0, int br,
           long c0, int bc, float c, bool causal, long diag, Scratch& w) {
   const int brp = (br + kMr - 1) / kMr * kMr, bcp = (bc + kPanel - 1) / kPanel * kPanel;
   const int bcm = (bcp + kMr - 1) / kMr * kMr;  // ≤ kBc: the keys dK_j and dV_j take
-  auto limit = [&](long r) { return causal ? std::min<long>(Nk, r + 1 + diag) : long(Nk); };
-  // Q_i and dO_i with their rows padded to dp (rows past br zero): B of dK_j and dV_j
+  auto limit = [&](long r) { return keys_seen(r, Nk, diag, causal); };
+  // Q_i and dO_i with their rows padded to dp (rows past br zero): A of S and dP, B of
+  // dK_j and dV_j
   for (int i = 0; i < brp; ++i)
     for (int t = 0; t < dp; ++t) {
       const bool in = i < br && t < d;
@@ -114,9 +115,9 @@ void step(const float* q, const float* dO, const float* L2, const float* D, cons
 
 extern "C" {
 
-// The keys [c0, c1) of one K/V head (c0 a multiple of 384, c1 − c0 ≤ 384): their dK and dV rows, whole, and
-// their terms of dQ for the G query heads, added to dq in row order. diag = Nk − Nq; c =
-// scale·log2(e). Only rows that see one of the keys are visited.
+// The keys [c0, c1) of one K/V head (c0 a multiple of 384, c1 − c0 ≤ 384): their dK and
+// dV rows, whole, and their terms of dQ for the G query heads, added to dq in row order.
+// diag = Nk − Nq; c = scale·log2(e). Only rows that see one of the keys are visited.
 void cuflash_backward_keys(const float* q, const float* dO, const float* L2, const float* D,
                            const float* Kp, const float* Vt, const float* Kr, float* dq, float* dk,
                            float* dv, int G, int Nq, int Nk, int d, int c0, int c1, float c,

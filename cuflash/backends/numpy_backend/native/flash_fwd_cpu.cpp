@@ -43,7 +43,7 @@ struct Scratch {
 };
 
 // One Q tile: rows [r0, r0 + br) of one query head, br ≤ kBr. Row r sees keys
-// j < limit(r) = min(Nk, r + 1 + diag) when causal (diag = Nk − Nq), else all Nk.
+// j < limit(r) (keys_seen, diag = Nk − Nq).
 // Returns the number of rows whose o or lse came out NaN or +inf.
 int tile(const float* q, const float* Kp, const float* Vp, float* o, float* lse, int Nk,
          int d, int dp, int r0, int br, float c, bool causal, long diag, Scratch& w) {
@@ -53,7 +53,7 @@ int tile(const float* q, const float* Kp, const float* Vp, float* o, float* lse,
     for (int t = 0; t < d; ++t) w.Q[i * d + t] = i < br ? c * q[size_t(r0 + i) * d + t] : 0.0f;
   std::memset(w.acc, 0, sizeof(float) * size_t(brp) * dp);
   for (int i = 0; i < brp; ++i) w.m[i] = kNegInf, w.l[i] = 0.0f;
-  auto limit = [&](long r) { return causal ? std::min<long>(Nk, r + 1 + diag) : long(Nk); };
+  auto limit = [&](long r) { return keys_seen(r, Nk, diag, causal); };
   const long last = limit(r0 + br - 1);  // the tile's last row sees the most keys
   for (long c0 = 0; c0 < last; c0 += kBc) {
     const int bc = int(std::min<long>(kBc, last - c0));
