@@ -120,6 +120,7 @@ def _library(isa):
     lib.cuflash_forward_rows.restype = _i
     lib.cuflash_backward_keys.argtypes = [_p] * 10 + [_i] * 6 + [ctypes.c_float] * 2 + [_i]
     lib.cuflash_backward_keys.restype = None
+    lib.cuflash_backward_task_keys.restype = _i
     return lib, None
 
 
@@ -184,18 +185,14 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     return None if bad else (o, lse)
 
 
-KEYS = 384
-"""Keys per backward task (kBc in flash_bwd_cpu.cpp)."""
-
-
 def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
     """dq (BH, G, Nq, d), dk, dv (BH, Nk, d), float32, from q4, do, o (BH, G, Nq, d),
     k3, v3 (BH, Nk, d) and lse (BH, G, Nq) of any float dtype; None when the library
     is not available or a gradient came out NaN or ±inf (inputs that are not finite, an
     lse that is not the forward's), for the NumPy backward to redo.
 
-    Each task is one K/V head's 384 keys, over every row that sees them (the NumPy
-    backward's order). The tasks run in fixed lanes (`pool.lanes`), each lane adding
+    Each task is one K/V tile of a head (384 keys: `cuflash_backward_task_keys`), over
+    every row that sees it (the NumPy backward's order). The tasks run in fixed lanes (`pool.lanes`), each lane adding
     its dQ terms into an accumulator of its own in task order, and the lanes' sums
     are added in lane order: the result depends on the inputs and the worker count
     only."""
@@ -231,7 +228,8 @@ def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
     def rows_seeing(c0):  # causal: row r sees key c0 from r = c0 − diag on
         return Nq - min(Nq, max(0, c0 - diag)) if causal else Nq
 
-    tasks = [(h, c0, min(c0 + KEYS, Nk)) for c0 in range(0, Nk, KEYS) for h in range(BH)]
+    keys = lib.cuflash_backward_task_keys()
+    tasks = [(h, c0, min(c0 + keys, Nk)) for c0 in range(0, Nk, keys) for h in range(BH)]
 
     def run_lane(lane):
         dq = np.zeros((BH, G, Nq, d), f32)

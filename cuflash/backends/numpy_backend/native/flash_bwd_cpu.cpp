@@ -115,7 +115,10 @@ void step(const float* q, const float* dO, const float* L2, const float* D, cons
 
 extern "C" {
 
-// The keys [c0, c1) of one K/V head (c0 a multiple of 384, c1 − c0 ≤ 384): their dK and
+// Keys per task at most (the tiles' size).
+int cuflash_backward_task_keys() { return kBc; }
+
+// The keys [c0, c1) of one K/V head (c1 − c0 ≤ cuflash_backward_task_keys()): their dK and
 // dV rows, whole, and their terms of dQ for the G query heads, added to dq in row order.
 // diag = Nk − Nq; c = scale·log2(e). Only rows that see one of the keys are visited.
 void cuflash_backward_keys(const float* q, const float* dO, const float* L2, const float* D,
