@@ -2,7 +2,6 @@
 float64 reference, the same bits whatever the tasks (the forward) or for the same worker
 count (the backward), and the NumPy tiles taking over what they cannot do."""
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -12,8 +11,8 @@ from cuflash._dtypes import BFLOAT16
 from cuflash.backends import numpy_backend as nb
 from cuflash.backends.numpy_backend import backward as bwd, forward as fwd, native
 from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG
-from conftest import assert_close_to_reference, plain_attention, plain_backward
-from test_numpy_backend import CASES as TILE_CASES
+from conftest import assert_close_to_reference, plain_attention
+from test_numpy_backend import CASES as TILE_CASES, check_against_reference
 
 
 
@@ -59,27 +58,7 @@ def tiles_forbidden(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_vs_reference(dtype, causal, isa, tiles_forbidden):
-    bk = _backend(workers=2, native=isa)
-    rng = np.random.default_rng(0)
-    for B, hq, hkv, Nq, Nk, d in CASES:
-        q, k, v = _qkv(rng, B, hq, hkv, Nq, Nk, d, dtype)
-        scale = 1 / math.sqrt(d)
-        o_ref, lse_ref = R.naive_attention(q, k, v, causal=causal, return_lse=True)
-        o, lse = bk.forward(q, k, v, causal=causal, scale=scale)
-        assert o.dtype == dtype and o.shape == q.shape
-        assert lse.dtype == np.float32 and lse.shape == q.shape[:3]
-        case = f"{dtype} {(B, hq, hkv, Nq, Nk, d)}"
-        o_plain, _ = plain_attention(q, k, v, causal=causal, scale=scale, dtype=dtype)
-        assert_close_to_reference(o, o_ref, o_plain, dtype, what="o " + case)
-        assert_close_to_reference(lse, lse_ref, None, np.float32, what="lse " + case)
-
-        do = rng.standard_normal(q.shape).astype(dtype)
-        grads = bk.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
-        refs = R.attention_backward(do, q, k, v, o, lse, causal=causal)
-        plains = plain_backward(do, q, k, v, o, lse, causal=causal, scale=scale, dtype=dtype)
-        for name, g, x, ref, plain in zip("qkv", grads, (q, k, v), refs, plains):
-            assert g.dtype == dtype and g.shape == x.shape
-            assert_close_to_reference(g, ref, plain, dtype, factor=3.0, what=f"d{name} " + case)
+    check_against_reference(_backend(workers=2, native=isa), dtype, causal, CASES)
 
 
 @pytest.mark.parametrize("causal", [False, True])

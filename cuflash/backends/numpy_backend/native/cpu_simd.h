@@ -125,6 +125,32 @@ inline void gemm_rows(const float* A, long sai, long sat, const float* B, long l
     micro_chunk<kNv, Add>((cols - c) / W, A, sai, sat, B + c, ldb, n, C + c, ldc);
 }
 
+// A thread's scratch: 64-byte-aligned floats kept between calls (fresh pages cost a
+// fault each), grown when a call needs more. take(n) hands out the next n floats of
+// what fit() made room for, each block starting on a 64-byte boundary.
+class Arena {
+ public:
+  void fit(size_t n) {
+    if (n > size_) {
+      std::free(mem_);
+      mem_ = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+      size_ = n;
+    }
+    used_ = 0;
+  }
+  float* take(size_t n) {
+    float* p = mem_ + used_;
+    used_ += (n + 15) / 16 * 16;
+    return p;
+  }
+  static size_t room(size_t n) { return (n + 15) / 16 * 16; }  // what take(n) uses
+  ~Arena() { std::free(mem_); }
+
+ private:
+  float* mem_ = nullptr;
+  size_t size_ = 0, used_ = 0;
+};
+
 // Keys [0, keys_seen(r)) are the ones row r sees: all Nk, or causally (bottom-right
 // aligned, diag = Nk − Nq) those up to r + diag; ≤ 0 when it sees none.
 inline long keys_seen(long r, long Nk, long diag, bool causal) {

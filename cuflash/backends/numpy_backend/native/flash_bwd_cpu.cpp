@@ -25,28 +25,17 @@ constexpr int kBc = 384;  // keys of a K/V tile: a multiple of kPanel (dP, S) an
                           // (dK, dV: the keys are their products' rows); 384 took 8% less
                           // than 192 at N = 1024–4096, and than 576 causal
 
-// A task's tiles, 64-byte aligned, kept per thread (see the forward's).
+// A task's tiles, in the thread's arena.
 struct Scratch {
   float *Q, *dO, *P, *dS, *dQ, *dK, *dV;
-  void* mem = nullptr;
-  size_t size = 0;
+  Arena arena;
   void fit(int dp) {
     const size_t rows = size_t(kBr) * dp, tile = size_t(kBr) * kBc, keys = size_t(kBc) * dp;
-    const size_t n = 3 * rows + 2 * tile + 2 * keys;
-    if (n > size) {
-      std::free(mem);
-      mem = std::aligned_alloc(64, (n + 15) / 16 * 16 * sizeof(float));
-      size = n;
-    }
-    Q = static_cast<float*>(mem);
-    dO = Q + rows;
-    dQ = dO + rows;
-    P = dQ + rows;
-    dS = P + tile;
-    dK = dS + tile;
-    dV = dK + keys;
+    arena.fit(3 * Arena::room(rows) + 2 * Arena::room(tile) + 2 * Arena::room(keys));
+    Q = arena.take(rows), dO = arena.take(rows), dQ = arena.take(rows);
+    P = arena.take(tile), dS = arena.take(tile);
+    dK = arena.take(keys), dV = arena.take(keys);
   }
-  ~Scratch() { std::free(mem); }
 };
 
 // Rows [r0, r0 + br) of one query head against the task's keys [c0, c0 + bc).

@@ -19,27 +19,16 @@ constexpr int kBr = 96;   // rows of a Q tile
 constexpr int kBc = 512;  // keys of a K/V tile (a multiple of kPanel): 512 took 3–4% less
                           // than 256 at N = 4096, as much as 1024
 
-// One Q tile's state, 64-byte aligned: kept per thread between calls (fresh pages
-// cost a fault each), grown when a call needs more.
+// One Q tile's state, in the thread's arena.
 struct Scratch {
   float *Q, *S, *acc, *m, *l;
-  void* mem = nullptr;
-  size_t size = 0;
+  Arena arena;
   void fit(int d, int dp) {
-    const size_t q = (size_t(kBr) * d + 15) / 16 * 16, s = size_t(kBr) * kBc,
-                 a = size_t(kBr) * dp, n = q + s + a + 2 * kBr;
-    if (n > size) {
-      std::free(mem);
-      mem = std::aligned_alloc(64, (n + 15) / 16 * 16 * sizeof(float));
-      size = n;
-    }
-    Q = static_cast<float*>(mem);
-    S = Q + q;
-    acc = S + s;
-    m = acc + a;
-    l = m + kBr;
+    const size_t q = size_t(kBr) * d, s = size_t(kBr) * kBc, a = size_t(kBr) * dp;
+    arena.fit(Arena::room(q) + Arena::room(s) + Arena::room(a) + 2 * Arena::room(kBr));
+    Q = arena.take(q), S = arena.take(s), acc = arena.take(a);
+    m = arena.take(kBr), l = arena.take(kBr);
   }
-  ~Scratch() { std::free(mem); }
 };
 
 // One Q tile: rows [r0, r0 + br) of one query head, br ≤ kBr. Row r sees keys
