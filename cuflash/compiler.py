@@ -8,11 +8,28 @@ import functools
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 
 # The architectures the compile gate proves every specialization for.
 GATE_ARCHS = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+
+
+def host_cxx(*env_vars):
+    """The host C++ compiler (the emulator's and the CPU kernels'): the first of
+    `env_vars`, then $CXX, that is set, else g++. Returns (that name, its path on PATH
+    or None)."""
+    name = next((os.environ[v] for v in (*env_vars, "CXX") if os.environ.get(v)), "g++")
+    return name, shutil.which(name)
+
+
+@functools.cache
+def host_cxx_version(path):
+    """First line of `path --version` (part of every cache key)."""
+    out = subprocess.run([path, "--version"], capture_output=True, text=True)
+    return out.stdout.splitlines()[0] if out.stdout else "?"
 
 
 @functools.cache

@@ -2,32 +2,23 @@
 NVRTC option list means to it."""
 from __future__ import annotations
 
-import functools
-import os
-import shutil
-import subprocess
 from typing import NamedTuple
 
+from .. import compiler
 from ._errors import EmulatorError
+
+cxx_version = compiler.host_cxx_version  # first line of `cxx --version`
 
 
 def cxx() -> str:
     """Path of the C++ compiler: $CUFLASH_EMULATOR_CXX, else $CXX, else g++."""
-    name = os.environ.get("CUFLASH_EMULATOR_CXX") or os.environ.get("CXX") or "g++"
-    path = shutil.which(name)
+    name, path = compiler.host_cxx("CUFLASH_EMULATOR_CXX")
     if path is None:
         raise EmulatorError(
             f"the CUDA emulator needs a C++ compiler, but {name!r} was not found on PATH. "
             "Install g++ (e.g. `apt-get install g++` or `conda install gxx_linux-64`), "
             "or point CUFLASH_EMULATOR_CXX at one.")
     return path
-
-
-@functools.cache
-def cxx_version(path: str) -> str:
-    """First line of `path --version` (part of every cache key)."""
-    out = subprocess.run([path, "--version"], capture_output=True, text=True)
-    return out.stdout.splitlines()[0] if out.stdout else "?"
 
 
 class Options(NamedTuple):

@@ -19,7 +19,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -79,18 +78,17 @@ def _library(isa):
     missing = [f for f in needs if not features.get(f)]
     if missing:
         return None, f"this CPU has no {' or '.join(missing)} (needed by {isa})"
-    cxx = shutil.which(os.environ.get("CXX") or "g++")
+    name, cxx = compiler.host_cxx()
     if cxx is None:
-        return None, f"no C++ compiler ({os.environ.get('CXX') or 'g++'!r} is not on PATH)"
+        return None, f"no C++ compiler ({name!r} is not on PATH)"
     missing = [f.name for f in SOURCES + HEADERS if not f.is_file()]
     if missing:
         return None, f"the kernel sources {', '.join(missing)} are missing from {HERE}"
     flags = (*FLAGS, *isa_flags)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
     for f in SOURCES + HEADERS:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    for part in (*flags, cxx, version):
+    for part in (*flags, cxx, compiler.host_cxx_version(cxx)):
         h.update(part.encode() + b"\0")
     cache = compiler.cache_dir("cpu")
     so = cache / f"flash_cpu_{isa}-{h.hexdigest()[:24]}.so"
