@@ -60,7 +60,7 @@ try:
 except ImportError:  # the benchmark runs without PyTorch, minus its columns
     torch = None
 
-BK = nb.BACKEND  # main() sets the build of the compiled forward (--native)
+BK = nb.BACKEND  # main() sets the build of the compiled kernels (--native)
 TILES = nb.NumpyBackend(dataclasses.replace(nb.DEFAULT_CONFIG, native="off"))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETTLE_S = 0.0    # idle pause before every timed call (see time_interleaved)
@@ -182,7 +182,7 @@ def main(argv=None):
     ap.add_argument("--settle", type=float, default=SETTLE_S,
                     help="seconds idle before every timed call (default 0)")
     ap.add_argument("--native", default="auto", choices=native.CHOICES,
-                    help="the compiled forward's build (CpuConfig.native; default auto)")
+                    help="the compiled kernels' build (CpuConfig.native; default auto)")
     ap.add_argument("--tag", default="", help="suffix of the CSV and PNG names")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
@@ -201,10 +201,9 @@ def main(argv=None):
              f"{torch.backends.cpu.get_cpu_capability()})" if use_torch else "")
           + (f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "")
           + (f", {args.settle} s idle before each call" if args.settle else ""))
-    isa = native.best_isa() if args.native == "auto" else args.native
-    lib, why = native.library(isa) if isa not in (None, "off") else (None, "--native off")
-    print(f"forward and backward: the compiled kernels ({isa} build); \"tiles\": the NumPy "
-          "tiles alone" if lib else
+    lib, why = native.library(args.native)
+    print(f"forward and backward: the compiled kernels ({native.build(args.native)} build); "
+          "\"tiles\": the NumPy tiles alone" if lib else
           f"forward and backward: the NumPy tiles (the compiled kernels are not available: {why})")
     if not use_torch:
         print("PyTorch " + ("left out (--no-torch)" if torch is not None else

@@ -52,8 +52,8 @@ def machine():
 
 def exp_speed():
     """ns per float32 of NumPy's exp2 and exp in this process, e.g. "exp2 0.20 ns, exp
-    0.31 ns": the backend's one elementwise pass over every score tile runs one of them
-    (CpuConfig.base). On one Zen 5 virtual machine, NumPy 2.4's AVX-512 float32 exp2 ran
+    0.31 ns": the NumPy tiles' one elementwise pass over every score tile runs one of
+    them (CpuConfig.base); the compiled kernels have their own. On one Zen 5 virtual machine, NumPy 2.4's AVX-512 float32 exp2 ran
     at 0.18 ns in most processes and at 0.6 ns in 14 of 58: in the 6 of those where it
     was printed, the ones whose _multiarray_umath code was loaded at an address ≡ 0xc2b000
     mod 16 MiB (in none of 20 with address randomisation off); exp ran at 0.32 ns in all.

@@ -82,11 +82,10 @@ def cmd_info(args):
     from .backends import numpy_backend
     from .backends.numpy_backend import native
     config = numpy_backend.BACKEND.config
-    isa = native.best_isa() if config.native == "auto" else config.native
-    lib, why = (None, "CpuConfig.native is 'off'") if isa == "off" else native.library(isa)
+    lib, why = native.library(config.native)
     print(f"  numpy     available (blocked FlashAttention-2 on the CPU, {config.workers} "
           f"workers, exponentials in base {config.base.name}: NumPy's fastest on this CPU; "
-          + (f"float32: the compiled {isa} kernels)" if lib else
+          + (f"float32: the compiled {native.build(config.native)} kernels)" if lib else
              f"float32: the NumPy tiles, as {why})"))
     from .emulator import availability
     ok, why = availability()  # g++ and the CUDA headers, found, not tried

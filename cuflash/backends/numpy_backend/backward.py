@@ -35,9 +35,9 @@ def backward(do, q, k, v, o, lse, causal, scale, config):
     workers = config.workers
     do4, o4 = (x.reshape(BH, G, Nq, d) for x in (do, o))
     L = lse.reshape(BH, G, Nq)
-    if config.native != "off" and acc_t == np.float32:
+    if acc_t == np.float32:
         done = native.backward(do4, q4, k3, v3, o4, L, causal, scale, workers, config.native)
-        if done is not None:  # else: not available here, or a gradient to redo (see native)
+        if done is not None:  # else: off, not available here, or a gradient to redo (native)
             dq, dk, dv = done
             return (dq.reshape(B, Hq, Nq, d).astype(q.dtype, copy=False),
                     dk.reshape(B, Hkv, Nk, d).astype(k.dtype, copy=False),

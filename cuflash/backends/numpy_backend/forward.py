@@ -91,9 +91,9 @@ def forward(q, k, v, causal, scale, config):
     B, Hq, Nq, d, Hkv, Nk, G, BH, q4, k3, v3 = grouped_heads(q, k, v)
     acc_t = accum_dtype(q.dtype)
     workers, frozen_max = config.workers, config.frozen_max
-    if config.native != "off" and acc_t == np.float32:
+    if acc_t == np.float32:
         done = native.forward(q4, k3, v3, causal, scale, workers, config.native)
-        if done is not None:  # else: not available here, or a row to redo (see native)
+        if done is not None:  # else: off, not available here, or a row to redo (see native)
             o4, lse3 = done
             return (o4.reshape(B, Hq, Nq, d).astype(q.dtype, copy=False),
                     lse3.reshape(B, Hq, Nq))

@@ -63,9 +63,17 @@ def best_isa():
                  if all(features.get(f) for f in needs)), None)
 
 
-def library(isa="auto"):
-    """(the loaded library of `isa`, None) or (None, why it is not available)."""
-    isa = best_isa() if isa == "auto" else isa
+def build(native):
+    """The build a CpuConfig.native setting asks for: `best_isa()` for "auto"."""
+    return best_isa() if native == "auto" else native
+
+
+def library(native="auto"):
+    """(the loaded library of the build `native` asks for, None) or (None, why there is
+    none)."""
+    isa = build(native)
+    if isa == "off":
+        return None, "CpuConfig.native is 'off'"
     if isa is None:
         return None, "this CPU has neither AVX-512F nor AVX2 with FMA"
     return _library(isa)
@@ -135,7 +143,7 @@ TASK_ROWS = 384
 calls, whose bottom rows see the most keys, spread evenly over the threads."""
 
 
-def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
+def forward(q4, k3, v3, causal, scale, workers, native="auto"):
     """o (BH, G, Nq, d) and lse (BH, G, Nq), float32, from q4 (BH, G, Nq, d) and
     k3, v3 (BH, Nk, d) of any float dtype (widened to float32); None when the
     library is not available or some row came out NaN or +inf — inputs that are not
@@ -143,7 +151,7 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     with its handling of those. A row's result does not depend on the tasks: its key
     tiles start at key 0 in steps of 512 whichever rows share its tile, and a key
     tile wholly hidden from it adds exact zeros."""
-    lib, _ = library(isa)
+    lib, _ = library(native)
     if lib is None:
         return None
     BH, G, Nq, d = q4.shape
@@ -183,7 +191,7 @@ def forward(q4, k3, v3, causal, scale, workers, isa="auto"):
     return None if bad else (o, lse)
 
 
-def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
+def backward(do, q4, k3, v3, o, lse, causal, scale, workers, native="auto"):
     """dq (BH, G, Nq, d), dk, dv (BH, Nk, d), float32, from q4, do, o (BH, G, Nq, d),
     k3, v3 (BH, Nk, d) and lse (BH, G, Nq) of any float dtype; None when the library
     is not available or a gradient came out NaN or ±inf (inputs that are not finite, an
@@ -194,7 +202,7 @@ def backward(do, q4, k3, v3, o, lse, causal, scale, workers, isa="auto"):
     its dQ terms into an accumulator of its own in task order, and the lanes' sums
     are added in lane order: the result depends on the inputs and the worker count
     only."""
-    lib, _ = library(isa)
+    lib, _ = library(native)
     if lib is None:
         return None
     BH, G, Nq, d = q4.shape
