@@ -14,6 +14,14 @@ from cuflash.backends.numpy_backend.config import DEFAULT_CONFIG
 from conftest import assert_close_to_reference, plain_attention
 from test_numpy_backend import CASES as TILE_CASES, check_against_reference
 
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 is not None else [])
+
+CASES = TILE_CASES + [  # tiles of 96 rows, 512 keys; panels of 64 (AVX2: 16) keys
+    (1, 2, 1, 500, 700, 80),      # PV columns 64 + 16 (padded from 80)
+    (1, 1, 1, 300, 530, 128),
+    (1, 1, 1, 97, 300, 256),
+    (1, 2, 2, 40, 257, 17),
+]
 
 
 @pytest.fixture(params=list(native.ISAS))
@@ -23,15 +31,6 @@ def isa(request):
     if lib is None:
         pytest.skip(f"the {request.param} build is not available: {why}")
     return request.param
-
-DTYPES = [np.dtype(np.float32), np.dtype(np.float16)] + ([BFLOAT16] if BFLOAT16 is not None else [])
-
-CASES = TILE_CASES + [  # tiles of 96 rows, 512 keys; panels of 64 (AVX2: 16) keys
-    (1, 2, 1, 500, 700, 80),      # PV columns 64 + 16 (padded from 80)
-    (1, 1, 1, 300, 530, 128),
-    (1, 1, 1, 97, 300, 256),
-    (1, 2, 2, 40, 257, 17),
-]
 
 
 def _backend(**settings):

@@ -31,7 +31,7 @@ SMALL_TILES = dataclasses.replace(  # modest sizes walk through many Q and K/V t
     bwd_diag=7,     # 24 = 7 + 7 + 7 + 3
     tile_budget=16 * 24 * 2 * 8 * 64, bwd_tile_budget=16 * 24 * 2,   # 2 heads up to d = 64
     max_sample=5,   # the frozen max from part of a tile
-    native="off")   # the NumPy tiles (tests/test_native_forward.py: the compiled kernel)
+    native="off")   # the NumPy tiles (tests/test_native_kernels.py: the compiled kernels)
 
 
 def _backend(config=SMALL_TILES, **settings):
@@ -551,7 +551,6 @@ def test_concurrent_calls(causal):
             np.testing.assert_array_equal(a, b)
 
 
-
 # ---------------------------------------------------------------- the pool and BLAS
 def _blas_threads():
     from threadpoolctl import threadpool_info
@@ -608,7 +607,6 @@ def test_blas_count_restored_after_concurrent_calls_and_errors():
         assert set(_blas_threads()) == {3}
 
 
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_blas_count_restored_in_a_child_forked_during_a_call():
@@ -627,6 +625,7 @@ def test_blas_count_restored_in_a_child_forked_during_a_call():
             _, status = os.waitpid(pid, 0)
             assert set(_blas_threads()) == {1}              # the parent's call goes on
         assert os.waitstatus_to_exitcode(status) == 0
+
 
 def test_run_tasks_returns_after_every_task():
     """Results in task order, each task run once; a task that raises stops the others
@@ -652,7 +651,6 @@ def test_run_tasks_returns_after_every_task():
     with pytest.raises(ValueError, match="planted"):
         pool.run_tasks(task, range(50), 2)
     assert len(ended) == 1 and ended[0] < 2
-
 
 
 def test_once_per_head_range():
